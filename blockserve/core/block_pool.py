@@ -1,0 +1,252 @@
+"""The block pool: every physical KV block, its reference count, and the prefix-cache map.
+
+Owns allocation (with lazy eviction of cached blocks), reference counting, the hash→block map
+and the KV events those changes produce. Must not know about scheduling or request text; it sees
+a request only through `CacheableRequest` when registering its full blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Protocol
+
+from blockserve.core.events import KVEvent, KVEventRecorder
+from blockserve.core.free_queue import FreeBlockQueue, KVCacheBlock
+from blockserve.core.hashing import BlockHash
+from blockserve.errors import InvalidConfigError, NoFreeBlocksError
+
+
+class CacheableRequest(Protocol):
+    """What the pool reads from a request when it registers the request's full blocks."""
+
+    @property
+    def block_hashes(self) -> Sequence[BlockHash]: ...
+
+    @property
+    def all_token_ids(self) -> Sequence[int]: ...
+
+    @property
+    def lora_name(self) -> str | None: ...
+
+
+class BlockHashToBlockMap:
+    """The prefix-cache index: block hash → the physical block(s) holding that content.
+
+    One hash can map to several physical blocks: a block recomputed because the last prompt
+    token is never a hit is cached again under the same hash. The common single-block case is
+    stored without an inner dict.
+    """
+
+    __slots__ = ("_map",)
+
+    def __init__(self) -> None:
+        self._map: dict[BlockHash, KVCacheBlock | dict[int, KVCacheBlock]] = {}
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+    def __contains__(self, block_hash: object) -> bool:
+        return block_hash in self._map
+
+    def get_one_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        """A block holding `block_hash`, or None when the hash is not cached."""
+        entry = self._map.get(block_hash)
+        if entry is None or isinstance(entry, KVCacheBlock):
+            return entry
+        return next(iter(entry.values()))
+
+    def insert(self, block_hash: BlockHash, block: KVCacheBlock) -> None:
+        entry = self._map.get(block_hash)
+        if entry is None:
+            self._map[block_hash] = block
+        elif isinstance(entry, KVCacheBlock):
+            self._map[block_hash] = {entry.block_id: entry, block.block_id: block}
+        else:
+            entry[block.block_id] = block
+
+    def pop(self, block_hash: BlockHash, block_id: int) -> bool:
+        """Unmap one block; True when no block holds `block_hash` any more."""
+        entry = self._map[block_hash]
+        if isinstance(entry, KVCacheBlock):
+            assert entry.block_id == block_id, "hash map entry points at another block"
+            del self._map[block_hash]
+            return True
+        del entry[block_id]
+        if len(entry) == 1:
+            self._map[block_hash] = next(iter(entry.values()))
+        return False
+
+    def clear(self) -> None:
+        self._map.clear()
+
+    def items(self) -> Iterator[tuple[BlockHash, KVCacheBlock]]:
+        """Every (hash, block) pair, one per physical block."""
+        for block_hash, entry in self._map.items():
+            if isinstance(entry, KVCacheBlock):
+                yield block_hash, entry
+            else:
+                for block in entry.values():
+                    yield block_hash, block
+
+    def hashes(self) -> set[BlockHash]:
+        """The set of cached hashes."""
+        return set(self._map)
+
+
+class BlockPool:
+    """All KV blocks of one cache, handed out and taken back by reference count.
+
+    Invariants:
+    - Block 0 is the null block: never handed out, freed, cached or evicted, so N blocks give
+      N-1 usable ones.
+    - A block is in the free queue exactly when its `ref_cnt` is 0.
+    - Every hash-map entry points at a block carrying that hash, and every hashed block is in
+      the map. Free blocks keep their hash (they are cache entries) until handed out again:
+      eviction is lazy and emits `BlockRemoved` when the last block of a hash goes.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        events: KVEventRecorder | None = None,
+    ) -> None:
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 2:
+            raise InvalidConfigError(f"num_blocks must be an integer >= 2, got {num_blocks!r}")
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
+            raise InvalidConfigError(f"block_size must be a positive integer, got {block_size!r}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.events = events
+        self.blocks = [KVCacheBlock(block_id=i) for i in range(num_blocks)]
+        self.free_block_queue = FreeBlockQueue(self.blocks)
+        self.null_block = self.free_block_queue.popleft()
+        self.null_block.is_null = True
+        self.cached_block_hash_to_block = BlockHashToBlockMap()
+        self.num_evictions = 0  # cached blocks handed out again (their hash dropped)
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with no holder, cached ones included (they can be evicted at any time)."""
+        return self.free_block_queue.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable blocks held by requests: `1 - free / (N - 1)`."""
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        """A block caching `block_hash`, or None; changes nothing (see `touch`)."""
+        return self.cached_block_hash_to_block.get_one_block(block_hash)
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Take `num_blocks` blocks from the head of the free queue, each with `ref_cnt = 1`.
+
+        A cached block taken here is evicted: its hash is dropped from the map (emitting
+        `BlockRemoved` when no other block holds that hash). Raises `NoFreeBlocksError`, with
+        nothing changed, when fewer blocks are free.
+        """
+        if num_blocks > self.free_block_queue.num_free_blocks:
+            raise NoFreeBlocksError(
+                f"asked for {num_blocks} blocks, {self.free_block_queue.num_free_blocks} free"
+            )
+        blocks = self.free_block_queue.popleft_n(num_blocks)
+        for block in blocks:
+            assert block.ref_cnt == 0, f"free block {block.block_id} is held"
+            if block.block_hash is not None:
+                self._evict(block)
+            block.ref_cnt = 1
+        return blocks
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        block_hash = block.block_hash
+        assert block_hash is not None
+        block.block_hash = None
+        self.num_evictions += 1
+        hash_gone = self.cached_block_hash_to_block.pop(block_hash, block.block_id)
+        if hash_gone and self.events is not None:
+            self.events.block_removed(block_hash)
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference on each block (a prefix hit); free ones leave the free queue."""
+        queue = self.free_block_queue
+        for block in blocks:
+            if block.is_null:
+                continue
+            if block.ref_cnt == 0:
+                queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference on each block; blocks reaching 0 return to the free queue.
+
+        Unhashed blocks (which cache nothing) go to the head, to be reused first; hashed blocks
+        go to the tail, in the order given, so callers pass a request's blocks tail-first and
+        its deepest block is evicted first.
+        """
+        unhashed: list[KVCacheBlock] = []
+        hashed: list[KVCacheBlock] = []
+        for block in ordered_blocks:
+            if block.is_null:
+                continue
+            block.ref_cnt -= 1
+            assert block.ref_cnt >= 0, f"block {block.block_id} freed more often than held"
+            if block.ref_cnt == 0:
+                (unhashed if block.block_hash is None else hashed).append(block)
+        if unhashed:
+            self.free_block_queue.prepend_n(unhashed)
+        if hashed:
+            self.free_block_queue.append_n(hashed)
+
+    def cache_full_blocks(
+        self,
+        request: CacheableRequest,
+        blocks: Sequence[KVCacheBlock],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+    ) -> None:
+        """Register `blocks[num_cached_blocks:num_full_blocks]` under the request's hashes.
+
+        The blocks must not be cached yet. Emits one `BlockStored` covering them, whose parent
+        is the hash of block `num_cached_blocks - 1` (None for block 0).
+        """
+        if not self.enable_caching or num_full_blocks <= num_cached_blocks:
+            return
+        block_hashes = request.block_hashes
+        assert len(block_hashes) >= num_full_blocks, "request hashes lag behind its tokens"
+        new_hashes = block_hashes[num_cached_blocks:num_full_blocks]
+        cache_map = self.cached_block_hash_to_block
+        new_blocks = blocks[num_cached_blocks:num_full_blocks]
+        for block, block_hash in zip(new_blocks, new_hashes, strict=True):
+            assert block.block_hash is None, f"block {block.block_id} is already cached"
+            block.block_hash = block_hash
+            cache_map.insert(block_hash, block)
+        if self.events is not None:
+            size = self.block_size
+            parent = block_hashes[num_cached_blocks - 1] if num_cached_blocks else None
+            token_ids = request.all_token_ids[num_cached_blocks * size : num_full_blocks * size]
+            self.events.block_stored(new_hashes, parent, list(token_ids), size, request.lora_name)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; False, with nothing changed, while any block is held.
+
+        On success emits `AllBlocksCleared`, and the next request gets no hits.
+        """
+        if self.num_free_blocks != self.num_usable_blocks:
+            return False
+        self.cached_block_hash_to_block.clear()
+        for block in self.blocks:
+            block.block_hash = None
+        if self.events is not None:
+            self.events.all_blocks_cleared()
+        return True
+
+    def take_events(self) -> list[KVEvent]:
+        """Drain the events emitted since the last call (empty when events are off)."""
+        return self.events.take() if self.events is not None else []

@@ -1,0 +1,150 @@
+"""KV cache events on vLLM's wire format, and the recorder the block pool emits them into.
+
+Owns the msgspec structs (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`, `KVEventBatch`)
+and `KVEventRecorder`. Decides nothing about when events happen (the block pool does) or how
+they travel (blockserve/events/ publishes them).
+
+Wire format (msgpack): a batch is an array `[ts, [event, ...], data_parallel_rank]`; each event
+is a map tagged by class name, `{"type": "BlockStored", "block_hashes": [...], ...}`, with
+fields at their default omitted. Hashes travel as uint64 ints by default (the last 8 bytes of
+the digest, big-endian) or as the raw digest bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import msgspec
+
+from blockserve.core.hashing import BlockHash, block_hash_to_uint64
+from blockserve.errors import InvalidConfigError
+
+ExternalBlockHash = int | bytes
+MEDIUM_GPU = "GPU"
+"""vLLM's medium name for the primary KV tier (used on every device, as vLLM does)."""
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A timestamped batch of events, encoded as an array."""
+
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """Base of the KV cache events: encoded as maps with `"type": <class name>`."""
+
+
+class BlockStored(KVCacheEvent):
+    """Consecutive blocks of one request newly registered in the prefix cache."""
+
+    block_hashes: list[ExternalBlockHash]
+    parent_block_hash: ExternalBlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    """Hashes no longer present in the prefix cache (evicted)."""
+
+    block_hashes: list[ExternalBlockHash]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    """The whole prefix cache was reset."""
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class KVEventBatch(EventBatch):
+    """One engine step's KV events."""
+
+    events: list[KVEvent]
+
+
+HashFormat = Literal["uint64", "bytes"]
+
+
+class KVEventRecorder:
+    """Collects the events a block pool emits until they are drained with `take()`.
+
+    Converts block hashes to their external form once, at emission: uint64 ints by default
+    (what vLLM sends and routers index), or the raw digest bytes.
+    """
+
+    __slots__ = ("_events", "hash_format", "medium")
+
+    def __init__(self, hash_format: HashFormat = "uint64", medium: str = MEDIUM_GPU) -> None:
+        if hash_format not in ("uint64", "bytes"):
+            raise InvalidConfigError(
+                f"hash_format must be 'uint64' or 'bytes', got {hash_format!r}"
+            )
+        self.hash_format = hash_format
+        self.medium = medium
+        self._events: list[KVEvent] = []
+
+    def external_hash(self, block_hash: BlockHash) -> ExternalBlockHash:
+        """The form a hash takes on the wire."""
+        if self.hash_format == "uint64":
+            return block_hash_to_uint64(block_hash)
+        return bytes(block_hash)
+
+    def block_stored(
+        self,
+        block_hashes: Sequence[BlockHash],
+        parent_block_hash: BlockHash | None,
+        token_ids: list[int],
+        block_size: int,
+        lora_name: str | None,
+    ) -> None:
+        to_external = self.external_hash
+        self._events.append(
+            BlockStored(
+                block_hashes=[to_external(h) for h in block_hashes],
+                parent_block_hash=(
+                    None if parent_block_hash is None else to_external(parent_block_hash)
+                ),
+                token_ids=token_ids,
+                block_size=block_size,
+                lora_id=None,
+                medium=self.medium,
+                lora_name=lora_name,
+            )
+        )
+
+    def block_removed(self, block_hash: BlockHash) -> None:
+        self._events.append(
+            BlockRemoved(block_hashes=[self.external_hash(block_hash)], medium=self.medium)
+        )
+
+    def all_blocks_cleared(self) -> None:
+        self._events.append(AllBlocksCleared())
+
+    def take(self) -> list[KVEvent]:
+        """Drain and return the events recorded since the last call, oldest first."""
+        events, self._events = self._events, []
+        return events
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(KVEventBatch)
+
+
+def encode_batch(batch: KVEventBatch) -> bytes:
+    """The msgpack payload of one batch, as it goes on the wire."""
+    return _ENCODER.encode(batch)
+
+
+def decode_batch(payload: bytes) -> KVEventBatch:
+    """Decode a payload produced by `encode_batch` (or by vLLM)."""
+    return _DECODER.decode(payload)

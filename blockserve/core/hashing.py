@@ -1,0 +1,255 @@
+"""Chained block hashing, byte-identical to vLLM's prefix-cache keys.
+
+Owns the four hash algorithms, NONE_HASH seeding, the extra keys of a block (LoRA name,
+multimodal items, cache salt, prompt embeddings) and the incremental hasher that a request
+uses as its tokens complete blocks. Holds no module-level mutable state: the seed lives in a
+`BlockHasher` instance. Must not import torch.
+
+    block i hash = H((parent, tuple(token_ids[B*i : B*(i+1)]), extra_keys_or_None))
+    parent       = hash of block i-1, or NONE_HASH = H(seed) for block 0
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import pickle
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, NewType
+
+import cbor2
+import xxhash
+
+from blockserve.errors import InvalidConfigError, UnknownHashAlgorithmError
+
+logger = logging.getLogger(__name__)
+
+BlockHash = NewType("BlockHash", bytes)
+"""The raw digest of one full block: 32 bytes for sha256*, 16 bytes for xxhash*."""
+
+HashFn = Callable[[Any], bytes]
+
+DEFAULT_SEED = "vllm-none-hash"
+"""The NONE_HASH seed of the sha256 algorithms when PYTHONHASHSEED is unset (vLLM's value)."""
+
+_PICKLE_PROTOCOL = pickle.HIGHEST_PROTOCOL  # 5 on every supported Python
+
+
+def sha256(obj: Any) -> bytes:
+    """SHA-256 of the object's pickle (protocol 5): vLLM's default `sha256`."""
+    return hashlib.sha256(pickle.dumps(obj, protocol=_PICKLE_PROTOCOL)).digest()
+
+
+def sha256_cbor(obj: Any) -> bytes:
+    """SHA-256 of the object's canonical CBOR: reproducible from any language."""
+    return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
+
+
+def xxhash_pickle(obj: Any) -> bytes:
+    """xxh3-128 of the object's pickle: vLLM's `xxhash`."""
+    return xxhash.xxh3_128_digest(pickle.dumps(obj, protocol=_PICKLE_PROTOCOL))
+
+
+def xxhash_cbor(obj: Any) -> bytes:
+    """xxh3-128 of the object's canonical CBOR: vLLM's `xxhash_cbor`."""
+    return xxhash.xxh3_128_digest(cbor2.dumps(obj, canonical=True))
+
+
+HASH_FUNCTIONS: Mapping[str, HashFn] = MappingProxyType(
+    {
+        "sha256": sha256,
+        "sha256_cbor": sha256_cbor,
+        "xxhash": xxhash_pickle,
+        "xxhash_cbor": xxhash_cbor,
+    }
+)
+"""The algorithms of `--prefix-caching-hash-algo`, by name (read-only)."""
+
+
+def get_hash_fn(algo: str) -> HashFn:
+    """The hash function named `algo`; `UnknownHashAlgorithmError` for any other name."""
+    try:
+        return HASH_FUNCTIONS[algo]
+    except KeyError:
+        raise UnknownHashAlgorithmError(
+            f"unknown prefix-caching hash algorithm {algo!r}; "
+            f"choose one of {', '.join(HASH_FUNCTIONS)}"
+        ) from None
+
+
+def resolve_seed(algo: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """The NONE_HASH seed for `algo`: PYTHONHASHSEED when set, else vLLM's default.
+
+    The sha256 algorithms fall back to the fixed string "vllm-none-hash", so every process
+    agrees. The xxhash algorithms fall back to None, meaning a random per-process seed: hashes
+    then differ between processes, so a warning is logged.
+    """
+    get_hash_fn(algo)  # validate the name before anything else
+    env = os.environ if environ is None else environ
+    seed = env.get("PYTHONHASHSEED")
+    if seed is not None:
+        return seed
+    if algo.startswith("sha256"):
+        return DEFAULT_SEED
+    logger.warning(
+        "PYTHONHASHSEED is not set: %s block hashes use a random seed and will differ "
+        "between processes (set PYTHONHASHSEED to share a prefix cache index).",
+        algo,
+    )
+    return None
+
+
+def hash_block_tokens(
+    hash_fn: HashFn,
+    parent: bytes,
+    token_ids: Sequence[int],
+    extra_keys: tuple[Any, ...] | None = None,
+) -> BlockHash:
+    """Hash one full block chained on `parent` (the previous block's hash, or NONE_HASH).
+
+    `extra_keys` is a non-empty tuple or None; an empty tuple would hash differently from
+    vLLM, so it is normalised to None.
+    """
+    return BlockHash(hash_fn((parent, tuple(token_ids), extra_keys or None)))
+
+
+def block_hash_to_uint64(block_hash: bytes) -> int:
+    """The event form of a hash: its last 8 bytes read as a big-endian unsigned int."""
+    return int.from_bytes(block_hash[-8:], "big")
+
+
+@dataclass(frozen=True, slots=True)
+class MultiModalFeature:
+    """One multimodal item placed in the prompt: its content hash and token span."""
+
+    identifier: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class BlockKeyInputs:
+    """Everything besides token ids that enters a request's block hashes.
+
+    Extra keys of the block [start, end), in vLLM's order:
+    1. the LoRA adapter name, on every block;
+    2. `(identifier, offset - start)` for each multimodal item overlapping the block;
+    3. the cache salt, on block 0 only (hashes chain, so it changes every later hash);
+    4. SHA-256 of the block's slice of the prompt embeddings (any buffer-protocol array).
+    """
+
+    lora_name: str | None = None
+    mm_features: tuple[MultiModalFeature, ...] = ()
+    cache_salt: str | None = None
+    prompt_embeds: Any = None
+
+    @property
+    def is_empty(self) -> bool:
+        return (
+            self.lora_name is None
+            and not self.mm_features
+            and not self.cache_salt
+            and self.prompt_embeds is None
+        )
+
+    def extra_keys(self, start: int, end: int) -> tuple[Any, ...] | None:
+        """The extra keys of the block covering token positions [start, end), or None."""
+        keys: list[Any] = []
+        if self.lora_name is not None:
+            keys.append(self.lora_name)
+        for feature in self.mm_features:
+            if feature.offset < end and feature.offset + feature.length > start:
+                keys.append((feature.identifier, feature.offset - start))
+        if start == 0 and self.cache_salt:
+            keys.append(self.cache_salt)
+        if self.prompt_embeds is not None:
+            embeds_slice = memoryview(self.prompt_embeds[start:end]).tobytes()
+            keys.append(hashlib.sha256(embeds_slice).digest())
+        return tuple(keys) if keys else None
+
+
+NO_EXTRA_KEYS = BlockKeyInputs()
+
+
+class BlockHasher:
+    """Computes vLLM-identical block hashes for one algorithm and seed.
+
+    `seed=None` resolves as vLLM does (see `resolve_seed`). The instance is immutable after
+    construction, so one hasher can be shared by the engine and by routers that hash prompts.
+    """
+
+    __slots__ = ("algo", "hash_fn", "none_hash")
+
+    def __init__(self, algo: str = "sha256", seed: str | None = None) -> None:
+        self.algo = algo
+        self.hash_fn = get_hash_fn(algo)
+        if seed is None:
+            seed = resolve_seed(algo)
+        if seed is None:
+            seed = os.urandom(32).hex()
+        self.none_hash = BlockHash(self.hash_fn(seed))
+
+    def __repr__(self) -> str:
+        return f"BlockHasher(algo={self.algo!r}, none_hash={self.none_hash.hex()[:16]}…)"
+
+    def hash_block(
+        self,
+        parent: bytes | None,
+        token_ids: Sequence[int],
+        extra_keys: tuple[Any, ...] | None = None,
+    ) -> BlockHash:
+        """Hash one block; `parent=None` means block 0 (chained on NONE_HASH)."""
+        return hash_block_tokens(
+            self.hash_fn, self.none_hash if parent is None else parent, token_ids, extra_keys
+        )
+
+    def hash_new_blocks(
+        self,
+        token_ids: Sequence[int],
+        block_hashes: Sequence[BlockHash],
+        block_size: int,
+        keys: BlockKeyInputs = NO_EXTRA_KEYS,
+    ) -> list[BlockHash]:
+        """Hashes of the full blocks of `token_ids` not yet in `block_hashes`.
+
+        `block_hashes` are the hashes already computed for this token sequence (a prefix of
+        its full blocks); only blocks completed since are hashed, so a request calls this each
+        time tokens are appended. A trailing partial block is never hashed.
+        """
+        start = len(block_hashes) * block_size
+        end = start + block_size
+        num_tokens = len(token_ids)
+        if end > num_tokens:
+            return []
+        hash_fn = self.hash_fn
+        parent = block_hashes[-1] if block_hashes else self.none_hash
+        new_hashes: list[BlockHash] = []
+        if keys.is_empty:
+            # Hot path: no extra keys, so the tuple layout is fixed.
+            while end <= num_tokens:
+                parent = BlockHash(hash_fn((parent, tuple(token_ids[start:end]), None)))
+                new_hashes.append(parent)
+                start, end = end, end + block_size
+            return new_hashes
+        while end <= num_tokens:
+            extra = keys.extra_keys(start, end)
+            parent = BlockHash(hash_fn((parent, tuple(token_ids[start:end]), extra)))
+            new_hashes.append(parent)
+            start, end = end, end + block_size
+        return new_hashes
+
+    def hash_prompt(
+        self,
+        token_ids: Sequence[int],
+        block_size: int = 16,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+    ) -> list[BlockHash]:
+        """One hash per full block of a prompt: what a router needs to look a prompt up."""
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
+            raise InvalidConfigError(f"block_size must be a positive integer, got {block_size!r}")
+        keys = BlockKeyInputs(lora_name=lora_name, cache_salt=cache_salt)
+        return self.hash_new_blocks(token_ids, [], block_size, keys)

@@ -1,0 +1,221 @@
+"""The KV cache manager: the scheduler's only door to the block pool.
+
+Owns each request's block list, prefix-cache lookup, slot allocation (registering full blocks in
+the cache at schedule time) and the prefix-cache statistics. Must not touch tensors or make
+scheduling decisions: `allocate_slots` answers "does it fit", the scheduler decides what to do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
+
+from blockserve.core.block_pool import BlockPool
+from blockserve.core.events import KVEvent, KVEventRecorder
+from blockserve.core.free_queue import KVCacheBlock
+from blockserve.core.hashing import BlockHash
+from blockserve.errors import InvalidRequestError
+
+
+class KVCacheRequest(Protocol):
+    """What the manager reads from a request (sched.Request satisfies it)."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def block_hashes(self) -> Sequence[BlockHash]: ...
+
+    @property
+    def all_token_ids(self) -> Sequence[int]: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def num_computed_tokens(self) -> int: ...
+
+    @property
+    def lora_name(self) -> str | None: ...
+
+    @property
+    def skip_reading_prefix_cache(self) -> bool: ...
+
+    @property
+    def num_preemptions(self) -> int: ...
+
+
+class ComputedBlocks(NamedTuple):
+    """The result of a prefix-cache lookup: the hit blocks (in order) and the tokens they cover."""
+
+    blocks: tuple[KVCacheBlock, ...]
+    num_hit_tokens: int
+
+
+NO_HIT = ComputedBlocks((), 0)
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    """Cumulative prefix-cache counters, in tokens.
+
+    `queries` counts every token of each admitted request (the last included) and `hits` the
+    tokens found in the cache. A request re-admitted after preemption re-hits its own blocks;
+    that is recomputation avoided, not a cache hit, so it is counted in the `preempted_*` fields.
+    """
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+    preempted_requests: int = 0
+    preempted_queries: int = 0
+    preempted_hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    """Allocates KV blocks to requests and finds their cached prefixes.
+
+    A request's blocks are laid out in token order; `num_cached_blocks[id]` of them (a prefix)
+    are registered in the prefix cache. Freeing is tail-first (see `BlockPool.free_blocks`).
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        events: KVEventRecorder | None = None,
+    ) -> None:
+        self.block_pool = BlockPool(num_blocks, block_size, enable_caching, events)
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_cached_blocks: dict[str, int] = {}
+        self.prefix_cache_stats = PrefixCacheStats()
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.usage
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks
+
+    def get_computed_blocks(self, request: KVCacheRequest) -> ComputedBlocks:
+        """The longest cached prefix of `request`, in whole blocks; mutates nothing.
+
+        Walks the request's block hashes from block 0 and stops at the first miss. The hit is
+        capped at `num_tokens - 1`: the last prompt token is always recomputed, because its
+        logits are needed to sample. A request that asks for prompt logprobs never reads the
+        cache (it needs every position's logits).
+        """
+        if not self.enable_caching or request.skip_reading_prefix_cache:
+            return NO_HIT
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        get_cached_block = self.block_pool.cached_block_hash_to_block.get_one_block
+        hits: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            block = get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return ComputedBlocks(tuple(hits), len(hits) * self.block_size)
+
+    def allocate_slots(
+        self,
+        request: KVCacheRequest,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: Sequence[KVCacheBlock] = (),
+    ) -> list[KVCacheBlock] | None:
+        """Give `request` room for `num_new_tokens` more tokens; None if they do not fit.
+
+        Token layout of the request after this call:
+
+            |<- num_computed_tokens ->|<- num_new_computed_tokens ->|<- num_new_tokens ->|
+            |  already in its blocks  |  prefix hits (first call)   |  to compute now    |
+            |<------------------------- ceil(total / block_size) blocks --------------->|
+
+        `new_computed_blocks` (from `get_computed_blocks`, first call only) are touched and
+        become the request's first blocks. Returns the newly allocated blocks. Returns None, and
+        mutates nothing, when the new blocks plus the hit blocks that are now free (touching
+        takes them out of the free queue) exceed the free blocks. Every block that becomes
+        full is registered in the prefix cache now, at schedule time, so a request admitted
+        later in the same step can hit it.
+        """
+        if num_new_tokens <= 0:
+            raise InvalidRequestError(f"num_new_tokens must be positive, got {num_new_tokens}")
+        request_id = request.request_id
+        req_blocks = self.req_to_blocks.get(request_id)
+        if new_computed_blocks and req_blocks:
+            raise InvalidRequestError(
+                f"request {request_id!r} already holds blocks; prefix hits apply to its first "
+                "allocation only"
+            )
+        num_held = len(req_blocks) if req_blocks is not None else 0
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_total = num_computed + num_new_tokens
+        num_required = -(-num_total // self.block_size)
+        num_new_blocks = max(num_required - num_held - len(new_computed_blocks), 0)
+        num_evictable_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+        if num_new_blocks + num_evictable_hits > self.block_pool.num_free_blocks:
+            return None
+
+        if req_blocks is None:
+            req_blocks = self.req_to_blocks[request_id] = []
+            self.num_cached_blocks[request_id] = len(new_computed_blocks)
+            self._record_admission(request, num_new_computed_tokens)
+        if new_computed_blocks:
+            self.block_pool.touch(new_computed_blocks)
+            req_blocks.extend(new_computed_blocks)
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
+        req_blocks.extend(new_blocks)
+
+        if self.enable_caching:
+            # Cap at the request's real tokens: only blocks whose tokens are known are hashed.
+            num_full_blocks = min(num_total, request.num_tokens) // self.block_size
+            num_cached = self.num_cached_blocks[request_id]
+            if num_full_blocks > num_cached:
+                self.block_pool.cache_full_blocks(request, req_blocks, num_cached, num_full_blocks)
+                self.num_cached_blocks[request_id] = num_full_blocks
+        return new_blocks
+
+    def _record_admission(self, request: KVCacheRequest, num_hit_tokens: int) -> None:
+        if not self.enable_caching:
+            return
+        stats = self.prefix_cache_stats
+        if request.num_preemptions > 0:
+            stats.preempted_requests += 1
+            stats.preempted_queries += request.num_tokens
+            stats.preempted_hits += num_hit_tokens
+        else:
+            stats.requests += 1
+            stats.queries += request.num_tokens
+            stats.hits += num_hit_tokens
+
+    def free(self, request: KVCacheRequest) -> None:
+        """Release the request's blocks, tail-first; they stay cached until evicted.
+
+        A request holding no blocks (aborted before allocation, or already freed) is a no-op.
+        """
+        blocks = self.req_to_blocks.pop(request.request_id, None)
+        self.num_cached_blocks.pop(request.request_id, None)
+        if blocks:
+            self.block_pool.free_blocks(reversed(blocks))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's block table (block ids in token order); empty when it holds none."""
+        return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
+
+    def reset_prefix_cache(self) -> bool:
+        """Clear the prefix cache; False while any request holds blocks."""
+        return self.block_pool.reset_prefix_cache()
+
+    def take_events(self) -> list[KVEvent]:
+        """Drain the KV events emitted since the last call."""
+        return self.block_pool.take_events()
