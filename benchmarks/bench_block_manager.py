@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from blockserve.core.events import KVEventRecorder
-from blockserve.core.hashing import HASH_FUNCTIONS, BlockHasher
+from blockserve.core.hashing import HASH_FUNCTIONS, BlockHasher, RequestBlockHasher
 from blockserve.core.kv_cache_manager import KVCacheManager
 from blockserve.sched.request import Request
 
@@ -49,13 +49,13 @@ def make_workload(num_requests: int) -> list[tuple[list[int], list[int]]]:
 
 
 def run_once(workload: list[tuple[list[int], list[int]]], algo: str, events: bool) -> dict:
-    hasher = BlockHasher(algo, seed="bench")
+    hasher = RequestBlockHasher(BlockHasher(algo, seed="bench"), BLOCK_SIZE)
     recorder = KVEventRecorder() if events else None
     manager = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, enable_caching=True, events=recorder)
     clock = time.perf_counter
     start = clock()
     for i, (prompt, decode) in enumerate(workload):
-        request = Request(str(i), prompt, hasher, BLOCK_SIZE)
+        request = Request(str(i), prompt, block_hasher=hasher)
         hit_blocks, num_hits = manager.get_computed_blocks(request)
         num_new = request.num_tokens - num_hits
         assert manager.allocate_slots(request, num_new, num_hits, hit_blocks) is not None

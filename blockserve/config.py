@@ -42,3 +42,51 @@ class CacheConfig:
             raise InvalidConfigError(
                 "num_gpu_blocks_override must be >= 2 (block 0 is the null block)"
             )
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Which model to run, and how.
+
+    `model` is a Hugging Face directory or a .gguf file; None means the embedded default model.
+    `max_model_len` None means the model's own context length.
+    """
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "cpu"
+    attention_backend: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise InvalidConfigError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
+        _require_positive_int("max_model_len", self.max_model_len, True)
+
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Continuous batching limits.
+
+    Each step spends at most `max_num_batched_tokens` tokens over at most `max_num_seqs`
+    running requests; a prompt longer than the budget is prefilled in chunks.
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 8192
+    policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        _require_positive_int("max_num_seqs", self.max_num_seqs)
+        _require_positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        _require_positive_int("max_model_len", self.max_model_len)
+        if self.policy not in SCHEDULING_POLICIES:
+            raise InvalidConfigError(
+                f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                f"got {self.policy!r}"
+            )

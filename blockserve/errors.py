@@ -33,3 +33,27 @@ class NoFreeBlocksError(BlockserveError, RuntimeError):
     """More KV blocks were asked of the pool than it has free; nothing was changed."""
 
     http_status = 503
+
+
+class UnsupportedModelError(BlockserveError, ValueError):
+    """The model's architecture or one of its settings is not one blockserve can run."""
+
+    http_status = 400
+
+
+class ModelNotFoundError(BlockserveError, FileNotFoundError):
+    """No model at the given path, or the default model package is not installed."""
+
+    http_status = 404
+
+
+class BackendUnavailableError(BlockserveError, RuntimeError):
+    """The chosen attention backend cannot run on this machine."""
+
+    http_status = 500
+
+
+class EngineDeadError(BlockserveError, RuntimeError):
+    """The engine loop has stopped and cannot serve requests."""
+
+    http_status = 503

@@ -253,3 +253,20 @@ class BlockHasher:
             raise InvalidConfigError(f"block_size must be a positive integer, got {block_size!r}")
         keys = BlockKeyInputs(lora_name=lora_name, cache_salt=cache_salt)
         return self.hash_new_blocks(token_ids, [], block_size, keys)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestBlockHasher:
+    """A `BlockHasher` bound to a block size: what each request calls as its tokens grow."""
+
+    hasher: BlockHasher
+    block_size: int
+
+    def __call__(
+        self,
+        token_ids: Sequence[int],
+        block_hashes: Sequence[BlockHash],
+        keys: BlockKeyInputs = NO_EXTRA_KEYS,
+    ) -> list[BlockHash]:
+        """Hashes of the full blocks of `token_ids` beyond `block_hashes`."""
+        return self.hasher.hash_new_blocks(token_ids, block_hashes, self.block_size, keys)

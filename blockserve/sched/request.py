@@ -1,8 +1,8 @@
 """`Request`: one generation request's token state as the scheduler and the cache see it.
 
 Owns the prompt and output token ids, the block hashes that grow as tokens complete blocks,
-and the counters the scheduler moves (`num_computed_tokens`, `num_cached_tokens`). Must not
-touch tensors or text.
+the counters the scheduler moves (`num_computed_tokens`, `num_cached_tokens`) and the stop
+conditions that need no text. Must not touch tensors or text (stop strings live in engine/).
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ import enum
 import time
 from collections.abc import Iterable, Sequence
 
-from blockserve.core.hashing import BlockHash, BlockHasher, BlockKeyInputs
+from blockserve.core.hashing import BlockHash, BlockKeyInputs, RequestBlockHasher
 from blockserve.errors import InvalidRequestError
+from blockserve.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
@@ -24,18 +25,33 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
 
     @property
     def is_finished(self) -> bool:
         return self > RequestStatus.PREEMPTED
 
+    @property
+    def finish_reason(self) -> str | None:
+        """The OpenAI finish_reason: stop, length, abort or error (None while running)."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
 
 class Request:
-    """The scheduler's view of one request.
+    """The scheduler's view of one request (one sample of it when `n > 1`).
 
     `block_hashes` always holds one hash per full block of `all_token_ids` (prompt, then
     output): appending tokens hashes exactly the blocks they complete. `num_cached_tokens` is
     the prefix-cache hit of the first admission (None before it) and never changes after.
+    `priority` (lower first) and `arrival_time` order the waiting queue under `priority`.
     """
 
     __slots__ = (
@@ -44,7 +60,6 @@ class Request:
         "all_token_ids",
         "arrival_time",
         "block_hashes",
-        "block_size",
         "cache_salt",
         "lora_name",
         "num_cached_tokens",
@@ -53,18 +68,20 @@ class Request:
         "num_prompt_tokens",
         "priority",
         "request_id",
+        "sampling_params",
         "skip_reading_prefix_cache",
         "status",
+        "stop_reason",
     )
 
     def __init__(
         self,
         request_id: str,
         prompt_token_ids: Sequence[int],
-        block_hasher: BlockHasher | None = None,
-        block_size: int = 16,
+        sampling_params: SamplingParams | None = None,
+        block_hasher: RequestBlockHasher | None = None,
         hash_keys: BlockKeyInputs | None = None,
-        arrival_time: float | None = None,
+        priority: int = 0,
     ) -> None:
         if not prompt_token_ids:
             raise InvalidRequestError(f"request {request_id!r} has an empty prompt")
@@ -74,16 +91,18 @@ class Request:
         self.request_id = request_id
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.all_token_ids)
-        self.block_size = block_size
+        self.sampling_params = sampling_params or SamplingParams()
         self.cache_salt = keys.cache_salt
         self.lora_name = keys.lora_name
-        self.priority = 0
-        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.priority = priority
+        self.arrival_time = time.monotonic()
         self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
         self.num_computed_tokens = 0
         self.num_cached_tokens: int | None = None
         self.num_preemptions = 0
-        self.skip_reading_prefix_cache = False
+        # Prompt logprobs need every position's logits, so such a request never reads the cache.
+        self.skip_reading_prefix_cache = self.sampling_params.prompt_logprobs is not None
         self._block_hasher = block_hasher
         self._hash_keys = keys
         self.block_hashes: list[BlockHash] = []
@@ -111,6 +130,10 @@ class Request:
     def num_output_tokens(self) -> int:
         return self.num_tokens - self.num_prompt_tokens
 
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
     def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
         """Append sampled tokens and hash every block they complete."""
         if isinstance(token_ids, int):
@@ -123,7 +146,5 @@ class Request:
         if self._block_hasher is None:
             return
         self.block_hashes.extend(
-            self._block_hasher.hash_new_blocks(
-                self.all_token_ids, self.block_hashes, self.block_size, self._hash_keys
-            )
+            self._block_hasher(self.all_token_ids, self.block_hashes, self._hash_keys)
         )

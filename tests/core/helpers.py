@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from blockserve.core.block_pool import BlockPool
 from blockserve.core.events import KVEventRecorder
-from blockserve.core.hashing import BlockHasher
+from blockserve.core.hashing import BlockHasher, RequestBlockHasher
 from blockserve.core.kv_cache_manager import KVCacheManager
 from blockserve.sched.request import Request
 
@@ -57,7 +57,7 @@ def make_manager(num_blocks: int = 11, block_size: int = 4, caching: bool = True
 
 
 def make_request(request_id: str, token_ids: Sequence[int], block_size: int = 4) -> Request:
-    return Request(request_id, list(token_ids), HASHER, block_size=block_size)
+    return Request(request_id, list(token_ids), block_hasher=RequestBlockHasher(HASHER, block_size))
 
 
 def admit(manager: KVCacheManager, request: Request, num_tokens: int | None = None) -> int | None:

@@ -17,6 +17,7 @@ from blockserve.core.hashing import (
     BlockHasher,
     BlockKeyInputs,
     MultiModalFeature,
+    RequestBlockHasher,
     block_hash_to_uint64,
     hash_block_tokens,
     resolve_seed,
@@ -169,7 +170,7 @@ def test_no_extra_keys_is_none() -> None:
 def test_request_hashes_only_new_full_blocks() -> None:
     """Appending output tokens hashes exactly the blocks they complete, with prompt chaining."""
     hasher = BlockHasher("sha256")
-    request = Request("r", list(range(6)), hasher, block_size=4)
+    request = Request("r", list(range(6)), block_hasher=RequestBlockHasher(hasher, 4))
     assert len(request.block_hashes) == 1  # 6 tokens: one full block, a partial one unhashed
     first = request.block_hashes[0]
     request.append_output_token_ids(100)

@@ -1,0 +1,186 @@
+"""The torch attention backend: the CPU path and the reference every other backend must match.
+
+Handles any mix in one batch: fresh prefills, prefill chunks on top of cached prefix blocks
+(causal among the new tokens, full over the prefix) and single-token decodes, with GQA.
+Holds no global state: its per-step plan is built once by `prepare` and passed to every layer.
+
+Decodes are batched: their contexts are gathered block by block (whole 16-token blocks, one
+copy each) into a workspace reused by every layer, and attended in one call; each prefill
+sequence gets its own call (its query count amortises the call). Measured choices are in
+docs/benchmarks.md ("Attention on the CPU").
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from blockserve.attention.metadata import AttentionMetadata
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillPlan:
+    """One prefill sequence: its query tokens and, when it extends a cached prefix, its context."""
+
+    token_start: int
+    token_end: int
+    context_slots: torch.Tensor | None  # [context_len] int64; None: no prefix, use K/V as given
+    mask: torch.Tensor | None  # [query_len, context_len] bool, True = attend
+
+
+@dataclass(frozen=True, slots=True)
+class TorchAttentionPlan:
+    slot_mapping: torch.Tensor  # [num_tokens]
+    decode_token_indices: torch.Tensor | None  # [num_decodes]
+    decode_block_ids: torch.Tensor | None  # [num_decodes * max_blocks], padding → block 0
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    prefills: tuple[PrefillPlan, ...]
+
+
+def context_slots(block_table: torch.Tensor, num_positions: int, block_size: int) -> torch.Tensor:
+    """Cache slots of positions 0..num_positions-1 of a sequence: [num_positions] int64."""
+    positions = torch.arange(num_positions, device=block_table.device)
+    return block_table[positions // block_size] * block_size + positions % block_size
+
+
+class TorchAttentionBackend:
+    """Stateless between steps but for a gather workspace, reused so that a step's decode
+    contexts are copied into memory that is already mapped (fresh large allocations fault
+    their pages in on every layer)."""
+
+    name = "torch"
+
+    def __init__(self) -> None:
+        self._workspace: torch.Tensor | None = None
+
+    def _gather_blocks(self, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        """K and V of `block_ids`: [2, len(block_ids), block_size, kv_heads, dim]."""
+        shape = (2, block_ids.numel(), *kv_cache.shape[2:])
+        size = math.prod(shape)
+        workspace = self._workspace
+        if (
+            workspace is None
+            or workspace.numel() < size
+            or workspace.dtype != kv_cache.dtype
+            or workspace.device != kv_cache.device
+        ):
+            workspace = torch.empty(size, dtype=kv_cache.dtype, device=kv_cache.device)
+            self._workspace = workspace
+        gathered = workspace[:size].view(shape)
+        torch.index_select(kv_cache[0], 0, block_ids, out=gathered[0])
+        torch.index_select(kv_cache[1], 0, block_ids, out=gathered[1])
+        return gathered
+
+    def _decode(
+        self,
+        query: torch.Tensor,  # [num_decodes, heads, dim]
+        kv_cache: torch.Tensor,
+        block_ids: torch.Tensor,
+        mask: torch.Tensor,  # [num_decodes, 1, 1, context]
+    ) -> torch.Tensor:  # [num_decodes, heads, dim]
+        num_decodes, num_heads, head_dim = query.shape
+        num_kv_heads = kv_cache.shape[3]
+        context = mask.shape[-1]
+        gathered = self._gather_blocks(kv_cache, block_ids)
+        # [num_decodes, context, kv_heads, dim] → [num_decodes, kv_heads, context, dim]
+        k = gathered[0].view(num_decodes, context, num_kv_heads, head_dim).transpose(1, 2)
+        v = gathered[1].view(num_decodes, context, num_kv_heads, head_dim).transpose(1, 2)
+        if query.dtype == torch.float32:
+            # float32: torch's fused kernel is the fastest path measured.
+            out = F.scaled_dot_product_attention(
+                query.unsqueeze(2), k, v, attn_mask=mask, enable_gqa=True
+            )
+            return out.squeeze(2)
+        # bfloat16: the fused CPU kernel is ~5x slower than two batched matmuls for a single
+        # query row, so each KV head's query group is one [group, dim] @ [dim, context] matmul.
+        group = num_heads // num_kv_heads
+        q = query.view(num_decodes, num_kv_heads, group, head_dim)
+        scores = torch.matmul(q, k.contiguous().transpose(-1, -2)) * head_dim**-0.5
+        scores = scores.masked_fill(~mask, float("-inf"))  # [decodes, kv_heads, group, context]
+        probs = scores.softmax(dim=-1, dtype=torch.float32).to(query.dtype)
+        out = torch.matmul(probs, v.contiguous())  # [decodes, kv_heads, group, dim]
+        return out.reshape(num_decodes, num_heads, head_dim)
+
+    def prepare(self, metadata: AttentionMetadata) -> TorchAttentionPlan:
+        block_size = metadata.block_size
+        device = metadata.slot_mapping.device
+        decode_rows: list[int] = []
+        decode_tokens: list[int] = []
+        prefills: list[PrefillPlan] = []
+        token_start = 0
+        for row, (query_len, seq_len) in enumerate(
+            zip(metadata.query_lens_cpu, metadata.seq_lens_cpu, strict=True)
+        ):
+            token_end = token_start + query_len
+            num_cached = seq_len - query_len
+            if query_len == 1 and num_cached > 0:
+                decode_rows.append(row)
+                decode_tokens.append(token_start)
+            elif num_cached == 0:
+                prefills.append(PrefillPlan(token_start, token_end, None, None))
+            else:
+                slots = context_slots(metadata.block_tables[row], seq_len, block_size)
+                # Query i sits at absolute position num_cached + i and sees keys 0..that position.
+                query_pos = torch.arange(num_cached, seq_len, device=device)
+                key_pos = torch.arange(seq_len, device=device)
+                mask = key_pos[None, :] <= query_pos[:, None]
+                prefills.append(PrefillPlan(token_start, token_end, slots, mask))
+            token_start = token_end
+
+        decode_token_indices = decode_block_ids = decode_mask = None
+        if decode_rows:
+            rows = torch.tensor(decode_rows, device=device)
+            max_blocks = -(-max(metadata.seq_lens_cpu[r] for r in decode_rows) // block_size)
+            tables = metadata.block_tables[rows, :max_blocks]  # [num_decodes, max_blocks]
+            positions = torch.arange(max_blocks * block_size, device=device)
+            # Padding positions read the null block and are masked out.
+            decode_mask = (positions[None, :] < metadata.seq_lens[rows][:, None])[:, None, None]
+            decode_block_ids = tables.reshape(-1)
+            decode_token_indices = torch.tensor(decode_tokens, device=device)
+        return TorchAttentionPlan(
+            slot_mapping=metadata.slot_mapping,
+            decode_token_indices=decode_token_indices,
+            decode_block_ids=decode_block_ids,
+            decode_mask=decode_mask,
+            prefills=tuple(prefills),
+        )
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        plan: TorchAttentionPlan,
+    ) -> torch.Tensor:
+        num_kv_heads, head_dim = key.shape[1], key.shape[2]
+        key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)  # [num_slots, kv_heads, dim]
+        value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
+        key_cache.index_copy_(0, plan.slot_mapping, key)
+        value_cache.index_copy_(0, plan.slot_mapping, value)
+
+        output = torch.empty_like(query)
+        if plan.decode_token_indices is not None:
+            assert plan.decode_block_ids is not None and plan.decode_mask is not None
+            output[plan.decode_token_indices] = self._decode(
+                query[plan.decode_token_indices], kv_cache, plan.decode_block_ids, plan.decode_mask
+            )
+        # 4-D inputs throughout: with 3-D ones torch's CPU SDPA falls back to its slow math path.
+        for prefill in plan.prefills:
+            start, end = prefill.token_start, prefill.token_end
+            q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, heads, query_len, dim]
+            if prefill.context_slots is None:
+                k = key[start:end].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, query_len, dim]
+                v = value[start:end].transpose(0, 1).unsqueeze(0)
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            else:
+                k = key_cache[prefill.context_slots].transpose(0, 1).unsqueeze(0)  # [1, kv, ctx, d]
+                v = value_cache[prefill.context_slots].transpose(0, 1).unsqueeze(0)
+                out = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=prefill.mask, enable_gqa=True
+                )
+            output[start:end] = out[0].transpose(0, 1)
+        return output

@@ -1,0 +1,55 @@
+"""What the engine hands back per request: `RequestOutput`, shaped like vLLM's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class Logprob:
+    """One position's log-probability, with the top alternatives (token id → logprob)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionOutput:
+    """One sample: cumulative text and token ids so far."""
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: tuple[Logprob, ...] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestMetrics:
+    """Monotonic-clock times (seconds) of a request's milestones; None until reached."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """A snapshot of one request after a step: every sample's text and tokens so far."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: tuple[int, ...]
+    num_cached_tokens: int
+    outputs: tuple[CompletionOutput, ...]
+    finished: bool
+    metrics: RequestMetrics
+    error: str | None = None

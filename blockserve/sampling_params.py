@@ -1,0 +1,97 @@
+"""`SamplingParams`: how one request's tokens are chosen and when its generation stops.
+
+Shaped like vLLM's (same field names and defaults), validated on construction with typed errors.
+Torch-free: the scheduler reads the stop conditions, the sampler reads the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from blockserve.errors import InvalidRequestError
+
+_MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Sampling and stopping for one request (one of its `n` samples each).
+
+    `temperature == 0` means greedy. `top_k` of 0 or -1 disables top-k; `top_p == 1` and
+    `min_p == 0` disable those filters. Penalties follow vLLM's definitions: repetition
+    divides positive (multiplies negative) logits of tokens seen in the prompt or output;
+    presence subtracts a constant from tokens seen in the output; frequency subtracts in
+    proportion to their count in the output.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        self._validate()
+
+    def _validate(self) -> None:
+        def fail(message: str) -> None:
+            raise InvalidRequestError(message)
+
+        if self.n < 1:
+            fail(f"n must be at least 1, got {self.n}")
+        if self.temperature < 0:
+            fail(f"temperature must be non-negative, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            fail(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            fail(f"top_k must be -1 (disable), 0 (disable) or positive, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            fail(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            fail(f"repetition_penalty must be positive, got {self.repetition_penalty}")
+        if not -2 <= self.presence_penalty <= 2:
+            fail(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2 <= self.frequency_penalty <= 2:
+            fail(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            fail(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            fail(f"min_tokens must be non-negative, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            fail(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= _MAX_LOGPROBS:
+                fail(f"{name} must be in [0, {_MAX_LOGPROBS}], got {value}")
+        if any(not s for s in self.stop):
+            fail("stop strings must be non-empty")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )

