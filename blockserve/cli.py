@@ -7,11 +7,14 @@ holds no logic a library user would need.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
 from blockserve import __version__
+from blockserve.config import CacheConfig, ModelConfig, SchedulerConfig, ServerConfig
 from blockserve.core.hashing import HASH_FUNCTIONS
+from blockserve.errors import BlockserveError
 
 
 def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -76,7 +79,13 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "--dtype",
         choices=["auto", "float32", "bfloat16"],
         default="auto",
-        help="weight and activation dtype",
+        help="weight and activation dtype (auto: bfloat16, measured fastest here)",
+    )
+    serve.add_argument(
+        "--attention-backend",
+        choices=["auto", "torch"],
+        default="auto",
+        help="attention implementation (auto: chosen by device)",
     )
 
 
@@ -97,15 +106,47 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    if args.command == "serve":
-        print(
-            "blockserve serve: the HTTP server is not built yet; the prefix-cache core is "
-            "(see docs/architecture.md for what exists).",
-            file=sys.stderr,
-        )
-        return 1
+    try:
+        if args.command == "serve":
+            return run_serve(args)
+    except BlockserveError as exc:
+        print(f"blockserve {args.command}: {exc}", file=sys.stderr)
+        return 2
     parser.error(f"unknown command {args.command!r}")
     return 2
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Build the configs from the flags and serve (imports torch only now)."""
+    from blockserve.server.serve import serve
+
+    model_config = ModelConfig(
+        model=args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+        attention_backend=args.attention_backend,
+    )
+    cache_config = CacheConfig(
+        block_size=args.block_size,
+        enable_prefix_caching=args.enable_prefix_caching,
+        prefix_caching_hash_algo=args.prefix_caching_hash_algo,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+    )
+    defaults = SchedulerConfig()
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=args.max_num_seqs or defaults.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens or defaults.max_num_batched_tokens,
+        policy=args.scheduling_policy,
+    )
+    server_config = ServerConfig(
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name,
+        api_key=args.api_key or os.environ.get("BLOCKSERVE_API_KEY") or None,
+    )
+    return serve(model_config, cache_config, scheduler_config, server_config)
 
 
 if __name__ == "__main__":

@@ -90,3 +90,20 @@ class SchedulerConfig:
                 f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
                 f"got {self.policy!r}"
             )
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """The HTTP front end. `api_key` None leaves /v1/* open."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    api_key: str | None = None
+    stats_interval_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise InvalidConfigError(f"port must be in 0..65535, got {self.port!r}")
+        if self.api_key is not None and not self.api_key:
+            raise InvalidConfigError("api_key must be a non-empty string")

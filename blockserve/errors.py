@@ -57,3 +57,9 @@ class EngineDeadError(BlockserveError, RuntimeError):
     """The engine loop has stopped and cannot serve requests."""
 
     http_status = 503
+
+
+class RequestFailedError(BlockserveError, RuntimeError):
+    """The engine failed while running a request (the engine itself goes on)."""
+
+    http_status = 500

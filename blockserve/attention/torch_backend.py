@@ -4,10 +4,11 @@ Handles any mix in one batch: fresh prefills, prefill chunks on top of cached pr
 (causal among the new tokens, full over the prefix) and single-token decodes, with GQA.
 Holds no global state: its per-step plan is built once by `prepare` and passed to every layer.
 
-Decodes are batched: their contexts are gathered block by block (whole 16-token blocks, one
-copy each) into a workspace reused by every layer, and attended in one call; each prefill
-sequence gets its own call (its query count amortises the call). Measured choices are in
-docs/benchmarks.md ("Attention on the CPU").
+Decodes are batched. Blocks that every decoding sequence shares (a common prompt prefix) are
+read once and attended by all queries together; each sequence's remaining blocks are gathered
+whole into a workspace reused by every layer; the two partial results are merged by their
+log-sum-exp. Each prefill sequence gets its own call (its query count amortises the call).
+Measured choices are in docs/benchmarks.md ("Attention on the CPU").
 """
 
 from __future__ import annotations
@@ -32,11 +33,22 @@ class PrefillPlan:
 
 
 @dataclass(frozen=True, slots=True)
+class DecodePlan:
+    """All single-token decodes of the step.
+
+    context of row i: | common blocks (shared by every row) | own blocks ... padding |
+    """
+
+    token_indices: torch.Tensor  # [num_decodes]: their rows in the flat batch
+    common_block_ids: torch.Tensor | None  # [num_common]; None when nothing is shared
+    block_ids: torch.Tensor  # [num_decodes * max_own_blocks], padding → block 0
+    mask: torch.Tensor  # [num_decodes, 1, 1, max_own_blocks * block_size] bool, True = attend
+
+
+@dataclass(frozen=True, slots=True)
 class TorchAttentionPlan:
     slot_mapping: torch.Tensor  # [num_tokens]
-    decode_token_indices: torch.Tensor | None  # [num_decodes]
-    decode_block_ids: torch.Tensor | None  # [num_decodes * max_blocks], padding → block 0
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    decode: DecodePlan | None
     prefills: tuple[PrefillPlan, ...]
 
 
@@ -44,6 +56,28 @@ def context_slots(block_table: torch.Tensor, num_positions: int, block_size: int
     """Cache slots of positions 0..num_positions-1 of a sequence: [num_positions] int64."""
     positions = torch.arange(num_positions, device=block_table.device)
     return block_table[positions // block_size] * block_size + positions % block_size
+
+
+def num_common_blocks(tables: torch.Tensor, min_seq_len: int, block_size: int) -> int:
+    """Leading block-table columns equal in every row, keeping each row's last token its own."""
+    if tables.shape[0] < 2:
+        return 0
+    same = (tables == tables[:1]).all(dim=0).int().cumprod(dim=0)
+    return min(int(same.sum()), (min_seq_len - 1) // block_size)
+
+
+def attend(
+    q: torch.Tensor,  # [..., queries, dim]
+    k: torch.Tensor,  # [..., keys, dim]
+    v: torch.Tensor,  # [..., keys, dim]
+    mask: torch.Tensor | None = None,  # broadcastable to [..., queries, keys], True = attend
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention in float32, with the log-sum-exp of the scores for merging."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [..., queries]
+    return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.float()), lse
 
 
 class TorchAttentionBackend:
@@ -56,53 +90,7 @@ class TorchAttentionBackend:
     def __init__(self) -> None:
         self._workspace: torch.Tensor | None = None
 
-    def _gather_blocks(self, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-        """K and V of `block_ids`: [2, len(block_ids), block_size, kv_heads, dim]."""
-        shape = (2, block_ids.numel(), *kv_cache.shape[2:])
-        size = math.prod(shape)
-        workspace = self._workspace
-        if (
-            workspace is None
-            or workspace.numel() < size
-            or workspace.dtype != kv_cache.dtype
-            or workspace.device != kv_cache.device
-        ):
-            workspace = torch.empty(size, dtype=kv_cache.dtype, device=kv_cache.device)
-            self._workspace = workspace
-        gathered = workspace[:size].view(shape)
-        torch.index_select(kv_cache[0], 0, block_ids, out=gathered[0])
-        torch.index_select(kv_cache[1], 0, block_ids, out=gathered[1])
-        return gathered
-
-    def _decode(
-        self,
-        query: torch.Tensor,  # [num_decodes, heads, dim]
-        kv_cache: torch.Tensor,
-        block_ids: torch.Tensor,
-        mask: torch.Tensor,  # [num_decodes, 1, 1, context]
-    ) -> torch.Tensor:  # [num_decodes, heads, dim]
-        num_decodes, num_heads, head_dim = query.shape
-        num_kv_heads = kv_cache.shape[3]
-        context = mask.shape[-1]
-        gathered = self._gather_blocks(kv_cache, block_ids)
-        # [num_decodes, context, kv_heads, dim] → [num_decodes, kv_heads, context, dim]
-        k = gathered[0].view(num_decodes, context, num_kv_heads, head_dim).transpose(1, 2)
-        v = gathered[1].view(num_decodes, context, num_kv_heads, head_dim).transpose(1, 2)
-        if query.dtype == torch.float32:
-            # float32: torch's fused kernel is the fastest path measured.
-            out = F.scaled_dot_product_attention(
-                query.unsqueeze(2), k, v, attn_mask=mask, enable_gqa=True
-            )
-            return out.squeeze(2)
-        # bfloat16: the fused CPU kernel is ~5x slower than two batched matmuls for a single
-        # query row, so each KV head's query group is one [group, dim] @ [dim, context] matmul.
-        group = num_heads // num_kv_heads
-        q = query.view(num_decodes, num_kv_heads, group, head_dim)
-        scores = torch.matmul(q, k.contiguous().transpose(-1, -2)) * head_dim**-0.5
-        scores = scores.masked_fill(~mask, float("-inf"))  # [decodes, kv_heads, group, context]
-        probs = scores.softmax(dim=-1, dtype=torch.float32).to(query.dtype)
-        out = torch.matmul(probs, v.contiguous())  # [decodes, kv_heads, group, dim]
-        return out.reshape(num_decodes, num_heads, head_dim)
+    # -- planning (once per step) ---------------------------------------------------------
 
     def prepare(self, metadata: AttentionMetadata) -> TorchAttentionPlan:
         block_size = metadata.block_size
@@ -129,24 +117,33 @@ class TorchAttentionBackend:
                 mask = key_pos[None, :] <= query_pos[:, None]
                 prefills.append(PrefillPlan(token_start, token_end, slots, mask))
             token_start = token_end
+        decode = self._plan_decodes(metadata, decode_rows, decode_tokens) if decode_rows else None
+        return TorchAttentionPlan(metadata.slot_mapping, decode, tuple(prefills))
 
-        decode_token_indices = decode_block_ids = decode_mask = None
-        if decode_rows:
-            rows = torch.tensor(decode_rows, device=device)
-            max_blocks = -(-max(metadata.seq_lens_cpu[r] for r in decode_rows) // block_size)
-            tables = metadata.block_tables[rows, :max_blocks]  # [num_decodes, max_blocks]
-            positions = torch.arange(max_blocks * block_size, device=device)
-            # Padding positions read the null block and are masked out.
-            decode_mask = (positions[None, :] < metadata.seq_lens[rows][:, None])[:, None, None]
-            decode_block_ids = tables.reshape(-1)
-            decode_token_indices = torch.tensor(decode_tokens, device=device)
-        return TorchAttentionPlan(
-            slot_mapping=metadata.slot_mapping,
-            decode_token_indices=decode_token_indices,
-            decode_block_ids=decode_block_ids,
-            decode_mask=decode_mask,
-            prefills=tuple(prefills),
+    @staticmethod
+    def _plan_decodes(
+        metadata: AttentionMetadata, rows_list: list[int], token_indices: list[int]
+    ) -> DecodePlan:
+        block_size = metadata.block_size
+        device = metadata.slot_mapping.device
+        rows = torch.tensor(rows_list, device=device)
+        seq_lens = [metadata.seq_lens_cpu[r] for r in rows_list]
+        max_blocks = -(-max(seq_lens) // block_size)
+        tables = metadata.block_tables[rows, :max_blocks]  # [num_decodes, max_blocks]
+        num_common = num_common_blocks(tables, min(seq_lens), block_size)
+        own = tables[:, num_common:]
+        # Position of each gathered key within its sequence; padding reads the null block
+        # and is masked out.
+        positions = num_common * block_size + torch.arange(own.shape[1] * block_size, device=device)
+        mask = (positions[None, :] < metadata.seq_lens[rows][:, None])[:, None, None]
+        return DecodePlan(
+            token_indices=torch.tensor(token_indices, device=device),
+            common_block_ids=tables[0, :num_common] if num_common else None,
+            block_ids=own.reshape(-1),
+            mask=mask,
         )
+
+    # -- the forward (every layer) --------------------------------------------------------
 
     def forward(
         self,
@@ -163,11 +160,9 @@ class TorchAttentionBackend:
         value_cache.index_copy_(0, plan.slot_mapping, value)
 
         output = torch.empty_like(query)
-        if plan.decode_token_indices is not None:
-            assert plan.decode_block_ids is not None and plan.decode_mask is not None
-            output[plan.decode_token_indices] = self._decode(
-                query[plan.decode_token_indices], kv_cache, plan.decode_block_ids, plan.decode_mask
-            )
+        if plan.decode is not None:
+            rows = plan.decode.token_indices
+            output[rows] = self._decode(query[rows], kv_cache, plan.decode)
         # 4-D inputs throughout: with 3-D ones torch's CPU SDPA falls back to its slow math path.
         for prefill in plan.prefills:
             start, end = prefill.token_start, prefill.token_end
@@ -184,3 +179,78 @@ class TorchAttentionBackend:
                 )
             output[start:end] = out[0].transpose(0, 1)
         return output
+
+    def _gather_blocks(self, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        """K and V of `block_ids`: [2, len(block_ids), block_size, kv_heads, dim]."""
+        shape = (2, block_ids.numel(), *kv_cache.shape[2:])
+        size = math.prod(shape)
+        workspace = self._workspace
+        if (
+            workspace is None
+            or workspace.numel() < size
+            or workspace.dtype != kv_cache.dtype
+            or workspace.device != kv_cache.device
+        ):
+            workspace = torch.empty(size, dtype=kv_cache.dtype, device=kv_cache.device)
+            self._workspace = workspace
+        gathered = workspace[:size].view(shape)
+        torch.index_select(kv_cache[0], 0, block_ids, out=gathered[0])
+        torch.index_select(kv_cache[1], 0, block_ids, out=gathered[1])
+        return gathered
+
+    def _decode(
+        self,
+        query: torch.Tensor,  # [num_decodes, heads, dim]
+        kv_cache: torch.Tensor,
+        plan: DecodePlan,
+    ) -> torch.Tensor:  # [num_decodes, heads, dim]
+        num_decodes, num_heads, head_dim = query.shape
+        num_kv_heads = kv_cache.shape[3]
+        group = num_heads // num_kv_heads
+        context = plan.mask.shape[-1]
+        gathered = self._gather_blocks(kv_cache, plan.block_ids)
+        # [num_decodes, context, kv_heads, dim] → [num_decodes, kv_heads, context, dim]
+        k = gathered[0].view(num_decodes, context, num_kv_heads, head_dim).transpose(1, 2)
+        v = gathered[1].view(num_decodes, context, num_kv_heads, head_dim).transpose(1, 2)
+        q = query.view(num_decodes, num_kv_heads, group, head_dim)
+        if plan.common_block_ids is not None:
+            return self._decode_with_common_prefix(q, k, v, kv_cache, plan).to(query.dtype)
+        if query.dtype == torch.float32:
+            # float32: torch's fused kernel is the fastest path measured.
+            out = F.scaled_dot_product_attention(
+                query.unsqueeze(2), k, v, attn_mask=plan.mask, enable_gqa=True
+            )
+            return out.squeeze(2)
+        # bfloat16: the fused CPU kernel is ~5x slower than two batched matmuls for a single
+        # query row, so each KV head's query group is one [group, dim] @ [dim, context] matmul.
+        scores = torch.matmul(q, k.contiguous().transpose(-1, -2)) * head_dim**-0.5
+        scores = scores.masked_fill(~plan.mask, float("-inf"))  # [decodes, kv, group, context]
+        probs = scores.softmax(dim=-1, dtype=torch.float32).to(query.dtype)
+        out = torch.matmul(probs, v.contiguous())  # [decodes, kv_heads, group, dim]
+        return out.reshape(num_decodes, num_heads, head_dim)
+
+    @staticmethod
+    def _decode_with_common_prefix(
+        q: torch.Tensor,  # [num_decodes, kv_heads, group, dim]
+        k: torch.Tensor,  # [num_decodes, kv_heads, own_context, dim]
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        plan: DecodePlan,
+    ) -> torch.Tensor:  # [num_decodes, heads, dim] float32
+        assert plan.common_block_ids is not None
+        num_decodes, num_kv_heads, group, head_dim = q.shape
+        # The shared blocks, read once: [kv_heads, common_context, dim].
+        common_k = kv_cache[0, plan.common_block_ids].reshape(-1, num_kv_heads, head_dim)
+        common_v = kv_cache[1, plan.common_block_ids].reshape(-1, num_kv_heads, head_dim)
+        # Every sequence's queries against them in one matmul per KV head.
+        q_all = q.permute(1, 0, 2, 3).reshape(num_kv_heads, num_decodes * group, head_dim)
+        out_common, lse_common = attend(q_all, common_k.transpose(0, 1), common_v.transpose(0, 1))
+        out_common = out_common.view(num_kv_heads, num_decodes, group, head_dim).transpose(0, 1)
+        lse_common = lse_common.view(num_kv_heads, num_decodes, group).transpose(0, 1)
+        out_own, lse_own = attend(q, k, v, plan.mask)  # [decodes, kv_heads, group, ...]
+        # Merge the two softmaxes by their log-sum-exp weights.
+        lse = torch.logaddexp(lse_common, lse_own)
+        out = out_common * torch.exp(lse_common - lse).unsqueeze(-1) + out_own * torch.exp(
+            lse_own - lse
+        ).unsqueeze(-1)
+        return out.reshape(num_decodes, num_kv_heads * group, head_dim)

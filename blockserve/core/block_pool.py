@@ -250,3 +250,36 @@ class BlockPool:
     def take_events(self) -> list[KVEvent]:
         """Drain the events emitted since the last call (empty when events are off)."""
         return self.events.take() if self.events is not None else []
+
+    def integrity_errors(self) -> list[str]:
+        """Every broken invariant (empty when sound): each block free with ref_cnt 0 or held,
+        the free count equal to the queue's length, and the hash map and the blocks' hashes
+        describing the same (hash, block) pairs. O(num_blocks): for tests and debugging."""
+        errors = []
+        free_ids = self.free_block_queue.block_ids()
+        free = set(free_ids)
+        if len(free) != len(free_ids) or len(free_ids) != self.num_free_blocks:
+            errors.append(
+                f"free queue has {len(free_ids)} entries ({len(free)} distinct), "
+                f"count says {self.num_free_blocks}"
+            )
+        null = self.null_block
+        if null.block_id != 0 or not null.is_null or null.block_hash is not None or 0 in free:
+            errors.append("the null block is not block 0, or is hashed or queued")
+        for block in self.blocks[1:]:
+            if block.is_null:
+                errors.append(f"block {block.block_id} is marked null")
+            if (block.block_id in free) != (block.ref_cnt == 0):
+                errors.append(
+                    f"block {block.block_id}: ref_cnt {block.ref_cnt}, "
+                    f"{'in' if block.block_id in free else 'not in'} the free queue"
+                )
+        mapped: dict[int, bytes] = {}
+        for block_hash, block in self.cached_block_hash_to_block.items():
+            if block.block_hash != block_hash or block.block_id in mapped:
+                errors.append(f"hash map entry for block {block.block_id} is wrong")
+            mapped[block.block_id] = block_hash
+        hashed = {b.block_id: b.block_hash for b in self.blocks if b.block_hash is not None}
+        if mapped != hashed:
+            errors.append(f"{len(hashed)} hashed blocks but {len(mapped)} hash map entries")
+        return errors

@@ -7,6 +7,7 @@ scheduling decisions: `allocate_slots` answers "does it fit", the scheduler deci
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
@@ -215,6 +216,20 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         """Clear the prefix cache; False while any request holds blocks."""
         return self.block_pool.reset_prefix_cache()
+
+    def integrity_errors(self) -> list[str]:
+        """Pool invariants, plus: every block's ref_cnt equals the requests holding it."""
+        errors = self.block_pool.integrity_errors()
+        holders = Counter(b.block_id for blocks in self.req_to_blocks.values() for b in blocks)
+        for block in self.block_pool.blocks[1:]:
+            if block.ref_cnt != holders.get(block.block_id, 0):
+                errors.append(
+                    f"block {block.block_id}: ref_cnt {block.ref_cnt}, "
+                    f"held by {holders.get(block.block_id, 0)} requests"
+                )
+        if set(self.num_cached_blocks) != set(self.req_to_blocks):
+            errors.append("cached-block counts and block lists name different requests")
+        return errors
 
     def take_events(self) -> list[KVEvent]:
         """Drain the KV events emitted since the last call."""

@@ -13,7 +13,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +38,12 @@ class _Add:
 @dataclass(frozen=True)
 class _Abort:
     request_id: str
+
+
+@dataclass(frozen=True)
+class _Call:
+    fn: Callable[[LLMEngine], Any]
+    result: concurrent.futures.Future[Any]
 
 
 _STOP = object()
@@ -114,6 +120,14 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run `fn(engine)` on the engine thread between two steps and return its result."""
+        if not self.is_healthy():
+            raise EngineDeadError("the engine is not running") from self.dead_error
+        result: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._commands.put(_Call(fn, result))
+        return await asyncio.wrap_future(result)
+
     def abort(self, request_id: str) -> None:
         """Abort a request; its blocks are freed before the engine's next step."""
         self._commands.put(_Abort(request_id))
@@ -168,6 +182,11 @@ class AsyncEngine:
                     command.accepted.set_result(None)
             elif isinstance(command, _Abort):
                 self.engine.abort_request([command.request_id])
+            elif isinstance(command, _Call):
+                try:
+                    command.result.set_result(command.fn(self.engine))
+                except Exception as exc:  # the caller gets it; the engine is unaffected
+                    command.result.set_exception(exc)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:

@@ -26,23 +26,34 @@ def make_case(
     num_kv_heads: int,
     head_dim: int,
     dtype: torch.dtype = torch.float32,
-    block_size: int = 16,
+    shared_blocks: int = 0,
     seed: int = 0,
 ) -> AttentionCase:
-    """Sequences with cached prefixes already in a shuffled paged cache, plus new tokens."""
+    """Sequences with cached prefixes already in a shuffled paged cache, plus new tokens.
+
+    The first `shared_blocks` blocks of every sequence are the same physical blocks (a common
+    prompt prefix); each sequence's cached tokens must cover them.
+    """
+    block_size = 16
     gen = torch.Generator().manual_seed(seed)
     blocks_needed = [math.ceil((c + q) / block_size) for c, q in specs]
     num_blocks = sum(blocks_needed) + 3
     permutation = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()  # never block 0
     kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
     kv_cache = kv_cache.to(dtype)
+    shared_table = [permutation.pop() for _ in range(shared_blocks)]
+    shared_len = shared_blocks * block_size
+    shared_k = torch.randn(shared_len, num_kv_heads, head_dim, generator=gen).to(dtype)
+    shared_v = torch.randn(shared_len, num_kv_heads, head_dim, generator=gen).to(dtype)
     tables, queries, keys, values, slots, contexts = [], [], [], [], [], []
     for (num_cached, query_len), n in zip(specs, blocks_needed, strict=True):
-        table = [permutation.pop() for _ in range(n)]
+        assert num_cached >= shared_len
+        table = shared_table + [permutation.pop() for _ in range(n - shared_blocks)]
         tables.append(table)
         seq_len = num_cached + query_len
         full_k = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(dtype)
         full_v = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(dtype)
+        full_k[:shared_len], full_v[:shared_len] = shared_k, shared_v
         for pos in range(num_cached):  # the prefix was written in earlier steps
             block, offset = table[pos // block_size], pos % block_size
             kv_cache[0, block, offset] = full_k[pos]

@@ -47,6 +47,20 @@ def test_decode_only_batch_with_different_lengths() -> None:
     case = make_case([(1, 1), (57, 1), (199, 1), (16, 1)], 4, 1, head_dim=32, seed=5)
     backend = TorchAttentionBackend()
     plan = backend.prepare(case.metadata)
-    assert plan.decode_block_ids is not None and plan.decode_block_ids.shape == (4 * 13,)
+    assert plan.decode is not None and plan.decode.block_ids.shape == (4 * 13,)
+    assert plan.decode.common_block_ids is None
     out = backend.forward(case.query, case.key, case.value, case.kv_cache, plan)
     assert (out.double() - reference_attention(case)).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decodes_sharing_prefix_blocks_read_them_once(dtype: torch.dtype) -> None:
+    """Decodes over 4 common blocks use the shared-prefix path and equal dense attention."""
+    specs = [(64, 1), (64, 1), (70, 1), (99, 1), (65, 1)]
+    case = make_case(specs, 6, 2, head_dim=64, dtype=dtype, shared_blocks=4, seed=3)
+    backend = TorchAttentionBackend()
+    plan = backend.prepare(case.metadata)
+    assert plan.decode is not None and plan.decode.common_block_ids is not None
+    assert plan.decode.common_block_ids.tolist() == case.metadata.block_tables[0, :4].tolist()
+    out = backend.forward(case.query, case.key, case.value, case.kv_cache, plan)
+    assert (out.double() - reference_attention(case)).abs().max().item() < TOLERANCE[dtype]

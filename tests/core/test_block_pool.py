@@ -8,6 +8,7 @@ from blockserve.core.block_pool import BlockPool
 from blockserve.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventRecorder
 from blockserve.errors import InvalidConfigError, NoFreeBlocksError
 from tests.core.helpers import (
+    HASHER,
     admit,
     assert_manager_integrity,
     assert_pool_integrity,
@@ -199,3 +200,17 @@ def test_touch_and_free_skip_the_null_block() -> None:
     assert pool.null_block.ref_cnt == 0
     assert pool.free_block_queue.block_ids() == [1, 2, 3, 4]
     assert_pool_integrity(pool)
+
+
+def test_integrity_check_reports_corruption() -> None:
+    """The integrity check fails on a held block left in the queue and on a stray hash."""
+    manager = make_manager(11)
+    admit(manager, make_request("a", range(9)))
+    pool = manager.block_pool
+    assert manager.integrity_errors() == []
+    pool.blocks[1].ref_cnt = 0  # held, but claims no holder
+    pool.blocks[7].block_hash = HASHER.hash_block(None, [1, 2, 3, 4])  # hashed, not mapped
+    errors = manager.integrity_errors()
+    assert "block 1: ref_cnt 0, not in the free queue" in errors
+    assert "3 hashed blocks but 2 hash map entries" in errors
+    assert "block 1: ref_cnt 0, held by 1 requests" in errors

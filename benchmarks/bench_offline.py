@@ -1,0 +1,147 @@
+"""Offline throughput of the whole engine on the default model, with prefix caching on and off.
+
+Workloads (greedy, ignore_eos):
+  shared-prefix  64 requests: one shared 1,024-token prefix + a distinct 32-token suffix each,
+                 32 output tokens.
+  random         64 requests of 1,056 random tokens (no sharing), 32 output tokens.
+
+Also times the scheduler (schedule + update_from_output) and the rest of the engine's
+bookkeeping against the model runner, to show what the control plane costs per step.
+
+    .venv/bin/python benchmarks/bench_offline.py [--workload shared-prefix random]
+        [--caching on off] [--requests 64] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from blockserve import LLM, SamplingParams
+
+PREFIX_LEN = 1024
+SUFFIX_LEN = 32
+OUTPUT_LEN = 32
+
+
+def make_prompts(workload: str, num_requests: int, vocab_size: int) -> list[list[int]]:
+    rng = random.Random(0)
+    high = min(vocab_size, 40000)
+    if workload == "shared-prefix":
+        prefix = [rng.randrange(100, high) for _ in range(PREFIX_LEN)]
+        return [
+            prefix + [rng.randrange(100, high) for _ in range(SUFFIX_LEN)]
+            for _ in range(num_requests)
+        ]
+    return [
+        [rng.randrange(100, high) for _ in range(PREFIX_LEN + SUFFIX_LEN)]
+        for _ in range(num_requests)
+    ]
+
+
+class Timer:
+    """Accumulates the wall time of calls to one bound method (installed on the instance)."""
+
+    def __init__(self, owner: Any, name: str) -> None:
+        self.total = 0.0
+        self.calls = 0
+        wrapped: Callable[..., Any] = getattr(owner, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return wrapped(*args, **kwargs)
+            finally:
+                self.total += time.perf_counter() - start
+                self.calls += 1
+
+        setattr(owner, name, timed)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
+
+
+def run(workload: str, caching: bool, num_requests: int) -> dict:
+    llm = LLM(enable_prefix_caching=caching, max_num_seqs=num_requests)
+    engine = llm.engine
+    prompts = make_prompts(workload, num_requests, engine.vocab_size)
+    params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_LEN, ignore_eos=True)
+    llm.generate(prompts[0][:64], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+    llm.reset_prefix_cache()
+    before = llm.get_stats()
+    steps = Timer(engine, "step")
+    execute = Timer(engine.runner, "execute")
+    schedule = Timer(engine.scheduler, "schedule")
+    update = Timer(engine.scheduler, "update_from_output")
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    stats = llm.get_stats()
+    ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outputs]  # type: ignore[operator]
+    num_output = sum(len(o.outputs[0].token_ids) for o in outputs)
+    num_prompt = sum(len(p) for p in prompts)
+    queries = stats.prefix_cache_queries - before.prefix_cache_queries
+    hits = stats.prefix_cache_hits - before.prefix_cache_hits
+    scheduler_s = schedule.total + update.total
+    return {
+        "workload": workload,
+        "prefix_caching": caching,
+        "requests": num_requests,
+        "wall_s": round(wall, 2),
+        "output_tokens_per_s": round(num_output / wall, 1),
+        "total_tokens_per_s": round((num_output + num_prompt) / wall, 1),
+        "ttft_mean_s": round(statistics.mean(ttft), 3),
+        "ttft_p50_s": round(percentile(ttft, 0.5), 3),
+        "ttft_p99_s": round(percentile(ttft, 0.99), 3),
+        "hit_rate": round(hits / queries, 4) if queries else 0.0,
+        "preemptions": stats.num_preemptions - before.num_preemptions,
+        "steps": steps.calls,
+        "scheduler_ms_per_step": round(scheduler_s / steps.calls * 1e3, 3),
+        "runner_ms_per_step": round(execute.total / steps.calls * 1e3, 2),
+        "scheduler_share_of_runner": round(scheduler_s / execute.total, 4),
+        "engine_overhead_share_of_step": round((steps.total - execute.total) / steps.total, 4),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workload", nargs="+", default=["shared-prefix", "random"])
+    parser.add_argument("--caching", nargs="+", default=["on", "off"])
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    runs = [
+        run(workload, caching == "on", args.requests)
+        for workload in args.workload
+        for caching in args.caching
+    ]
+    results = {
+        "benchmark": "offline",
+        "model": "SmolLM2-135M-Instruct",
+        "machine": platform.machine(),
+        "runs": runs,
+    }
+    for workload in args.workload:
+        by_caching = {r["prefix_caching"]: r["wall_s"] for r in runs if r["workload"] == workload}
+        if True in by_caching and False in by_caching:
+            results[f"{workload}_speedup_from_caching"] = round(
+                by_caching[False] / by_caching[True], 2
+            )
+    text = json.dumps(results, indent=2)
+    print(text)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

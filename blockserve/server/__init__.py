@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server: app factory, protocol models, errors, metrics, auth."""

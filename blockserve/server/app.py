@@ -1,0 +1,155 @@
+"""The FastAPI app factory: routes, auth, errors, metrics, and the engine's lifetime.
+
+The app talks to the engine only through `AsyncEngine` (generate, abort, health, stats).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import hmac
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+
+from blockserve import __version__
+from blockserve.config import ServerConfig
+from blockserve.engine.async_engine import AsyncEngine
+from blockserve.engine.llm_engine import LLMEngine
+from blockserve.errors import InvalidRequestError
+from blockserve.server.errors import error_response, install_error_handlers
+from blockserve.server.metrics import ServerMetrics, log_stats_periodically
+from blockserve.server.openai_routes import (
+    ServingContext,
+    create_chat_completion,
+    create_completion,
+    render_chat_prompt,
+)
+from blockserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+
+
+def _auth_middleware(api_key: str) -> Callable[[Request, Callable], Awaitable[Response]]:
+    expected = f"Bearer {api_key}".encode()
+
+    async def check(request: Request, call_next: Callable) -> Response:
+        if request.url.path.startswith("/v1"):
+            given = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, expected):  # constant time
+                return error_response(401, "invalid or missing API key")
+        response: Response = await call_next(request)
+        return response
+
+    return check
+
+
+def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
+    """An app serving `engine`; the engine thread starts and stops with the app."""
+    model_name = config.served_model_name or engine.model_name
+    ctx = ServingContext(
+        engine=engine,
+        model_name=model_name,
+        tokenizer=copy.deepcopy(engine.engine.tokenizer),
+        metrics=ServerMetrics(engine, model_name),
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        stats_task = asyncio.create_task(log_stats_periodically(engine, config.stats_interval_s))
+        try:
+            yield
+        finally:
+            stats_task.cancel()
+            await asyncio.to_thread(engine.shutdown)
+
+    app = FastAPI(title="blockserve", version=__version__, lifespan=lifespan)
+    install_error_handlers(app)
+    if config.api_key:
+        app.middleware("http")(_auth_middleware(config.api_key))
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await create_completion(ctx, body, request)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await create_chat_completion(ctx, body, request)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "blockserve",
+                    "max_model_len": engine.engine.max_model_len,
+                }
+            ],
+        }
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if engine.is_healthy() else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        ctx.check_model(body.model)
+        if body.messages is not None:
+            chat = ChatCompletionRequest(messages=body.messages)
+            tokens = render_chat_prompt(ctx, chat)
+        else:
+            assert body.prompt is not None
+            tokens = list(
+                ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            )
+        return {
+            "count": len(tokens),
+            "max_model_len": engine.engine.max_model_len,
+            "tokens": tokens,
+        }
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        ctx.check_model(body.model)
+        vocab_size = engine.engine.vocab_size
+        if any(not 0 <= t < vocab_size for t in body.tokens):
+            raise InvalidRequestError(f"token ids must be in [0, {vocab_size})")
+        return {"prompt": ctx.tokenizer.decode(body.tokens)}
+
+    @app.get("/debug/kv_cache")
+    async def kv_cache() -> JSONResponse:
+        """Pool occupancy and its integrity check, computed between two engine steps."""
+        return JSONResponse(await engine.call(kv_cache_report))
+
+    return app
+
+
+def kv_cache_report(engine: LLMEngine) -> dict:
+    manager = engine.kv_cache_manager
+    pool = manager.block_pool
+    return {
+        "num_blocks": pool.num_blocks,
+        "num_free_blocks": pool.num_free_blocks,
+        "usage": pool.usage,
+        "num_cached_hashes": len(pool.cached_block_hash_to_block),
+        "num_requests_holding_blocks": len(manager.req_to_blocks),
+        "integrity_errors": manager.integrity_errors(),
+    }

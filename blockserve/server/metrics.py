@@ -1,0 +1,182 @@
+"""Prometheus metrics (vLLM's names under `blockserve:`) and the periodic stats log line.
+
+Engine state (running/waiting requests, KV usage, prefix-cache and token counters) is read
+from the engine at scrape time; per-request latencies are observed by the server as requests
+finish. Each app has its own registry: nothing is global.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from blockserve.engine.async_engine import AsyncEngine
+from blockserve.engine.llm_engine import EngineStats
+
+logger = logging.getLogger("blockserve.stats")
+
+LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+)
+
+
+class EngineCollector(Collector):
+    """Reads the engine's counters and gauges when Prometheus scrapes."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.engine.stats()
+        labels = [self.model_name]
+        gauges = {
+            "num_requests_running": ("Requests in the running batch.", stats.num_running),
+            "num_requests_waiting": ("Requests waiting to be admitted.", stats.num_waiting),
+            "kv_cache_usage_perc": (
+                "Fraction of KV blocks held by requests (0-1).",
+                stats.kv_cache_usage,
+            ),
+        }
+        for name, (doc, value) in gauges.items():
+            gauge = GaugeMetricFamily(f"blockserve:{name}", doc, labels=["model_name"])
+            gauge.add_metric(labels, value)
+            yield gauge
+        counters = {
+            "prefix_cache_queries": (
+                "Prompt tokens looked up in the prefix cache.",
+                stats.prefix_cache_queries,
+            ),
+            "prefix_cache_hits": (
+                "Prompt tokens found in the prefix cache.",
+                stats.prefix_cache_hits,
+            ),
+            "num_preemptions": ("Preemptions (recompute).", stats.num_preemptions),
+            "prompt_tokens": (
+                "Prompt tokens of requests that produced output.",
+                stats.num_prompt_tokens,
+            ),
+            "generation_tokens": ("Tokens generated.", stats.num_generation_tokens),
+        }
+        for name, (doc, value) in counters.items():
+            counter = CounterMetricFamily(f"blockserve:{name}", doc, labels=["model_name"])
+            counter.add_metric(labels, value)
+            yield counter
+
+
+class ServerMetrics:
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(engine, model_name))
+        self.request_success = Counter(
+            "blockserve:request_success",
+            "Finished requests, by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        self.time_to_first_token = Histogram(
+            "blockserve:time_to_first_token_seconds",
+            "Time to the first token.",
+            ["model_name"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.inter_token_latency = Histogram(
+            "blockserve:inter_token_latency_seconds",
+            "Time between output tokens.",
+            ["model_name"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e_request_latency = Histogram(
+            "blockserve:e2e_request_latency_seconds",
+            "Request latency, arrival to finish.",
+            ["model_name"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+@dataclass
+class RequestTimer:
+    """Observes one request's latencies as its outputs arrive at the server."""
+
+    metrics: ServerMetrics
+    start: float
+    last: float | None = None
+    num_tokens: int = 0
+
+    def on_output(self, num_tokens: int) -> None:
+        now = time.monotonic()
+        labels = self.metrics.time_to_first_token.labels(self.metrics.model_name)
+        if self.last is None and num_tokens > 0:
+            labels.observe(now - self.start)
+        elif self.last is not None and num_tokens > self.num_tokens:
+            per_token = (now - self.last) / (num_tokens - self.num_tokens)
+            itl = self.metrics.inter_token_latency.labels(self.metrics.model_name)
+            for _ in range(num_tokens - self.num_tokens):
+                itl.observe(per_token)
+        if num_tokens > self.num_tokens:
+            self.last, self.num_tokens = now, num_tokens
+
+    def on_finish(self, finish_reasons: list[str]) -> None:
+        name = self.metrics.model_name
+        self.metrics.e2e_request_latency.labels(name).observe(time.monotonic() - self.start)
+        for reason in finish_reasons:
+            self.metrics.request_success.labels(name, reason).inc()
+
+
+def format_stats_line(previous: EngineStats, current: EngineStats, seconds: float) -> str:
+    """vLLM-style throughput line over the last interval."""
+    prompt_rate = (current.num_prompt_tokens - previous.num_prompt_tokens) / seconds
+    generation_rate = (current.num_generation_tokens - previous.num_generation_tokens) / seconds
+    queries = current.prefix_cache_queries - previous.prefix_cache_queries
+    hits = current.prefix_cache_hits - previous.prefix_cache_hits
+    hit_rate = 100.0 * hits / queries if queries else 0.0
+    return (
+        f"Avg prompt throughput: {prompt_rate:.1f} tokens/s, "
+        f"Avg generation throughput: {generation_rate:.1f} tokens/s, "
+        f"Running: {current.num_running} reqs, Waiting: {current.num_waiting} reqs, "
+        f"KV cache usage: {100.0 * current.kv_cache_usage:.1f}%, "
+        f"Prefix cache hit rate: {hit_rate:.1f}%"
+    )
+
+
+async def log_stats_periodically(engine: AsyncEngine, interval: float) -> None:
+    """Log the stats line every `interval` seconds while anything happened in it."""
+    previous, last_time = engine.stats(), time.monotonic()
+    while True:
+        await asyncio.sleep(interval)
+        current, now = engine.stats(), time.monotonic()
+        if current != previous or current.num_running or current.num_waiting:
+            logger.info(format_stats_line(previous, current, now - last_time))
+        previous, last_time = current, now

@@ -1,0 +1,110 @@
+"""Turning engine outputs into OpenAI response bodies and SSE chunks.
+
+Pure functions of `RequestOutput`s: no I/O. A `ChoiceTracker` remembers, per choice, how much
+text and how many tokens a stream has already sent, so each chunk carries only the delta.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from blockserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
+
+
+def usage(outputs: Sequence[RequestOutput]) -> dict[str, Any]:
+    """OpenAI usage, with `prompt_tokens_details.cached_tokens` always present."""
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    completion_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outputs)},
+    }
+
+
+def sse(payload: dict[str, Any] | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+class TokenText:
+    """Token id → its text, for logprobs (decoded with the server's own tokenizer)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def __call__(self, token_id: int) -> str:
+        return str(self.tokenizer.decode([token_id]))
+
+
+def completion_logprobs(
+    logprobs: Sequence[Logprob], token_text: TokenText, text_offset: int
+) -> dict[str, Any]:
+    """The legacy completions logprobs object: parallel lists per token."""
+    tokens = [token_text(lp.token_id) for lp in logprobs]
+    offsets = []
+    for token in tokens:
+        offsets.append(text_offset)
+        text_offset += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in logprobs],
+        "top_logprobs": [{token_text(t): value for t, value in lp.top.items()} for lp in logprobs],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(logprobs: Sequence[Logprob], token_text: TokenText) -> dict[str, Any]:
+    """The chat logprobs object: one entry per token with its top alternatives."""
+
+    def entry(token_id: int, value: float) -> dict[str, Any]:
+        text = token_text(token_id)
+        return {"token": text, "logprob": value, "bytes": list(text.encode())}
+
+    return {
+        "content": [
+            {
+                **entry(lp.token_id, lp.logprob),
+                "top_logprobs": [entry(t, v) for t, v in lp.top.items()],
+            }
+            for lp in logprobs
+        ]
+    }
+
+
+@dataclass
+class _Sent:
+    text: int = 0
+    tokens: int = 0
+    finished: bool = False
+    role_sent: bool = False
+
+
+@dataclass
+class ChoiceTracker:
+    """What a stream has sent so far, per choice index."""
+
+    sent: dict[int, _Sent] = field(default_factory=dict)
+
+    def delta(self, index: int, choice: CompletionOutput) -> tuple[str, int, int, bool] | None:
+        """(new text, first new token, end token, finished now) or None when nothing is new."""
+        state = self.sent.setdefault(index, _Sent())
+        if state.finished:
+            return None
+        text = choice.text[state.text :]
+        first, end = state.tokens, len(choice.token_ids)
+        finished_now = choice.finish_reason is not None
+        if not text and not finished_now:
+            return None  # tokens without visible text yet ride along with the next chunk
+        state.text, state.tokens, state.finished = len(choice.text), end, finished_now
+        return text, first, end, finished_now
+
+    def take_role(self, index: int) -> bool:
+        """True the first time it is asked for a choice (chat sends the role once)."""
+        state = self.sent.setdefault(index, _Sent())
+        first, state.role_sent = not state.role_sent, True
+        return first

@@ -1,0 +1,30 @@
+"""The embedded default model served for real, through the openai client."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.server.server_process import ServerProcess
+
+
+@pytest.mark.slow
+def test_default_model_chat_mentions_paris(tmp_path: Path) -> None:
+    """`blockserve serve` with no --model answers the capital of France with Paris."""
+    server = ServerProcess(["--max-model-len", "2048"], tmp_path / "server.log")
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        (model,) = client.models.list().data
+        assert model.id == "SmolLM2-135M-Instruct"
+        answer = client.chat.completions.create(
+            model=model.id,
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=16,
+            temperature=0,
+        )
+        assert "Paris" in (answer.choices[0].message.content or "")
+        assert answer.choices[0].finish_reason in ("stop", "length")
+    finally:
+        assert server.stop() == 0, server.log()

@@ -1,0 +1,88 @@
+"""64 concurrent streaming clients, 10 of which hang up mid-stream, against a real server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from tests.server.server_process import ServerProcess, read_metric
+
+NUM_CLIENTS = 64
+NUM_DISCONNECTS = 10
+NUM_PROMPTS = 16
+MAX_TOKENS = 12
+
+
+def prompt(i: int) -> list[int]:
+    """16 distinct prompts sharing a 32-token opening, so the load also exercises hits."""
+    return list(range(40, 72)) + [(7 * i + j) % 300 for j in range(9)]
+
+
+def body(i: int, stream: bool) -> dict[str, object]:
+    return {
+        "prompt": prompt(i % NUM_PROMPTS),
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+
+
+async def stream_text(client: httpx.AsyncClient, url: str, i: int, hang_up: bool) -> str | None:
+    """The streamed text, or None after hanging up on purpose after two chunks."""
+    text, chunks = "", 0
+    async with client.stream("POST", f"{url}/v1/completions", json=body(i, True)) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunks += 1
+            text += json.loads(line[6:])["choices"][0]["text"]
+            if hang_up and chunks == 2:
+                return None  # leaving the block closes the connection mid-stream
+    return text
+
+
+@pytest.mark.slow
+def test_concurrent_streams_with_disconnects_leave_a_clean_pool(server: ServerProcess) -> None:
+    """Completed streams carry the right text; aborted ones free their blocks; pool is sound."""
+    expected = [
+        httpx.post(f"{server.url}/v1/completions", json=body(i, False), timeout=60).json()[
+            "choices"
+        ][0]["text"]
+        for i in range(NUM_PROMPTS)
+    ]
+
+    async def load() -> list[str | None]:
+        limits = httpx.Limits(max_connections=NUM_CLIENTS)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+            return await asyncio.gather(
+                *(
+                    stream_text(client, server.url, i, i < NUM_DISCONNECTS)
+                    for i in range(NUM_CLIENTS)
+                )
+            )
+
+    texts = asyncio.run(load())
+    assert texts[:NUM_DISCONNECTS] == [None] * NUM_DISCONNECTS
+    for i in range(NUM_DISCONNECTS, NUM_CLIENTS):
+        assert texts[i] == expected[i % NUM_PROMPTS], i
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        report = httpx.get(f"{server.url}/debug/kv_cache").json()
+        if report["num_requests_holding_blocks"] == 0:
+            break
+        time.sleep(0.05)
+    assert report["num_requests_holding_blocks"] == 0
+    assert report["usage"] == 0.0
+    assert report["integrity_errors"] == []
+    assert read_metric(server.url, "kv_cache_usage_perc") == 0.0
+    assert read_metric(server.url, "num_requests_running") == 0.0
+    # The server still answers.
+    again = httpx.post(f"{server.url}/v1/completions", json=body(0, False), timeout=60)
+    assert again.json()["choices"][0]["text"] == expected[0]

@@ -1,0 +1,148 @@
+"""The official openai client against a real server process (tiny model)."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.server.server_process import ServerProcess
+from tests.tiny_models import make_tokenizer
+
+PROMPT_33 = list(range(10, 43))
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
+    """/v1/models names the model directory."""
+    (model,) = client.models.list().data
+    assert model.id.startswith("tiny-llama")
+
+
+def test_completion(client: openai.OpenAI) -> None:
+    """A greedy completion returns max_tokens tokens with usage, cached tokens included."""
+    out = client.completions.create(
+        model=None,  # type: ignore[arg-type]
+        prompt="the quick brown",
+        max_tokens=6,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert out.object == "text_completion"
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage is not None and out.usage.completion_tokens == 6
+    assert out.usage.prompt_tokens_details is not None
+    assert out.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_chat_completion(client: openai.OpenAI) -> None:
+    """Chat renders the template; the answer is the assistant message."""
+    out = client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        messages=[{"role": "user", "content": "hello"}],
+        max_tokens=5,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert out.choices[0].message.role == "assistant"
+    expected_prompt = make_tokenizer().encode(
+        "<|user|>hello<eos><|assistant|>", add_special_tokens=False
+    )
+    assert out.usage is not None
+    assert out.usage.prompt_tokens == len(expected_prompt)
+    assert out.usage.completion_tokens == 5
+
+
+def test_streaming_with_usage_equals_non_streaming(client: openai.OpenAI) -> None:
+    """Streamed deltas concatenate to the non-streamed text; usage comes in a final chunk."""
+    kwargs = dict(
+        prompt="hello world", max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
+    )
+    whole = client.completions.create(model=None, **kwargs).choices[0].text  # type: ignore[arg-type]
+    chunks = list(
+        client.completions.create(
+            model=None,
+            stream=True,
+            stream_options={"include_usage": True},
+            **kwargs,  # type: ignore[arg-type]
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 10
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_chat_streaming(client: openai.OpenAI) -> None:
+    """The chat stream opens with the role and ends with a finish reason."""
+    chunks = list(
+        client.chat.completions.create(
+            model=client.models.list().data[0].id,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=4,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_n_two_choices(client: openai.OpenAI) -> None:
+    """n=2 returns choices 0 and 1; with a seed the request is reproducible."""
+    kwargs = dict(
+        prompt=PROMPT_33,
+        max_tokens=8,
+        n=2,
+        temperature=1.0,
+        seed=11,
+        extra_body={"ignore_eos": True},
+    )
+    first = client.completions.create(model=None, **kwargs)  # type: ignore[arg-type]
+    again = client.completions.create(model=None, **kwargs)  # type: ignore[arg-type]
+    assert [c.index for c in first.choices] == [0, 1]
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]
+    assert first.usage is not None and first.usage.completion_tokens == 16
+
+
+def test_logprobs(client: openai.OpenAI) -> None:
+    """Completion logprobs: one entry per token with top-2 alternatives; chat logprobs too."""
+    out = client.completions.create(
+        model=None,
+        prompt="hello",
+        max_tokens=3,
+        temperature=0,
+        logprobs=2,  # type: ignore[arg-type]
+        extra_body={"ignore_eos": True},
+    )
+    logprobs = out.choices[0].logprobs
+    assert logprobs is not None and logprobs.token_logprobs is not None
+    assert len(logprobs.token_logprobs) == 3 and all(lp <= 0 for lp in logprobs.token_logprobs)
+    assert logprobs.top_logprobs is not None and all(len(t) <= 2 for t in logprobs.top_logprobs)
+    chat = client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == 3
+    assert all(len(entry.top_logprobs) == 2 for entry in content)
+
+
+def test_stop_sequence(client: openai.OpenAI) -> None:
+    """A stop sequence from the greedy text ends it there with finish_reason "stop"."""
+    kwargs = dict(prompt="the quick", max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
+    text = client.completions.create(model=None, **kwargs).choices[0].text  # type: ignore[arg-type]
+    stop = text[4:7]
+    cut = text[: text.find(stop)]
+    out = client.completions.create(model=None, stop=[stop], **kwargs)  # type: ignore[arg-type]
+    assert out.choices[0].text == cut
+    assert out.choices[0].finish_reason == "stop"
