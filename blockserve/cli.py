@@ -15,6 +15,7 @@ from blockserve import __version__
 from blockserve.config import CacheConfig, ModelConfig, SchedulerConfig, ServerConfig
 from blockserve.core.hashing import HASH_FUNCTIONS
 from blockserve.errors import BlockserveError
+from blockserve.events.config import KVEventsConfig
 
 
 def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -89,6 +90,43 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     )
 
 
+def _add_events_parser(subparsers: argparse._SubParsersAction) -> None:
+    events = subparsers.add_parser(
+        "events",
+        help="print a server's KV events (BlockStored / BlockRemoved / AllBlocksCleared)",
+        description="Subscribe to a KV event stream and print one line per event; missed "
+        "batches are fetched through the replay endpoint when one is given.",
+    )
+    events.add_argument("--endpoint", default="tcp://127.0.0.1:5557", help="the PUB endpoint")
+    events.add_argument("--replay-endpoint", default=None, help="the ROUTER replay endpoint")
+    events.add_argument("--topic", default="", help="topic prefix to subscribe to")
+    events.add_argument("--json", action="store_true", help="print JSON lines")
+    events.add_argument(
+        "--max-events", type=int, default=None, help="exit after printing this many events"
+    )
+
+
+def run_events(args: argparse.Namespace) -> int:
+    from blockserve.events.subscriber import KVEventSubscriber, format_event
+
+    subscriber = KVEventSubscriber(args.endpoint, args.replay_endpoint, args.topic)
+    remaining = args.max_events
+    try:
+        while remaining is None or remaining > 0:
+            for seq, batch in subscriber.poll(timeout_ms=200):
+                for event in batch.events[:remaining]:
+                    print(format_event(seq, batch, event, args.json), flush=True)
+                if remaining is not None:
+                    remaining -= min(remaining, len(batch.events))
+                    if remaining == 0:
+                        break
+    except KeyboardInterrupt:
+        pass
+    finally:
+        subscriber.close()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="blockserve",
@@ -97,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"blockserve {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_serve_parser(subparsers)
+    _add_events_parser(subparsers)
     return parser
 
 
@@ -109,6 +148,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "serve":
             return run_serve(args)
+        if args.command == "events":
+            return run_events(args)
     except BlockserveError as exc:
         print(f"blockserve {args.command}: {exc}", file=sys.stderr)
         return 2
@@ -146,7 +187,10 @@ def run_serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name,
         api_key=args.api_key or os.environ.get("BLOCKSERVE_API_KEY") or None,
     )
-    return serve(model_config, cache_config, scheduler_config, server_config)
+    kv_events_config = None
+    if args.kv_events_config:
+        kv_events_config = KVEventsConfig.from_json(args.kv_events_config)
+    return serve(model_config, cache_config, scheduler_config, server_config, kv_events_config)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from tqdm import tqdm
 from blockserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from blockserve.engine.llm_engine import EngineStats, LLMEngine, Prompt
 from blockserve.engine.outputs import RequestOutput
-from blockserve.events.publisher import EventPublisher
+from blockserve.events.config import KVEventsConfig
 from blockserve.sampling_params import SamplingParams
 
 Message = dict[str, str]
@@ -39,8 +39,12 @@ class LLM:
         max_model_len: int | None = None,
         dtype: str = "auto",
         seed: int = 0,
-        event_publisher: EventPublisher | None = None,
+        kv_events_config: KVEventsConfig | dict[str, Any] | str | None = None,
     ) -> None:
+        if isinstance(kv_events_config, str):
+            kv_events_config = KVEventsConfig.from_json(kv_events_config)
+        elif isinstance(kv_events_config, dict):
+            kv_events_config = KVEventsConfig(**kv_events_config)
         self.engine = LLMEngine(
             ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed),
             CacheConfig(
@@ -55,7 +59,7 @@ class LLM:
                 max_num_batched_tokens=max_num_batched_tokens,
                 policy=scheduling_policy,
             ),
-            event_publisher,
+            kv_events_config,
         )
         self._next_id = 0
 
@@ -125,7 +129,12 @@ class LLM:
         return self.engine.get_stats()
 
     def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (emits AllBlocksCleared); False while requests run."""
         return self.engine.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        """Flush and close the KV event publisher, if any."""
+        self.engine.shutdown()
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -22,7 +22,8 @@ from blockserve.core.kv_cache_manager import KVCacheManager
 from blockserve.engine.detokenizer import IncrementalDetokenizer
 from blockserve.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from blockserve.errors import InvalidRequestError
-from blockserve.events.publisher import EventPublisher, NullEventPublisher
+from blockserve.events.config import KVEventsConfig
+from blockserve.events.publisher import EventPublisher, create_event_publisher
 from blockserve.runner.model_runner import ModelRunner
 from blockserve.sampling_params import SamplingParams
 from blockserve.sched.request import Request, RequestStatus
@@ -90,7 +91,7 @@ class LLMEngine:
         model_config: ModelConfig,
         cache_config: CacheConfig,
         scheduler_config: SchedulerConfig | None = None,
-        event_publisher: EventPublisher | None = None,
+        kv_events_config: KVEventsConfig | None = None,
     ) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
@@ -101,10 +102,10 @@ class LLMEngine:
         self.scheduler_config = dataclasses.replace(
             scheduler_config or SchedulerConfig(), max_model_len=self.max_model_len
         )
-        self.event_publisher = event_publisher or NullEventPublisher()
-        recorder = (
-            None if isinstance(self.event_publisher, NullEventPublisher) else KVEventRecorder()
-        )
+        self.event_publisher: EventPublisher = create_event_publisher(kv_events_config)
+        recorder = None
+        if kv_events_config is not None and kv_events_config.enabled:
+            recorder = KVEventRecorder(hash_format=kv_events_config.hash_format)  # type: ignore[arg-type]
         self.kv_cache_manager = KVCacheManager(
             self.runner.num_blocks,
             cache_config.block_size,
@@ -232,9 +233,7 @@ class LLMEngine:
             )
             return outputs + self._fail_step(scheduler_output.scheduled, exc)
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
-        batch = self.scheduler.take_kv_event_batch()
-        if batch is not None:
-            self.event_publisher.publish(batch)
+        self._publish_kv_events()
         touched: dict[str, _RequestState] = {}
         for update in updates:
             state, sample = self._sample_owner[update.request_id]
@@ -339,7 +338,17 @@ class LLMEngine:
         )
 
     def reset_prefix_cache(self) -> bool:
-        return self.kv_cache_manager.reset_prefix_cache()
+        """Clear the prefix cache (False while requests hold blocks); AllBlocksCleared is
+        published at once rather than with the next step."""
+        if not self.kv_cache_manager.reset_prefix_cache():
+            return False
+        self._publish_kv_events()
+        return True
+
+    def _publish_kv_events(self) -> None:
+        batch = self.scheduler.take_kv_event_batch()
+        if batch is not None:
+            self.event_publisher.publish(batch)
 
     def shutdown(self) -> None:
         self.event_publisher.shutdown()

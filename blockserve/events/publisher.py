@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from blockserve.core.events import KVEventBatch
+from blockserve.events.config import KVEventsConfig
 
 
 class EventPublisher(Protocol):
@@ -26,3 +27,12 @@ class NullEventPublisher:
 
     def shutdown(self) -> None:
         return None
+
+
+def create_event_publisher(config: KVEventsConfig | None) -> EventPublisher:
+    """The publisher `config` asks for: null when events are off, else ZMQ."""
+    if config is None or not config.enabled:
+        return NullEventPublisher()
+    from blockserve.events.zmq_publisher import ZmqEventPublisher
+
+    return ZmqEventPublisher(config)

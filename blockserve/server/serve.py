@@ -16,7 +16,7 @@ import uvicorn
 from blockserve.config import CacheConfig, ModelConfig, SchedulerConfig, ServerConfig
 from blockserve.engine.async_engine import AsyncEngine
 from blockserve.engine.llm_engine import LLMEngine
-from blockserve.events.publisher import EventPublisher
+from blockserve.events.config import KVEventsConfig
 from blockserve.server.app import build_app
 
 logger = logging.getLogger("blockserve")
@@ -28,13 +28,13 @@ def serve(
     cache_config: CacheConfig,
     scheduler_config: SchedulerConfig,
     server_config: ServerConfig,
-    event_publisher: EventPublisher | None = None,
+    kv_events_config: KVEventsConfig | None = None,
 ) -> int:
     """Serve until interrupted; returns the process exit code."""
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    engine = LLMEngine(model_config, cache_config, scheduler_config, event_publisher)
+    engine = LLMEngine(model_config, cache_config, scheduler_config, kv_events_config)
     runner = engine.runner
     model_name = server_config.served_model_name or engine.model_name
     num_tokens = runner.num_blocks * cache_config.block_size
@@ -54,6 +54,12 @@ def serve(
         cache_config.prefix_caching_hash_algo,
     )
     app = build_app(AsyncEngine(engine), server_config)
+    if kv_events_config is not None and kv_events_config.enabled:
+        logger.info(
+            "publishing KV events on %s (replay: %s)",
+            kv_events_config.endpoint,
+            kv_events_config.replay_endpoint,
+        )
     logger.info("listening on http://%s:%d", server_config.host, server_config.port)
     server = uvicorn.Server(
         uvicorn.Config(
