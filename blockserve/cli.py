@@ -13,9 +13,11 @@ from collections.abc import Sequence
 
 from blockserve import __version__
 from blockserve.config import CacheConfig, ModelConfig, SchedulerConfig, ServerConfig
+from blockserve.core.eviction import EVICTION_POLICIES
 from blockserve.core.hashing import HASH_FUNCTIONS
-from blockserve.errors import BlockserveError
+from blockserve.errors import BlockserveError, InvalidConfigError
 from blockserve.events.config import KVEventsConfig
+from blockserve.replay.report import DEFAULT_CAPACITIES
 
 
 def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -44,6 +46,12 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         choices=list(HASH_FUNCTIONS),
         default="sha256",
         help="block hash algorithm; hashes are byte-identical to vLLM's for the same choice",
+    )
+    serve.add_argument(
+        "--eviction-policy",
+        choices=list(EVICTION_POLICIES),
+        default="lru",
+        help="which free cached block is reused first (docs/prefix-caching.md)",
     )
     serve.add_argument(
         "--scheduling-policy",
@@ -127,6 +135,63 @@ def run_events(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_replay_parser(subparsers: argparse._SubParsersAction) -> None:
+    replay = subparsers.add_parser(
+        "replay",
+        help="replay a request trace through the real block pool, per policy and capacity",
+        description="Replay a Mooncake-format trace (JSONL: timestamp, input_length, "
+        "output_length, hash_ids) through the real KV cache manager and report hit rates "
+        "beside an infinite cache and Belady's offline optimum.",
+    )
+    replay.add_argument("trace", help="the trace file (JSONL)")
+    replay.add_argument(
+        "--capacities",
+        default=",".join(str(c) for c in DEFAULT_CAPACITIES),
+        help="comma-separated cache sizes (default in blocks; see --capacity-unit)",
+    )
+    replay.add_argument("--capacity-unit", choices=["blocks", "tokens"], default="blocks")
+    replay.add_argument(
+        "--eviction-policy",
+        "--policies",
+        dest="policies",
+        default=",".join(EVICTION_POLICIES),
+        help=f"comma-separated eviction policies (default: {','.join(EVICTION_POLICIES)})",
+    )
+    replay.add_argument(
+        "--trace-block-size", type=int, default=512, help="tokens per trace hash id"
+    )
+    replay.add_argument("--out-dir", default="benchmarks/results", help="JSON and PNG go here")
+    replay.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run_replay(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from blockserve.replay.report import format_table, run_lab, write_reports
+    from blockserve.replay.trace import load_trace
+
+    block_size = args.trace_block_size
+    if block_size < 1:
+        raise InvalidConfigError("--trace-block-size must be a positive integer")
+    try:
+        values = [int(v) for v in args.capacities.split(",") if v.strip()]
+    except ValueError:
+        raise InvalidConfigError(f"--capacities must be integers: {args.capacities!r}") from None
+    capacities = [v // block_size if args.capacity_unit == "tokens" else v for v in values]
+    if not capacities or min(capacities) < 1:
+        raise InvalidConfigError("every capacity must be at least one block")
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in EVICTION_POLICIES]
+    if unknown:
+        raise InvalidConfigError(f"unknown eviction policies: {', '.join(unknown)}")
+    trace = load_trace(args.trace)
+    results = run_lab(trace, capacities, policies, block_size, progress=not args.no_progress)
+    print(format_table(results, block_size))
+    json_path, png_path = write_reports(results, Path(args.out_dir), args.trace, block_size)
+    print(f"wrote {json_path} and {png_path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="blockserve",
@@ -136,6 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_serve_parser(subparsers)
     _add_events_parser(subparsers)
+    _add_replay_parser(subparsers)
     return parser
 
 
@@ -150,6 +216,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_serve(args)
         if args.command == "events":
             return run_events(args)
+        if args.command == "replay":
+            return run_replay(args)
     except BlockserveError as exc:
         print(f"blockserve {args.command}: {exc}", file=sys.stderr)
         return 2
@@ -172,6 +240,7 @@ def run_serve(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         enable_prefix_caching=args.enable_prefix_caching,
         prefix_caching_hash_algo=args.prefix_caching_hash_algo,
+        eviction_policy=args.eviction_policy,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
     )

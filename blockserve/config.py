@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from blockserve.core.eviction import EVICTION_POLICIES
 from blockserve.core.hashing import get_hash_fn
 from blockserve.errors import InvalidConfigError
 
@@ -32,9 +33,15 @@ class CacheConfig:
     prefix_caching_hash_algo: str = "sha256"
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None
+    eviction_policy: str = "lru"
 
     def __post_init__(self) -> None:
         _require_positive_int("block_size", self.block_size)
+        if self.eviction_policy not in EVICTION_POLICIES:
+            raise InvalidConfigError(
+                f"unknown eviction policy {self.eviction_policy!r}; "
+                f"choose one of {', '.join(EVICTION_POLICIES)}"
+            )
         get_hash_fn(self.prefix_caching_hash_algo)
         _require_positive_int("num_gpu_blocks_override", self.num_gpu_blocks_override, True)
         _require_positive_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, True)

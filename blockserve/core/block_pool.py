@@ -11,6 +11,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Protocol
 
 from blockserve.core.events import KVEvent, KVEventRecorder
+from blockserve.core.eviction import HitAwarePolicy, create_free_block_policy
 from blockserve.core.free_queue import FreeBlockQueue, KVCacheBlock
 from blockserve.core.hashing import BlockHash
 from blockserve.errors import InvalidConfigError, NoFreeBlocksError
@@ -111,6 +112,7 @@ class BlockPool:
         block_size: int,
         enable_caching: bool = True,
         events: KVEventRecorder | None = None,
+        eviction_policy: str = "lru",
     ) -> None:
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 2:
             raise InvalidConfigError(f"num_blocks must be an integer >= 2, got {num_blocks!r}")
@@ -121,9 +123,16 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.events = events
         self.blocks = [KVCacheBlock(block_id=i) for i in range(num_blocks)]
-        self.free_block_queue = FreeBlockQueue(self.blocks)
-        self.null_block = self.free_block_queue.popleft()
+        self.null_block = self.blocks[0]
         self.null_block.is_null = True
+        self.eviction_policy = eviction_policy
+        self.free_block_queue = create_free_block_policy(
+            eviction_policy, self.blocks[1:], num_blocks
+        )
+        # LRU needs no notifications: its order is the free queue itself, untouched and fast.
+        self._hooks: HitAwarePolicy | None = (
+            None if isinstance(self.free_block_queue, FreeBlockQueue) else self.free_block_queue
+        )
         self.cached_block_hash_to_block = BlockHashToBlockMap()
         self.num_evictions = 0  # cached blocks handed out again (their hash dropped)
 
@@ -169,6 +178,8 @@ class BlockPool:
         assert block_hash is not None
         block.block_hash = None
         self.num_evictions += 1
+        if self._hooks is not None:
+            self._hooks.on_evicted(block_hash)
         hash_gone = self.cached_block_hash_to_block.pop(block_hash, block.block_id)
         if hash_gone and self.events is not None:
             self.events.block_removed(block_hash)
@@ -176,9 +187,12 @@ class BlockPool:
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on each block (a prefix hit); free ones leave the free queue."""
         queue = self.free_block_queue
+        hooks = self._hooks
         for block in blocks:
             if block.is_null:
                 continue
+            if hooks is not None:
+                hooks.record_hit(block)
             if block.ref_cnt == 0:
                 queue.remove(block)
             block.ref_cnt += 1
@@ -227,6 +241,8 @@ class BlockPool:
             assert block.block_hash is None, f"block {block.block_id} is already cached"
             block.block_hash = block_hash
             cache_map.insert(block_hash, block)
+            if self._hooks is not None:
+                self._hooks.on_cached(block)
         if self.events is not None:
             size = self.block_size
             parent = block_hashes[num_cached_blocks - 1] if num_cached_blocks else None
@@ -243,6 +259,8 @@ class BlockPool:
         self.cached_block_hash_to_block.clear()
         for block in self.blocks:
             block.block_hash = None
+        if self._hooks is not None:
+            self._hooks.on_reset()
         if self.events is not None:
             self.events.all_blocks_cleared()
         return True

@@ -91,8 +91,9 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool = True,
         events: KVEventRecorder | None = None,
+        eviction_policy: str = "lru",
     ) -> None:
-        self.block_pool = BlockPool(num_blocks, block_size, enable_caching, events)
+        self.block_pool = BlockPool(num_blocks, block_size, enable_caching, events, eviction_policy)
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}

@@ -111,6 +111,7 @@ class LLMEngine:
             cache_config.block_size,
             cache_config.enable_prefix_caching,
             recorder,
+            cache_config.eviction_policy,
         )
         self.block_hasher = RequestBlockHasher(
             BlockHasher(cache_config.prefix_caching_hash_algo), cache_config.block_size

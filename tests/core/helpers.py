@@ -25,9 +25,11 @@ def assert_manager_integrity(manager: KVCacheManager) -> None:
 HASHER = BlockHasher("sha256")
 
 
-def make_manager(num_blocks: int = 11, block_size: int = 4, caching: bool = True) -> KVCacheManager:
+def make_manager(
+    num_blocks: int = 11, block_size: int = 4, caching: bool = True, policy: str = "lru"
+) -> KVCacheManager:
     """A small manager with KV events on (hashes as uint64, as on the wire)."""
-    return KVCacheManager(num_blocks, block_size, caching, KVEventRecorder())
+    return KVCacheManager(num_blocks, block_size, caching, KVEventRecorder(), policy)
 
 
 def make_request(request_id: str, token_ids: Sequence[int], block_size: int = 4) -> Request:

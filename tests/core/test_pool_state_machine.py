@@ -21,9 +21,11 @@ class PoolMachine(RuleBasedStateMachine):
     would, and checks the mirror equals the pool's hash map after every step.
     """
 
+    policy = "lru"
+
     def __init__(self) -> None:
         super().__init__()
-        self.manager = make_manager(num_blocks=11, block_size=4)
+        self.manager = make_manager(num_blocks=11, block_size=4, policy=self.policy)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.mirror: set[int] = set()
@@ -97,6 +99,17 @@ class PoolMachine(RuleBasedStateMachine):
 
 PoolMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestPoolMachine = PoolMachine.TestCase
+
+
+def _machine_for(policy: str) -> type[PoolMachine]:
+    machine = type(f"PoolMachine_{policy}", (PoolMachine,), {"policy": policy})
+    machine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+    return machine
+
+
+TestLFUPoolMachine = _machine_for("lfu").TestCase
+TestSLRUPoolMachine = _machine_for("slru").TestCase
+TestGhostPoolMachine = _machine_for("ghost").TestCase
 
 
 def test_preempted_request_rehits_its_own_blocks() -> None:

@@ -1,0 +1,1 @@
+"""Trace replay: drive the real block pool with a request trace, next to the optimal bounds."""

@@ -1,0 +1,200 @@
+"""Trace replay through the real pool, the bounds, and the `blockserve replay` command."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from blockserve.errors import InvalidRequestError
+from blockserve.replay.simulate import replay_belady, replay_infinite, replay_policy
+from blockserve.replay.trace import TraceRequest, block_layouts, load_trace
+
+B = 4  # tokens per trace block in these tiny worlds
+
+
+def request(ids: list[int], output_length: int = 0) -> TraceRequest:
+    """A prompt of len(ids) full blocks plus one partial token (so every full block can hit)."""
+    return TraceRequest(0.0, len(ids) * B + 1, output_length, (*ids, 10_000 + ids[0]))
+
+
+HAND_TRACE = [request([1, 2]), request([1, 2]), request([3, 4]), request([5, 6]), request([1, 2])]
+
+
+@pytest.mark.parametrize(
+    ("policy", "hit_blocks"),
+    [("lru", 2), ("lfu", 3), ("slru", 3), ("ghost", 3), ("belady", 4), ("infinite", 4)],
+)
+def test_hand_trace_hit_counts(policy: str, hit_blocks: int) -> None:
+    """Capacity 4 blocks: [1,2] [1,2] [3,4] [5,6] [1,2] (worked out in the docstring below).
+
+    lru: the repeat hits both blocks, then [3,4] and [5,6] push out 2 and 1 → 2 hits.
+    lfu, slru, ghost: block 1 (hit once) outlives the one-off blocks; 2 was reused by [3,4]
+    → 3 hits. belady (4 hashes): evicts the never-reused 4 and 3, keeps 1, 2 → 4 hits.
+    """
+    layouts = block_layouts(HAND_TRACE, B)
+    if policy == "belady":
+        result = replay_belady(HAND_TRACE, layouts, 4, B)
+    elif policy == "infinite":
+        result = replay_infinite(HAND_TRACE, layouts, B)
+    else:
+        result, manager = replay_policy(HAND_TRACE, layouts, 4, policy, B)
+        assert manager.integrity_errors() == []
+    assert (result.hit_blocks, result.query_blocks) == (hit_blocks, 10)
+    assert (result.hit_tokens, result.query_tokens) == (hit_blocks * B, 45)
+
+
+def test_last_prompt_token_is_never_a_hit() -> None:
+    """An 8-token prompt repeated hits 1 block of 4, not 2: the last token is recomputed."""
+    trace = [TraceRequest(0, 8, 0, (1, 2)), TraceRequest(0, 8, 0, (1, 2))]
+    result, _ = replay_policy(trace, block_layouts(trace, B), 10, "lru", B)
+    assert (result.hit_tokens, result.query_tokens) == (4, 16)
+
+
+def test_requests_larger_than_the_cache_are_skipped() -> None:
+    """A request needing more blocks than the capacity is skipped by policies and bounds."""
+    trace = [request([1, 2, 3]), request([1, 2])]
+    layouts = block_layouts(trace, B)
+    result, _ = replay_policy(trace, layouts, 3, "lru", B)
+    assert (result.num_skipped, result.query_blocks) == (1, 2)
+    assert replay_belady(trace, layouts, 3, B).num_skipped == 1
+
+
+def plain_lru_hits(trace: list[TraceRequest], capacity: int, block_size: int) -> int:
+    """An independent LRU simulation with the engine's rules (physical slots, duplicates)."""
+    free: OrderedDict[int, bytes | None] = OrderedDict((slot, None) for slot in range(capacity))
+    where: dict[bytes, set[int]] = {}
+    total_hits = 0
+    for index, req in enumerate(trace):
+        full = req.input_length // block_size
+        keys = [b"p%d" % h for h in req.hash_ids[:full]]
+        total = req.input_length + req.output_length
+        keys += [b"o%d.%d" % (index, i) for i in range(full, total // block_size)]
+        hits = []
+        for key in keys[: (req.input_length - 1) // block_size]:
+            slot = next(iter(where.get(key, ())), None)
+            if slot is None:
+                break
+            hits.append(slot)
+        for slot in hits:
+            free.pop(slot, None)
+        owned = list(hits)
+        for _ in range(-(-total // block_size) - len(hits)):
+            slot, old = free.popitem(last=False)
+            if old is not None:
+                where[old].discard(slot)
+                if not where[old]:
+                    del where[old]
+            owned.append(slot)
+        for position, slot in enumerate(owned[: len(keys)]):
+            if position >= len(hits):
+                where.setdefault(keys[position], set()).add(slot)
+        total_hits += len(hits)
+        unhashed = [s for s in reversed(owned) if owned.index(s) >= len(keys)]
+        for slot in reversed(unhashed):
+            free[slot] = None
+            free.move_to_end(slot, last=False)
+        for position in reversed(range(min(len(owned), len(keys)))):
+            free[owned[position]] = keys[position]
+    return total_hits
+
+
+trace_strategy = st.lists(
+    st.builds(
+        lambda chain, depth, extra, out: TraceRequest(
+            0.0, depth * B + extra, out, tuple(chain * 100 + i for i in range(depth + 1))
+        ),
+        chain=st.integers(0, 5),
+        depth=st.integers(1, 5),
+        extra=st.integers(1, B - 1),
+        out=st.integers(0, 9),
+    ),
+    min_size=1,
+    max_size=40,
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(trace=trace_strategy, capacity=st.integers(9, 24))
+def test_lru_replay_equals_a_plain_lru_simulation(trace: list[TraceRequest], capacity: int) -> None:
+    """The replayer's LRU hits equal an independently written LRU simulation's."""
+    result, manager = replay_policy(trace, block_layouts(trace, B), capacity, "lru", B)
+    assert result.hit_blocks == plain_lru_hits(trace, capacity, B)
+    assert manager.integrity_errors() == []
+
+
+@settings(max_examples=100, deadline=None)
+@given(trace=trace_strategy, capacity=st.integers(9, 24))
+def test_belady_bounds_every_policy_and_infinite_bounds_belady(
+    trace: list[TraceRequest], capacity: int
+) -> None:
+    """On hit blocks: every policy ≤ Belady ≤ infinite, and the pool stays sound."""
+    layouts = block_layouts(trace, B)
+    belady = replay_belady(trace, layouts, capacity, B)
+    infinite = replay_infinite(trace, layouts, B, capacity)
+    assert belady.hit_blocks <= infinite.hit_blocks
+    for policy in ("lru", "lfu", "slru", "ghost"):
+        result, manager = replay_policy(trace, layouts, capacity, policy, B)
+        assert result.hit_blocks <= belady.hit_blocks, policy
+        assert manager.integrity_errors() == []
+
+
+def test_load_trace_rejects_malformed_lines(tmp_path: Path) -> None:
+    """A line that is not a trace record names its file and line."""
+    path = tmp_path / "bad.jsonl"
+    path.write_text(
+        '{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1, 2]}\n'
+        '{"timestamp": 0}\n'
+    )
+    with pytest.raises(InvalidRequestError, match=r"bad\.jsonl:2"):
+        load_trace(path)
+
+
+def test_replay_command_writes_table_json_and_plot(tmp_path: Path) -> None:
+    """`blockserve replay` prints the table and writes replay.json and replay.png."""
+    path = tmp_path / "trace.jsonl"
+    path.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "timestamp": 0,
+                    "input_length": r.input_length,
+                    "output_length": 0,
+                    "hash_ids": list(r.hash_ids),
+                }
+            )
+            + "\n"
+            for r in HAND_TRACE
+        )
+    )
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "blockserve.cli",
+            "replay",
+            str(path),
+            "--trace-block-size",
+            "4",
+            "--capacities",
+            "4,8",
+            "--out-dir",
+            str(tmp_path / "out"),
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "lru hit%" in out and "belady hit%" in out
+    report = json.loads((tmp_path / "out" / "replay.json").read_text())
+    rows = {(r["policy"], r["capacity_blocks"]): r for r in report["results"]}
+    assert rows[("lru", 4)]["hit_blocks"] == 2 and rows[("belady", 4)]["hit_blocks"] == 4
+    assert len(report["results"]) == 2 * 6
+    assert (tmp_path / "out" / "replay.png").read_bytes()[:4] == b"\x89PNG"
