@@ -143,9 +143,12 @@ async def _final_outputs(run: _Run, request: Request) -> list[RequestOutput]:
 
 
 def _completion_choice(
-    index: int, choice: CompletionOutput, token_text: TokenText, want_logprobs: bool
+    index: int, choice: CompletionOutput, token_text: TokenText, body: CompletionRequest
 ) -> dict[str, Any]:
+    want_logprobs = body.logprobs is not None
+    extra = {"token_ids": list(choice.token_ids)} if body.return_token_ids else {}
     return {
+        **extra,
         "index": index,
         "text": choice.text,
         "logprobs": completion_logprobs(choice.logprobs or (), token_text, 0)
@@ -182,7 +185,7 @@ async def create_completion(
     if not body.stream:
         outputs = await _final_outputs(run, request)
         choices = [
-            _completion_choice(i * n + c.index, c, token_text, want_logprobs)
+            _completion_choice(i * n + c.index, c, token_text, body)
             for i, output in enumerate(outputs)
             for c in output.outputs
         ]
@@ -193,12 +196,14 @@ async def create_completion(
         logprobs = None
         if want_logprobs and choice.logprobs is not None:
             logprobs = completion_logprobs(choice.logprobs[first:end], token_text, 0)
+        extra = {"token_ids": list(choice.token_ids[first:end])} if body.return_token_ids else {}
         return base(
             [
                 {
                     "index": index,
                     "text": text,
                     "logprobs": logprobs,
+                    **extra,
                     "finish_reason": choice.finish_reason if finished else None,
                     "stop_reason": choice.stop_reason if finished else None,
                 }

@@ -2,7 +2,7 @@
 
 Field names and defaults follow OpenAI's API; the extras are vLLM's (`cache_salt`, `priority`,
 `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`,
-`skip_special_tokens`, `include_stop_str_in_output`, `request_id`). Validation failures become
+`skip_special_tokens`, `include_stop_str_in_output`, `request_id`, `return_token_ids`). Validation failures become
 400 errors in OpenAI's shape (see errors.py). Unknown fields are ignored, as OpenAI does.
 """
 
@@ -49,6 +49,7 @@ class _SamplingFields(BaseModel):
     cache_salt: str | None = None
     priority: int = 0
     request_id: str | None = None
+    return_token_ids: bool = False
 
     @model_validator(mode="after")
     def _check(self) -> _SamplingFields:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import openai
 import pytest
 
@@ -146,3 +148,25 @@ def test_stop_sequence(client: openai.OpenAI) -> None:
     out = client.completions.create(model=None, stop=[stop], **kwargs)  # type: ignore[arg-type]
     assert out.choices[0].text == cut
     assert out.choices[0].finish_reason == "stop"
+
+
+def test_return_token_ids(server: ServerProcess) -> None:
+    """return_token_ids adds each choice's token ids, whole or per streamed chunk."""
+    import httpx
+
+    body = {
+        "prompt": "hello",
+        "max_tokens": 5,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    whole = httpx.post(f"{server.url}/v1/completions", json=body).json()
+    token_ids = whole["choices"][0]["token_ids"]
+    assert len(token_ids) == whole["usage"]["completion_tokens"] == 5
+    streamed: list[int] = []
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                streamed += json.loads(line[6:])["choices"][0]["token_ids"]
+    assert streamed == token_ids
