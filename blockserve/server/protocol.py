@@ -2,8 +2,9 @@
 
 Field names and defaults follow OpenAI's API; the extras are vLLM's (`cache_salt`, `priority`,
 `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`,
-`skip_special_tokens`, `include_stop_str_in_output`, `request_id`, `return_token_ids`). Validation failures become
-400 errors in OpenAI's shape (see errors.py). Unknown fields are ignored, as OpenAI does.
+`skip_special_tokens`, `include_stop_str_in_output`, `request_id`, `return_token_ids`).
+Validation failures become 400 errors in OpenAI's shape (see errors.py). Unknown fields are
+ignored, as OpenAI does.
 """
 
 from __future__ import annotations
