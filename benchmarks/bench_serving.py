@@ -96,10 +96,10 @@ async def one_request(
             chunk = json.loads(line[6:])
             if chunk.get("usage"):
                 usage = chunk["usage"]
-            if chunk["choices"]:
-                answer += chunk["choices"][0].get("token_ids", [])
-                if chunk["choices"][0]["text"]:
-                    arrivals.append(time.perf_counter())
+            if chunk["choices"] and chunk["choices"][0].get("token_ids"):
+                # A token arrived (its text may still be incomplete): TTFT and ITL count tokens.
+                answer += chunk["choices"][0]["token_ids"]
+                arrivals.append(time.perf_counter())
     end = time.perf_counter()
     ttft = (arrivals[0] if arrivals else end) - start
     itls = [b - a for a, b in itertools.pairwise(arrivals)]

@@ -92,9 +92,12 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     serve.add_argument(
         "--attention-backend",
-        choices=["auto", "torch"],
+        choices=["auto", "torch", "triton", "cuda"],
         default="auto",
-        help="attention implementation (auto: chosen by device)",
+        help="attention implementation (auto: triton on a CUDA device, torch on the CPU)",
+    )
+    serve.add_argument(
+        "--device", default="auto", help="auto (CUDA if present, else CPU), cpu, or cuda[:N]"
     )
 
 
@@ -235,6 +238,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         seed=args.seed,
         attention_backend=args.attention_backend,
+        device=args.device,
     )
     cache_config = CacheConfig(
         block_size=args.block_size,

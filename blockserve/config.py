@@ -56,12 +56,13 @@ class ModelConfig:
     """Which model to run, and how.
 
     `model` is a Hugging Face directory or a .gguf file; None means the embedded default model.
-    `max_model_len` None means the model's own context length.
+    `max_model_len` None means the model's own context length. `device` "auto" is CUDA when
+    a device is present, else the CPU (resolved by the runner, not here).
     """
 
     model: str | None = None
     dtype: str = "auto"
-    device: str = "cpu"
+    device: str = "auto"
     attention_backend: str = "auto"
     max_model_len: int | None = None
     seed: int = 0

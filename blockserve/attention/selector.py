@@ -2,19 +2,40 @@
 
 from __future__ import annotations
 
+import os
+
 from blockserve.attention.metadata import AttentionBackend
 from blockserve.attention.torch_backend import TorchAttentionBackend
 from blockserve.errors import BackendUnavailableError, InvalidConfigError
 
-BACKEND_NAMES = ("auto", "torch")
+BACKEND_NAMES = ("auto", "torch", "triton", "cuda")
 
 
 def get_attention_backend(name: str, device: str) -> AttentionBackend:
-    """`auto` picks the torch backend (the only one built so far) on any device."""
+    """`auto`: triton on a CUDA device, torch on the CPU. A named backend that cannot run
+    here raises BackendUnavailableError saying why."""
     if name not in BACKEND_NAMES:
         raise InvalidConfigError(
             f"unknown attention backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}"
         )
-    if name in ("auto", "torch"):
+    on_cuda = device.startswith("cuda")
+    if name == "auto":
+        name = "triton" if on_cuda else "torch"
+    if name == "torch":
         return TorchAttentionBackend()
-    raise BackendUnavailableError(f"attention backend {name!r} cannot run on {device}")
+    if name == "triton":
+        if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise BackendUnavailableError(
+                "the triton attention backend needs a CUDA device (on the CPU its kernels run "
+                "only under TRITON_INTERPRET=1, for tests)"
+            )
+        from blockserve.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    if not on_cuda:
+        raise BackendUnavailableError(
+            f"the cuda attention backend needs a CUDA device, not {device}"
+        )
+    from blockserve.attention.cuda_backend import CudaAttentionBackend
+
+    return CudaAttentionBackend()

@@ -15,11 +15,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from blockserve.attention.metadata import AttentionMetadata
+from blockserve.attention.shared_prefix import (
+    SharedPrefixPlan,
+    attend,
+    attend_heads,
+    attend_shared_prefix,
+    merge,
+    num_common_blocks,
+    plan_shared_prefix,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +60,7 @@ class TorchAttentionPlan:
     slot_mapping: torch.Tensor  # [num_tokens]
     decode: DecodePlan | None
     prefills: tuple[PrefillPlan, ...]
+    shared_prefix: SharedPrefixPlan | None = None
 
 
 def context_slots(block_table: torch.Tensor, num_positions: int, block_size: int) -> torch.Tensor:
@@ -58,26 +69,85 @@ def context_slots(block_table: torch.Tensor, num_positions: int, block_size: int
     return block_table[positions // block_size] * block_size + positions % block_size
 
 
-def num_common_blocks(tables: torch.Tensor, min_seq_len: int, block_size: int) -> int:
-    """Leading block-table columns equal in every row, keeping each row's last token its own."""
-    if tables.shape[0] < 2:
-        return 0
-    same = (tables == tables[:1]).all(dim=0).int().cumprod(dim=0)
-    return min(int(same.sum()), (min_seq_len - 1) // block_size)
+class BatchSplit(NamedTuple):
+    """A step's sequences by kind: decodes, fresh prefills, prefills on a cached prefix."""
+
+    decode_rows: list[int]
+    decode_tokens: list[int]  # flat-batch index of each decode's query
+    fresh_prefills: list[PrefillPlan]
+    prefix_rows: list[int]
+    prefix_token_starts: list[int]
 
 
-def attend(
-    q: torch.Tensor,  # [..., queries, dim]
-    k: torch.Tensor,  # [..., keys, dim]
-    v: torch.Tensor,  # [..., keys, dim]
-    mask: torch.Tensor | None = None,  # broadcastable to [..., queries, keys], True = attend
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention in float32, with the log-sum-exp of the scores for merging."""
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # [..., queries]
-    return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.float()), lse
+def split_batch(metadata: AttentionMetadata) -> BatchSplit:
+    split = BatchSplit([], [], [], [], [])
+    token_start = 0
+    for row, (query_len, seq_len) in enumerate(
+        zip(metadata.query_lens_cpu, metadata.seq_lens_cpu, strict=True)
+    ):
+        num_cached = seq_len - query_len
+        if query_len == 1 and num_cached > 0:
+            split.decode_rows.append(row)
+            split.decode_tokens.append(token_start)
+        elif num_cached == 0:
+            split.fresh_prefills.append(
+                PrefillPlan(token_start, token_start + query_len, None, None)
+            )
+        else:
+            split.prefix_rows.append(row)
+            split.prefix_token_starts.append(token_start)
+        token_start += query_len
+    return split
+
+
+def prefix_prefill_plan(metadata: AttentionMetadata, row: int, token_start: int) -> PrefillPlan:
+    """One prefill chunk on top of cached blocks: its context slots and causal mask."""
+    query_len, seq_len = metadata.query_lens_cpu[row], metadata.seq_lens_cpu[row]
+    device = metadata.slot_mapping.device
+    slots = context_slots(metadata.block_tables[row], seq_len, metadata.block_size)
+    # Query i sits at absolute position num_cached + i and sees keys 0..that position.
+    query_pos = torch.arange(seq_len - query_len, seq_len, device=device)
+    mask = torch.arange(seq_len, device=device)[None, :] <= query_pos[:, None]
+    return PrefillPlan(token_start, token_start + query_len, slots, mask)
+
+
+def all_prefill_plans(metadata: AttentionMetadata, split: BatchSplit) -> tuple[PrefillPlan, ...]:
+    return (
+        *split.fresh_prefills,
+        *(
+            prefix_prefill_plan(metadata, r, t)
+            for r, t in zip(split.prefix_rows, split.prefix_token_starts, strict=True)
+        ),
+    )
+
+
+def attend_prefills(
+    query: torch.Tensor,  # [num_tokens, heads, dim]
+    key: torch.Tensor,  # [num_tokens, kv_heads, dim]
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, dim], this step's K/V written
+    prefills: tuple[PrefillPlan, ...],
+    output: torch.Tensor,  # [num_tokens, heads, dim]: the prefill rows are written
+) -> None:
+    """Each prefill sequence's queries over its context, with torch's fused attention.
+
+    4-D inputs throughout: with 3-D ones torch's CPU kernel falls back to its slow math path.
+    """
+    num_kv_heads, head_dim = key.shape[1], key.shape[2]
+    key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
+    value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
+    for prefill in prefills:
+        start, end = prefill.token_start, prefill.token_end
+        q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, heads, query_len, dim]
+        if prefill.context_slots is None:
+            k = key[start:end].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, query_len, dim]
+            v = value[start:end].transpose(0, 1).unsqueeze(0)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            k = key_cache[prefill.context_slots].transpose(0, 1).unsqueeze(0)  # [1, kv, ctx, d]
+            v = value_cache[prefill.context_slots].transpose(0, 1).unsqueeze(0)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=prefill.mask, enable_gqa=True)
+        output[start:end] = out[0].transpose(0, 1)
 
 
 class TorchAttentionBackend:
@@ -93,32 +163,18 @@ class TorchAttentionBackend:
     # -- planning (once per step) ---------------------------------------------------------
 
     def prepare(self, metadata: AttentionMetadata) -> TorchAttentionPlan:
-        block_size = metadata.block_size
-        device = metadata.slot_mapping.device
-        decode_rows: list[int] = []
-        decode_tokens: list[int] = []
-        prefills: list[PrefillPlan] = []
-        token_start = 0
-        for row, (query_len, seq_len) in enumerate(
-            zip(metadata.query_lens_cpu, metadata.seq_lens_cpu, strict=True)
-        ):
-            token_end = token_start + query_len
-            num_cached = seq_len - query_len
-            if query_len == 1 and num_cached > 0:
-                decode_rows.append(row)
-                decode_tokens.append(token_start)
-            elif num_cached == 0:
-                prefills.append(PrefillPlan(token_start, token_end, None, None))
-            else:
-                slots = context_slots(metadata.block_tables[row], seq_len, block_size)
-                # Query i sits at absolute position num_cached + i and sees keys 0..that position.
-                query_pos = torch.arange(num_cached, seq_len, device=device)
-                key_pos = torch.arange(seq_len, device=device)
-                mask = key_pos[None, :] <= query_pos[:, None]
-                prefills.append(PrefillPlan(token_start, token_end, slots, mask))
-            token_start = token_end
-        decode = self._plan_decodes(metadata, decode_rows, decode_tokens) if decode_rows else None
-        return TorchAttentionPlan(metadata.slot_mapping, decode, tuple(prefills))
+        split = split_batch(metadata)
+        decode = None
+        if split.decode_rows:
+            decode = self._plan_decodes(metadata, split.decode_rows, split.decode_tokens)
+        shared = plan_shared_prefix(metadata, split.prefix_rows, split.prefix_token_starts)
+        if shared is not None:  # prefill chunks on one shared prefix: read it once
+            return TorchAttentionPlan(
+                metadata.slot_mapping, decode, tuple(split.fresh_prefills), shared
+            )
+        return TorchAttentionPlan(
+            metadata.slot_mapping, decode, all_prefill_plans(metadata, split), None
+        )
 
     @staticmethod
     def _plan_decodes(
@@ -130,7 +186,8 @@ class TorchAttentionBackend:
         seq_lens = [metadata.seq_lens_cpu[r] for r in rows_list]
         max_blocks = -(-max(seq_lens) // block_size)
         tables = metadata.block_tables[rows, :max_blocks]  # [num_decodes, max_blocks]
-        num_common = num_common_blocks(tables, min(seq_lens), block_size)
+        # Each decode's last token is its own: the common part ends before it.
+        num_common = num_common_blocks(tables, min(seq_lens) - 1, block_size)
         own = tables[:, num_common:]
         # Position of each gathered key within its sequence; padding reads the null block
         # and is masked out.
@@ -163,21 +220,9 @@ class TorchAttentionBackend:
         if plan.decode is not None:
             rows = plan.decode.token_indices
             output[rows] = self._decode(query[rows], kv_cache, plan.decode)
-        # 4-D inputs throughout: with 3-D ones torch's CPU SDPA falls back to its slow math path.
-        for prefill in plan.prefills:
-            start, end = prefill.token_start, prefill.token_end
-            q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, heads, query_len, dim]
-            if prefill.context_slots is None:
-                k = key[start:end].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, query_len, dim]
-                v = value[start:end].transpose(0, 1).unsqueeze(0)
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            else:
-                k = key_cache[prefill.context_slots].transpose(0, 1).unsqueeze(0)  # [1, kv, ctx, d]
-                v = value_cache[prefill.context_slots].transpose(0, 1).unsqueeze(0)
-                out = F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=prefill.mask, enable_gqa=True
-                )
-            output[start:end] = out[0].transpose(0, 1)
+        attend_prefills(query, key, value, kv_cache, plan.prefills, output)
+        if plan.shared_prefix is not None:
+            attend_shared_prefix(query, kv_cache, plan.shared_prefix, output)
         return output
 
     def _gather_blocks(self, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
@@ -242,15 +287,13 @@ class TorchAttentionBackend:
         # The shared blocks, read once: [kv_heads, common_context, dim].
         common_k = kv_cache[0, plan.common_block_ids].reshape(-1, num_kv_heads, head_dim)
         common_v = kv_cache[1, plan.common_block_ids].reshape(-1, num_kv_heads, head_dim)
-        # Every sequence's queries against them in one matmul per KV head.
-        q_all = q.permute(1, 0, 2, 3).reshape(num_kv_heads, num_decodes * group, head_dim)
-        out_common, lse_common = attend(q_all, common_k.transpose(0, 1), common_v.transpose(0, 1))
+        # Every sequence's queries against them at once, as rows of each KV head.
+        q_all = q.permute(1, 0, 2, 3).reshape(1, num_kv_heads, num_decodes * group, head_dim)
+        out_common, lse_common = attend_heads(
+            q_all, common_k.transpose(0, 1)[None], common_v.transpose(0, 1)[None]
+        )
         out_common = out_common.view(num_kv_heads, num_decodes, group, head_dim).transpose(0, 1)
         lse_common = lse_common.view(num_kv_heads, num_decodes, group).transpose(0, 1)
         out_own, lse_own = attend(q, k, v, plan.mask)  # [decodes, kv_heads, group, ...]
-        # Merge the two softmaxes by their log-sum-exp weights.
-        lse = torch.logaddexp(lse_common, lse_own)
-        out = out_common * torch.exp(lse_common - lse).unsqueeze(-1) + out_own * torch.exp(
-            lse_own - lse
-        ).unsqueeze(-1)
+        out = merge(out_common, lse_common, out_own, lse_own)
         return out.reshape(num_decodes, num_kv_heads * group, head_dim)

@@ -40,6 +40,8 @@ class LLM:
         max_model_len: int | None = None,
         dtype: str = "auto",
         seed: int = 0,
+        device: str = "auto",
+        attention_backend: str = "auto",
         kv_events_config: KVEventsConfig | dict[str, Any] | str | None = None,
     ) -> None:
         if isinstance(kv_events_config, str):
@@ -47,7 +49,14 @@ class LLM:
         elif isinstance(kv_events_config, dict):
             kv_events_config = KVEventsConfig(**kv_events_config)
         self.engine = LLMEngine(
-            ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed),
+            ModelConfig(
+                model=model,
+                dtype=dtype,
+                device=device,
+                attention_backend=attention_backend,
+                max_model_len=max_model_len,
+                seed=seed,
+            ),
             CacheConfig(
                 block_size=block_size,
                 enable_prefix_caching=enable_prefix_caching,

@@ -42,10 +42,13 @@ class ModelInputs:
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig) -> None:
-        self.device = torch.device(model_config.device)
-        self.backend = get_attention_backend(model_config.attention_backend, model_config.device)
+        device = model_config.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        self.backend = get_attention_backend(model_config.attention_backend, device)
         self.loaded: LoadedModel = load_model(
-            model_config.model, self.backend, model_config.dtype, model_config.device
+            model_config.model, self.backend, model_config.dtype, device
         )
         self.model = self.loaded.model
         self.arch = self.loaded.arch

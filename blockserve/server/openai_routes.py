@@ -210,8 +210,9 @@ async def create_completion(
             ]
         )
 
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
     return _stream(
-        run, n, chunk, base if body.stream_options and body.stream_options.include_usage else None
+        run, n, chunk, base if include_usage else None, every_token=body.return_token_ids
     )
 
 
@@ -221,9 +222,10 @@ def _stream(
     make_chunk: Callable[[int, CompletionOutput, tuple[str, int, int, bool]], dict[str, Any]],
     usage_base: Callable[[list[dict[str, Any]]], dict[str, Any]] | None,
     first_chunks: Callable[[int], list[dict[str, Any]]] | None = None,
+    every_token: bool = False,
 ) -> StreamingResponse:
     async def events() -> AsyncIterator[str]:
-        tracker = ChoiceTracker()
+        tracker = ChoiceTracker(every_token)
         finals: dict[int, RequestOutput] = {}
         try:
             async for prompt_index, output in run.outputs():

@@ -86,8 +86,13 @@ class _Sent:
 
 @dataclass
 class ChoiceTracker:
-    """What a stream has sent so far, per choice index."""
+    """What a stream has sent so far, per choice index.
 
+    A chunk goes out when there is new text, or when the choice finishes; with `every_token`
+    (the client asked for token ids) also for tokens whose text is not visible yet.
+    """
+
+    every_token: bool = False
     sent: dict[int, _Sent] = field(default_factory=dict)
 
     def delta(self, index: int, choice: CompletionOutput) -> tuple[str, int, int, bool] | None:
@@ -98,7 +103,7 @@ class ChoiceTracker:
         text = choice.text[state.text :]
         first, end = state.tokens, len(choice.token_ids)
         finished_now = choice.finish_reason is not None
-        if not text and not finished_now:
+        if not text and not finished_now and not (self.every_token and end > first):
             return None  # tokens without visible text yet ride along with the next chunk
         state.text, state.tokens, state.finished = len(choice.text), end, finished_now
         return text, first, end, finished_now

@@ -19,6 +19,27 @@ class AttentionCase:
     metadata: AttentionMetadata
     contexts: list[tuple[torch.Tensor, torch.Tensor]]  # per sequence: full K, V [seq_len, kv, d]
 
+    def to(self, device: str) -> AttentionCase:
+        """The same case with every tensor on `device` (the reference stays computable)."""
+        m = self.metadata
+        metadata = AttentionMetadata(
+            m.slot_mapping.to(device),
+            m.block_tables.to(device),
+            m.query_start_loc.to(device),
+            m.seq_lens.to(device),
+            m.query_lens_cpu,
+            m.seq_lens_cpu,
+            m.block_size,
+        )
+        return AttentionCase(
+            self.query.to(device),
+            self.key.to(device),
+            self.value.to(device),
+            self.kv_cache.to(device),
+            metadata,
+            self.contexts,
+        )
+
 
 def make_case(
     specs: list[tuple[int, int]],  # per sequence: (num_cached_tokens, query_len)
@@ -31,8 +52,8 @@ def make_case(
 ) -> AttentionCase:
     """Sequences with cached prefixes already in a shuffled paged cache, plus new tokens.
 
-    The first `shared_blocks` blocks of every sequence are the same physical blocks (a common
-    prompt prefix); each sequence's cached tokens must cover them.
+    The first `shared_blocks` blocks of every sequence whose cached tokens cover them are the
+    same physical blocks (a common prompt prefix).
     """
     block_size = 16
     gen = torch.Generator().manual_seed(seed)
@@ -47,13 +68,15 @@ def make_case(
     shared_v = torch.randn(shared_len, num_kv_heads, head_dim, generator=gen).to(dtype)
     tables, queries, keys, values, slots, contexts = [], [], [], [], [], []
     for (num_cached, query_len), n in zip(specs, blocks_needed, strict=True):
-        assert num_cached >= shared_len
-        table = shared_table + [permutation.pop() for _ in range(n - shared_blocks)]
+        shares = num_cached >= shared_len  # only sequences whose cache covers the prefix share
+        own = [permutation.pop() for _ in range(n - shared_blocks if shares else n)]
+        table = shared_table + own if shares else own
         tables.append(table)
         seq_len = num_cached + query_len
         full_k = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(dtype)
         full_v = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(dtype)
-        full_k[:shared_len], full_v[:shared_len] = shared_k, shared_v
+        if shares:
+            full_k[:shared_len], full_v[:shared_len] = shared_k, shared_v
         for pos in range(num_cached):  # the prefix was written in earlier steps
             block, offset = table[pos // block_size], pos % block_size
             kv_cache[0, block, offset] = full_k[pos]
@@ -90,7 +113,7 @@ def reference_attention(case: AttentionCase) -> torch.Tensor:
     for (full_k, full_v), query_len in zip(
         case.contexts, case.metadata.query_lens_cpu, strict=True
     ):
-        q = case.query[start : start + query_len].double()  # [q, heads, dim]
+        q = case.query[start : start + query_len].double().cpu()  # [q, heads, dim]
         group = num_heads // full_k.shape[1]
         k = full_k.double().repeat_interleave(group, dim=1)  # [seq, heads, dim]
         v = full_v.double().repeat_interleave(group, dim=1)

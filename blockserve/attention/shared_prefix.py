@@ -1,0 +1,161 @@
+"""Attention for many sequences extending one shared cached prefix, reading that prefix once.
+
+When several prefill chunks of one step sit on top of the same cached blocks (a shared system
+prompt: each request computes its own question on top of it), per-sequence attention reads
+the prefix once per sequence. Here every query of every such sequence meets the common blocks
+in one matmul per KV head, each sequence's own tokens in one batched matmul, and the two
+softmaxes are merged by their log-sum-exp (as in cascade attention):
+
+    sequence r: | common blocks (all queries see all of them) | own blocks (causal)  |
+                0                                      common_len             seq_len_r
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from blockserve.attention.metadata import AttentionMetadata
+
+
+def attend(
+    q: torch.Tensor,  # [..., queries, dim]
+    k: torch.Tensor,  # [..., keys, dim]
+    v: torch.Tensor,  # [..., keys, dim]
+    mask: torch.Tensor | None = None,  # broadcastable to [..., queries, keys], True = attend
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention in float32, with the log-sum-exp of the scores for merging."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [..., queries]
+    return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.float()), lse
+
+
+# torch's fused CPU attention kernel, in the variant that also returns the log-sum-exp (the
+# public scaled_dot_product_attention drops it). Measured on the shared-prefix decode step
+# (64 queries × 3 KV heads over 1,024 common keys, bf16): 1.15 ms against 3.66 ms for
+# explicit float32 scores. Absent (other builds, other devices) → the explicit path.
+_FUSED_CPU_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def attend_heads(
+    q: torch.Tensor,  # [batch, heads, queries, dim]
+    k: torch.Tensor,  # [batch, heads, keys, dim]
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,  # bool, broadcastable to [batch, heads, queries, keys]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attend` for 4-D inputs with as many K/V heads as query heads: the fused CPU kernel
+    where it exists (outputs float32 like `attend`), else the explicit path."""
+    if _FUSED_CPU_WITH_LSE is None or q.device.type != "cpu":
+        return attend(q, k, v, mask)
+    additive = None
+    if mask is not None:
+        additive = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
+        additive.masked_fill_(~mask, float("-inf"))
+    out, lse = _FUSED_CPU_WITH_LSE(q, k, v, attn_mask=additive)
+    return out.float(), lse
+
+
+def merge(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> torch.Tensor:
+    """Combine two partial softmax attentions over disjoint key sets."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    return out_a * torch.exp(lse_a - lse).unsqueeze(-1) + out_b * torch.exp(lse_b - lse).unsqueeze(
+        -1
+    )
+
+
+def num_common_blocks(tables: torch.Tensor, max_common_tokens: int, block_size: int) -> int:
+    """Leading block-table columns equal in every row, covering at most max_common_tokens."""
+    if tables.shape[0] < 2:
+        return 0
+    same = (tables == tables[:1]).all(dim=0).int().cumprod(dim=0)
+    return min(int(same.sum()), max_common_tokens // block_size)
+
+
+@dataclass(frozen=True, slots=True)
+class SharedPrefixPlan:
+    token_index: torch.Tensor  # [rows, max_queries]: flat-batch index (padding → 0)
+    valid: torch.Tensor  # [rows, max_queries] bool
+    common_block_ids: torch.Tensor  # [num_common]
+    own_block_ids: torch.Tensor  # [rows * max_own_blocks] (padding → block 0)
+    own_mask: torch.Tensor  # [rows, 1, 1, max_queries, max_own_blocks * block_size]
+
+
+def plan_shared_prefix(
+    metadata: AttentionMetadata, rows: list[int], token_starts: list[int]
+) -> SharedPrefixPlan | None:
+    """A plan for prefill rows `rows` (with cached prefixes) if they share cached blocks."""
+    if len(rows) < 2:
+        return None
+    block_size = metadata.block_size
+    device = metadata.slot_mapping.device
+    query_lens = [metadata.query_lens_cpu[r] for r in rows]
+    seq_lens = [metadata.seq_lens_cpu[r] for r in rows]
+    min_cached = min(s - q for s, q in zip(seq_lens, query_lens, strict=True))
+    max_blocks = -(-max(seq_lens) // block_size)
+    index = torch.tensor(rows, device=device)
+    tables = metadata.block_tables[index, :max_blocks]
+    num_common = num_common_blocks(tables, min_cached, block_size)
+    if num_common == 0:
+        return None
+    max_queries = max(query_lens)
+    offsets = torch.arange(max_queries, device=device)
+    lens = torch.tensor(query_lens, device=device)
+    valid = offsets[None, :] < lens[:, None]  # [rows, max_queries]
+    starts = torch.tensor(token_starts, device=device)
+    token_index = torch.where(valid, starts[:, None] + offsets[None, :], 0)
+    seq_lens_t = torch.tensor(seq_lens, device=device)
+    query_pos = (seq_lens_t - lens)[:, None] + offsets[None, :]  # absolute positions
+    own = tables[:, num_common:]
+    key_pos = num_common * block_size + torch.arange(own.shape[1] * block_size, device=device)
+    visible = (key_pos[None, None, :] <= query_pos[:, :, None]) & valid[:, :, None]
+    return SharedPrefixPlan(
+        token_index=token_index,
+        valid=valid,
+        common_block_ids=tables[0, :num_common],
+        own_block_ids=own.reshape(-1),
+        own_mask=visible[:, None, None],  # [rows, 1 (kv head), 1 (group), queries, keys]
+    )
+
+
+def attend_shared_prefix(
+    query: torch.Tensor,  # [num_tokens, heads, dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, dim], this step's K/V written
+    plan: SharedPrefixPlan,
+    output: torch.Tensor,  # [num_tokens, heads, dim]: the plan's rows are written
+) -> None:
+    rows, max_queries = plan.token_index.shape
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    # q: [rows, kv_heads, group, queries, dim]
+    q = query[plan.token_index].view(rows, max_queries, num_kv_heads, group, head_dim)
+    q = q.permute(0, 2, 3, 1, 4)
+    own_k = kv_cache[0][plan.own_block_ids].view(rows, -1, num_kv_heads, head_dim)
+    own_v = kv_cache[1][plan.own_block_ids].view(rows, -1, num_kv_heads, head_dim)
+    own_k = own_k.permute(0, 2, 1, 3)  # [rows, kv_heads, own_keys, dim]
+    own_v = own_v.permute(0, 2, 1, 3)
+    # Each KV head's group of query heads becomes rows: [rows, kv_heads, group * queries, dim]
+    q_rows = q.reshape(rows, num_kv_heads, group * max_queries, head_dim)
+    own_mask = plan.own_mask.expand(-1, -1, group, -1, -1).reshape(rows, 1, group * max_queries, -1)
+    out_own, lse_own = attend_heads(q_rows, own_k, own_v, own_mask)
+    common_k = kv_cache[0][plan.common_block_ids].reshape(-1, num_kv_heads, head_dim)
+    common_v = kv_cache[1][plan.common_block_ids].reshape(-1, num_kv_heads, head_dim)
+    # Every query of every row against the common keys: [1, kv_heads, rows * group * queries, dim]
+    q_all = q.permute(1, 0, 2, 3, 4).reshape(1, num_kv_heads, -1, head_dim)
+    out_common, lse_common = attend_heads(
+        q_all, common_k.transpose(0, 1)[None], common_v.transpose(0, 1)[None]
+    )
+    shape = (num_kv_heads, rows, group, max_queries)
+    out_common = out_common.view(*shape, head_dim).permute(1, 0, 2, 3, 4)
+    lse_common = lse_common.view(shape).permute(1, 0, 2, 3)
+    shape_own = (rows, num_kv_heads, group, max_queries)
+    out = merge(  # [rows, kv_heads, group, queries, dim]
+        out_common, lse_common, out_own.view(*shape_own, head_dim), lse_own.view(shape_own)
+    )
+    out = out.permute(0, 3, 1, 2, 4).reshape(rows, max_queries, num_heads, head_dim)
+    output[plan.token_index[plan.valid]] = out[plan.valid].to(output.dtype)
