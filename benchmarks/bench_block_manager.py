@@ -15,12 +15,13 @@ requests/s and µs per request, plus µs per block hashed, hit rate and eviction
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import random
 import statistics
 import time
 from pathlib import Path
+
+from report import emit
 
 from blockserve.core.events import KVEventRecorder
 from blockserve.core.hashing import HASH_FUNCTIONS, BlockHasher, RequestBlockHasher
@@ -121,11 +122,7 @@ def main() -> None:
                     "evictions": runs[0]["evictions"],
                 }
             )
-    text = json.dumps(results, indent=2)
-    print(text)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    emit(results, args.out)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ Prints one JSON object; medians over --repeats.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import time
@@ -21,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from report import emit
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from blockserve.config import CacheConfig, ModelConfig
@@ -151,11 +151,7 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "runs": [bench_dtype(dtype, args.repeats, None) for dtype in args.dtypes],
     }
-    text = json.dumps(results, indent=2)
-    print(text)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    emit(results, args.out)
 
 
 if __name__ == "__main__":

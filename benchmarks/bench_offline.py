@@ -15,7 +15,6 @@ bookkeeping against the model runner, to show what the control plane costs per s
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import random
 import statistics
@@ -23,6 +22,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from report import emit
 
 from blockserve import LLM, SamplingParams
 
@@ -136,11 +137,7 @@ def main() -> None:
             results[f"{workload}_speedup_from_caching"] = round(
                 by_caching[False] / by_caching[True], 2
             )
-    text = json.dumps(results, indent=2)
-    print(text)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    emit(results, args.out)
 
 
 if __name__ == "__main__":
