@@ -161,6 +161,10 @@ class LLMEngine:
                 f"the prompt has {len(token_ids)} tokens, but the context is "
                 f"{self.max_model_len} tokens and one must be left to generate"
             )
+        if params.prompt_logprobs is not None:
+            # The scheduler already keeps such requests off the cache (they need every
+            # position's logits); the runner does not compute prompt logprobs yet.
+            raise InvalidRequestError("prompt_logprobs are not supported yet")
         if priority != 0 and self.scheduler_config.policy == "fcfs":
             raise InvalidRequestError(
                 "priority is only supported with --scheduling-policy priority"
@@ -169,6 +173,9 @@ class LLMEngine:
         sample_ids = (
             [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
         )
+        taken = [s for s in sample_ids if s in self._sample_owner]
+        if taken:  # checked before anything is queued, so a refusal leaves no half request
+            raise InvalidRequestError(f"request id {taken[0]!r} is already in use")
         requests = []
         for index, sample_id in enumerate(sample_ids):
             seed = None if params.seed is None else params.seed + index

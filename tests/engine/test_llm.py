@@ -103,7 +103,8 @@ def test_logprobs_are_returned(tiny_llama_dir: Path) -> None:
 
 
 def test_bad_requests_raise_and_leave_the_engine_clean(tiny_llama_dir: Path) -> None:
-    """Out-of-vocabulary ids, empty or too long prompts and priority under fcfs are refused."""
+    """Out-of-vocabulary ids, empty or too long prompts, priority under fcfs and prompt
+    logprobs (not computed yet) are refused."""
     llm = make_llm(tiny_llama_dir, max_model_len=64)
     for prompt, params, message in [
         ([1, 2, 99999], GREEDY, "out of range"),
@@ -114,6 +115,8 @@ def test_bad_requests_raise_and_leave_the_engine_clean(tiny_llama_dir: Path) -> 
             llm.generate(prompt, params, use_tqdm=False)
     with pytest.raises(InvalidRequestError, match="priority"):
         llm.generate("hi", GREEDY, priority=[1], use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="prompt_logprobs are not supported"):
+        llm.generate("hi", SamplingParams(prompt_logprobs=1), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
     assert llm.generate("hi", GREEDY, use_tqdm=False)[0].finished
 
@@ -149,3 +152,16 @@ def test_chat_applies_the_template(tiny_llama_dir: Path) -> None:
     expected = tokenizer.encode("<|user|>hello<eos><|assistant|>", add_special_tokens=False)
     assert list(out.prompt_token_ids) == expected
     assert len(out.outputs[0].token_ids) == 12
+
+
+def test_colliding_sample_ids_are_refused_whole(tiny_llama_dir: Path) -> None:
+    """n=2 on id "y" would use "1_y"; if that id is live, nothing of "y" is queued."""
+    llm = make_llm(tiny_llama_dir)
+    engine = llm.engine
+    engine.add_request("1_y", PROMPT_33, GREEDY)
+    with pytest.raises(InvalidRequestError, match="'1_y' is already in use"):
+        engine.add_request("y", PROMPT_33, SamplingParams(n=2, max_tokens=2))
+    assert [r.request_id for r in engine.scheduler.waiting] == ["1_y"]
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.kv_cache_manager.usage == 0.0
