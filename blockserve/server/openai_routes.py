@@ -60,16 +60,20 @@ class _Run:
 
     async def start(self, params: SamplingParams, priority: int, salt: str | None) -> None:
         """Submit every prompt and wait for its first output: refusals raise here."""
-        try:
-            for i, prompt in enumerate(self.prompts):
-                stream = self.ctx.engine.generate(
-                    prompt, params, f"{self.request_id}-{i}", priority, salt
-                )
-                self.streams.append(stream)
-                self.first.append(await anext(stream))  # type: ignore[arg-type]
-        except BaseException:
+        self.streams = [
+            self.ctx.engine.generate(prompt, params, f"{self.request_id}-{i}", priority, salt)
+            for i, prompt in enumerate(self.prompts)
+        ]
+        # All prompts are submitted together (so they share steps), then their first outputs.
+        firsts = await asyncio.gather(
+            *(anext(stream) for stream in self.streams),  # type: ignore[arg-type]
+            return_exceptions=True,
+        )
+        errors = [f for f in firsts if isinstance(f, BaseException)]
+        if errors:
             await self.close()
-            raise
+            raise errors[0]
+        self.first = list(firsts)  # type: ignore[arg-type]
 
     def _observe(self, index: int, output: RequestOutput) -> None:
         timer = self.timers[index]

@@ -170,3 +170,23 @@ def test_return_token_ids(server: ServerProcess) -> None:
             if line.startswith("data: {"):
                 streamed += json.loads(line[6:])["choices"][0]["token_ids"]
     assert streamed == token_ids
+
+
+def test_batched_prompts(server: ServerProcess) -> None:
+    """A list of prompts gives one choice per prompt, in order; a bad one refuses the batch."""
+    import httpx
+
+    body = {
+        "prompt": ["hello", "the quick brown"],
+        "max_tokens": 3,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    out = httpx.post(f"{server.url}/v1/completions", json=body).json()
+    assert [c["index"] for c in out["choices"]] == [0, 1]
+    assert out["usage"]["completion_tokens"] == 6
+    single = httpx.post(f"{server.url}/v1/completions", json={**body, "prompt": "the quick brown"})
+    assert out["choices"][1]["text"] == single.json()["choices"][0]["text"]
+    bad = httpx.post(f"{server.url}/v1/completions", json={**body, "prompt": ["hi", [99999]]})
+    assert bad.status_code == 400
+    assert httpx.get(f"{server.url}/debug/kv_cache").json()["num_requests_holding_blocks"] == 0
