@@ -137,6 +137,12 @@ static void launch_paged_decode(void* out, const void* query, const void* key_ca
                                 const DecodeShape& shape, cudaStream_t stream) {
   const int threads = 128;
   const size_t shared = sizeof(float) * (shape.head_dim + shape.max_context + threads);
+  if (shared > 48 * 1024) {
+    // Above 48 KB a kernel must opt in to dynamic shared memory (up to the device's limit,
+    // 227 KB on H100/H200: contexts of about 58k tokens).
+    cudaFuncSetAttribute(paged_decode_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                         static_cast<int>(shared));
+  }
   dim3 grid(num_seqs, num_heads);
   paged_decode_kernel<T><<<grid, threads, shared, stream>>>(
       static_cast<T*>(out), static_cast<const T*>(query), static_cast<const T*>(key_cache),
