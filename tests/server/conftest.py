@@ -1,4 +1,5 @@
-"""Server fixtures: one tiny-model server per module configuration, stopped with SIGINT."""
+"""Server fixtures: tiny-model servers in real processes, each stopped with SIGINT at the end
+of its module and required to exit with code 0."""
 
 from __future__ import annotations
 
@@ -12,14 +13,25 @@ from tests.server.server_process import ServerProcess
 TINY_ARGS = ["--dtype", "float32", "--num-gpu-blocks-override", "256"]
 
 
+def tiny_server(
+    model_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    extra_args: list[str] | None = None,
+    env: dict[str, str] | None = None,
+) -> Iterator[ServerProcess]:
+    """Start a tiny-model server, yield it, then stop it and check its clean exit."""
+    process = ServerProcess(
+        ["--model", str(model_dir), *TINY_ARGS, *(extra_args or [])],
+        tmp_path_factory.mktemp("server") / "server.log",
+        env=env,
+    )
+    yield process
+    assert process.stop() == 0, process.log()
+
+
 @pytest.fixture(scope="module")
 def server(
     tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
-    """A tiny-model server with prefix caching on; asserts a clean exit (code 0) at the end."""
-    process = ServerProcess(
-        ["--model", str(tiny_llama_dir), *TINY_ARGS],
-        tmp_path_factory.mktemp("server") / "server.log",
-    )
-    yield process
-    assert process.stop() == 0, process.log()
+    """A tiny-model server with prefix caching on."""
+    yield from tiny_server(tiny_llama_dir, tmp_path_factory)

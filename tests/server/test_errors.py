@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import TINY_ARGS
+from tests.server.conftest import tiny_server
 from tests.server.server_process import ServerProcess
 
 CASES = [
@@ -111,13 +111,7 @@ def test_health_version_and_unknown_route(server: ServerProcess) -> None:
 def server_with_key(
     tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
-    process = ServerProcess(
-        ["--model", str(tiny_llama_dir), *TINY_ARGS],
-        tmp_path_factory.mktemp("keyed") / "server.log",
-        env={"BLOCKSERVE_API_KEY": "sekret"},
-    )
-    yield process
-    assert process.stop() == 0, process.log()
+    yield from tiny_server(tiny_llama_dir, tmp_path_factory, env={"BLOCKSERVE_API_KEY": "sekret"})
 
 
 def test_api_key_guards_v1_only(server_with_key: ServerProcess) -> None:

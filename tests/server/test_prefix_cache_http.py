@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server.conftest import TINY_ARGS
+from tests.server.conftest import tiny_server
 from tests.server.server_process import ServerProcess, read_metric
 
 PROMPT_33 = list(range(100, 133))
@@ -69,12 +69,7 @@ def test_metrics_names_and_prefix_counters(server: ServerProcess) -> None:
 def server_without_caching(
     tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
-    process = ServerProcess(
-        ["--model", str(tiny_llama_dir), "--no-enable-prefix-caching", *TINY_ARGS],
-        tmp_path_factory.mktemp("nocache") / "server.log",
-    )
-    yield process
-    assert process.stop() == 0, process.log()
+    yield from tiny_server(tiny_llama_dir, tmp_path_factory, ["--no-enable-prefix-caching"])
 
 
 def test_no_prefix_caching_reports_zero(server_without_caching: ServerProcess) -> None:
