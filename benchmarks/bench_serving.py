@@ -272,6 +272,7 @@ def main() -> None:
     parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
 
+    args.out_dir.mkdir(parents=True, exist_ok=True)
     runs: dict[str, dict] = {}
     settings = [("caching on", []), ("caching off", ["--no-enable-prefix-caching"])]
     if not args.compare_caching:

@@ -21,7 +21,7 @@ from blockserve.core.hashing import BlockHasher, BlockKeyInputs, RequestBlockHas
 from blockserve.core.kv_cache_manager import KVCacheManager
 from blockserve.engine.detokenizer import IncrementalDetokenizer
 from blockserve.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from blockserve.errors import InvalidRequestError
+from blockserve.errors import InvalidConfigError, InvalidRequestError
 from blockserve.events.config import KVEventsConfig
 from blockserve.events.publisher import EventPublisher, create_event_publisher
 from blockserve.runner.model_runner import ModelRunner
@@ -98,7 +98,7 @@ class LLMEngine:
         self.runner = ModelRunner(model_config, cache_config)
         self.tokenizer: Any = self.runner.loaded.tokenizer
         self.model_name = self.runner.loaded.name
-        self.max_model_len = model_config.max_model_len or self.runner.arch.max_position_embeddings
+        self.max_model_len = self._context_length(model_config, cache_config.block_size)
         self.scheduler_config = dataclasses.replace(
             scheduler_config or SchedulerConfig(), max_model_len=self.max_model_len
         )
@@ -125,6 +125,21 @@ class LLMEngine:
         self._pending_outputs: list[RequestOutput] = []
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+
+    def _context_length(self, model_config: ModelConfig, block_size: int) -> int:
+        """The model's context, or `max_model_len`, within what the KV cache can hold: a
+        request that could never fit would wait forever."""
+        capacity = (self.runner.num_blocks - 1) * block_size
+        wanted = model_config.max_model_len or self.runner.arch.max_position_embeddings
+        if wanted <= capacity:
+            return wanted
+        if model_config.max_model_len is not None:
+            raise InvalidConfigError(
+                f"max_model_len {wanted} exceeds the KV cache, which holds {capacity} tokens; "
+                "give the cache more memory or lower max_model_len"
+            )
+        logger.warning("the KV cache holds %d tokens: the context is capped there", capacity)
+        return capacity
 
     # -- requests -----------------------------------------------------------------------
 

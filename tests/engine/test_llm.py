@@ -165,3 +165,15 @@ def test_colliding_sample_ids_are_refused_whole(tiny_llama_dir: Path) -> None:
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.kv_cache_manager.usage == 0.0
+
+
+def test_context_is_capped_by_the_kv_cache(tiny_llama_dir: Path) -> None:
+    """A cache of 4 usable blocks caps the context at 64 tokens; asking for more is an error."""
+    from blockserve.errors import InvalidConfigError
+
+    llm = make_llm(tiny_llama_dir, num_gpu_blocks_override=5)
+    assert llm.engine.max_model_len == 64
+    with pytest.raises(InvalidRequestError, match="the context is 64 tokens"):
+        llm.generate(list(range(70)), GREEDY, use_tqdm=False)
+    with pytest.raises(InvalidConfigError, match="exceeds the KV cache, which holds 64 tokens"):
+        make_llm(tiny_llama_dir, num_gpu_blocks_override=5, max_model_len=100)
