@@ -46,6 +46,7 @@ class KVEventSubscriber:
         self._replay: zmq.Socket | None = None
         if replay_endpoint is not None:
             self._replay = self._context.socket(zmq.DEALER)
+            self._replay.set_hwm(0)  # a replay may be the whole buffer: never drop any of it
             self._replay.connect(replay_endpoint)
         self.next_seq = start_seq
         self.replay_timeout_ms = replay_timeout_ms

@@ -50,6 +50,9 @@ class ZmqEventPublisher:
                 self._pub.connect(config.endpoint)
             if config.replay_endpoint is not None:
                 self._replay = self._context.socket(zmq.ROUTER)
+                # A ROUTER silently drops what exceeds its high-water mark: a replay of the
+                # whole buffer (bounded by buffer_steps) must go out whole.
+                self._replay.set_hwm(0)
                 self._replay.bind(config.replay_endpoint)
         except zmq.ZMQError:
             self._close_sockets(linger=0)
