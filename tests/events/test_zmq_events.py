@@ -67,7 +67,7 @@ def subscribe(config: KVEventsConfig) -> KVEventSubscriber:
     subscriber = KVEventSubscriber(
         connect_address(config.endpoint), connect_address(config.replay_endpoint)
     )
-    time.sleep(0.2)  # let the SUB connection settle (a late join is tested separately)
+    time.sleep(0.5)  # let the SUB connection settle (a late join is tested separately)
     return subscriber
 
 
@@ -231,7 +231,7 @@ def test_plain_msgpack_decoding_gives_the_documented_structure() -> None:
     sub = context.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(connect_address(config.endpoint))
-    time.sleep(0.2)
+    time.sleep(0.5)
     try:
         digest = bytes(range(32))
         publisher.publish(
