@@ -86,3 +86,18 @@ def test_concurrent_streams_with_disconnects_leave_a_clean_pool(server: ServerPr
     # The server still answers.
     again = httpx.post(f"{server.url}/v1/completions", json=body(0, False), timeout=60)
     assert again.json()["choices"][0]["text"] == expected[0]
+
+
+def test_non_streaming_client_that_leaves_aborts_its_request(server: ServerProcess) -> None:
+    """A non-streaming client that hangs up stops its request: fewer tokens than asked."""
+    before = read_metric(server.url, "generation_tokens_total")
+    body = {"prompt": [5, 6, 7], "max_tokens": 500, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=0.3)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if httpx.get(f"{server.url}/debug/kv_cache").json()["num_requests_holding_blocks"] == 0:
+            break
+        time.sleep(0.05)
+    generated = read_metric(server.url, "generation_tokens_total") - before
+    assert 0 < generated < 500
