@@ -26,6 +26,7 @@ from blockserve.events.config import KVEventsConfig
 from blockserve.events.publisher import EventPublisher, create_event_publisher
 from blockserve.runner.model_runner import ModelRunner
 from blockserve.sampling_params import SamplingParams
+from blockserve.sched.output import ScheduledRequest
 from blockserve.sched.request import Request, RequestStatus
 from blockserve.sched.scheduler import RequestUpdate, Scheduler
 
@@ -300,7 +301,9 @@ class LLMEngine:
             sample.finish_reason = status.finish_reason
         state.finished_time = time.monotonic()
 
-    def _fail_step(self, scheduled: Sequence[Any], exc: Exception) -> list[RequestOutput]:
+    def _fail_step(
+        self, scheduled: Sequence[ScheduledRequest], exc: Exception
+    ) -> list[RequestOutput]:
         failed: dict[str, _RequestState] = {}
         for item in scheduled:
             state, _ = self._sample_owner[item.request_id]

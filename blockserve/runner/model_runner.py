@@ -99,9 +99,11 @@ class ModelRunner:
         query_lens = [len(s.token_ids) for s in scheduled]
         seq_lens = [s.num_computed_tokens + n for s, n in zip(scheduled, query_lens, strict=True)]
         max_blocks = max(len(s.block_ids) for s in scheduled)
-        block_tables = torch.zeros(len(scheduled), max_blocks, dtype=torch.int64)
-        for row, s in enumerate(scheduled):
-            block_tables[row, : len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int64)
+        # One tensor for the whole step, rows padded with the null block.
+        block_tables = torch.tensor(
+            [(*s.block_ids, *(0,) * (max_blocks - len(s.block_ids))) for s in scheduled],
+            dtype=torch.int64,
+        )
         query_lens_t = torch.tensor(query_lens, dtype=torch.int64)
         row_of_token = torch.repeat_interleave(torch.arange(len(scheduled)), query_lens_t)
         query_start_loc = torch.zeros(len(scheduled) + 1, dtype=torch.int64)

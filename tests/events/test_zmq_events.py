@@ -277,14 +277,14 @@ def test_plain_msgpack_decoding_gives_the_documented_structure() -> None:
 
 
 def test_full_queue_and_absent_subscriber_never_block() -> None:
-    """With a 1-slot queue and nobody listening, 5,000 publishes return at once; all replayable."""
+    """With a 1-slot queue and nobody listening, publish drops the live copy instead of
+    waiting, and every batch stays replayable."""
     config = events_config(max_queue_size=1, buffer_steps=5000)
     publisher = ZmqEventPublisher(config)
     batch = KVEventBatch(ts=0.0, events=[AllBlocksCleared()], data_parallel_rank=0)
-    start = time.perf_counter()
     for _ in range(5000):
         publisher.publish(batch)
-    elapsed = time.perf_counter() - start
+    assert publisher.num_dropped_live > 0  # the queue was full: publish did not wait
     assert config.replay_endpoint is not None
     subscriber = KVEventSubscriber(
         connect_address(config.endpoint), connect_address(config.replay_endpoint)
@@ -294,5 +294,4 @@ def test_full_queue_and_absent_subscriber_never_block() -> None:
     finally:
         subscriber.close()
         publisher.shutdown()
-    assert len(replayed) == 5000 and replayed[-1][0] == 4999
-    assert elapsed < 30  # a sanity bound, not a speed claim: publish never waits
+    assert [seq for seq, _ in replayed] == list(range(5000))

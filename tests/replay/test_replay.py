@@ -96,8 +96,7 @@ def plain_lru_hits(trace: list[TraceRequest], capacity: int, block_size: int) ->
             if position >= len(hits):
                 where.setdefault(keys[position], set()).add(slot)
         total_hits += len(hits)
-        unhashed = [s for s in reversed(owned) if owned.index(s) >= len(keys)]
-        for slot in reversed(unhashed):
+        for slot in owned[len(keys) :]:  # unhashed tail blocks go to the head, deepest first
             free[slot] = None
             free.move_to_end(slot, last=False)
         for position in reversed(range(min(len(owned), len(keys)))):
