@@ -1,28 +1,130 @@
 """The triton attention backend: one launch writes K/V, one launch attends the whole batch.
 
-The plan is built once per step: the query tiles (sequence, first query) of at most BLOCK_M
-tokens each, so the kernel needs no search to find its sequence. Matches the torch backend
+Per step, `prepare` keeps the metadata; the launch shape (how query tokens are tiled, how many
+KV splits) depends on the model's head grouping too, so it is worked out on the first layer's
+call and reused by every other layer of the step. Matches the torch backend
 (tests/attention/test_triton_backend.py, under TRITON_INTERPRET=1 on the CPU).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+import math
+from dataclasses import dataclass, field
 
 import torch
 import triton
 
 from blockserve.attention.metadata import AttentionMetadata
-from blockserve.attention.triton_kernels import reshape_and_cache_kernel, unified_attention_kernel
+from blockserve.attention.triton_kernels import (
+    merge_splits_kernel,
+    reshape_and_cache_kernel,
+    unified_attention_kernel,
+)
 
-BLOCK_M = 16  # query tokens per program (tl.dot needs at least 16)
+MIN_BLOCK_M = 16  # tl.dot's smallest tile
+PREFILL_BLOCK_M = 64  # rows per program when some sequence brings more than a few tokens
+MAX_SPLITS = 32
 
 
 @dataclass(frozen=True, slots=True)
+class KernelConfig:
+    """Launch parameters of the attention kernel. Initial choices, not yet tuned on a GPU
+    (benchmarks/bench_attention.py --sweep compares alternatives); CI compiles these for sm_90
+    and checks they pipeline the K/V loads without register spills."""
+
+    tile_n: int = 64  # keys per loop iteration (four 16-token blocks)
+    num_warps: int = 4
+    num_stages: int = 3  # software pipelining depth of the K/V loads
+
+
+DECODE_CONFIG = KernelConfig(tile_n=64, num_warps=4, num_stages=3)
+PREFILL_CONFIG = KernelConfig(tile_n=64, num_warps=8, num_stages=3)
+
+
+def kernel_config(block_m: int) -> KernelConfig:
+    return DECODE_CONFIG if block_m <= MIN_BLOCK_M else PREFILL_CONFIG
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchShape:
+    """How one step's queries are cut into programs."""
+
+    block_m: int  # rows per program: block_q tokens x queries_per_kv heads, padded to pow2
+    block_q: int  # query tokens per tile
+    tile_seq: torch.Tensor  # [num_tiles] int32: the sequence of each tile
+    tile_offset: torch.Tensor  # [num_tiles] int32: its first query within the sequence
+    num_splits: int  # KV splits per program (a power of two); 1 = no merge step
+
+
+@dataclass(slots=True)
 class TritonAttentionPlan:
     metadata: AttentionMetadata
-    tile_seq: torch.Tensor  # [num_tiles] int32
-    tile_offset: torch.Tensor  # [num_tiles] int32
+    shapes: dict[tuple[int, int, int | None], LaunchShape] = field(default_factory=dict)
+
+    def launch_shape(
+        self, queries_per_kv: int, num_kv_heads: int, num_splits: int | None = None
+    ) -> LaunchShape:
+        """The step's tiling for this head grouping (computed once, then reused)."""
+        key = (queries_per_kv, num_kv_heads, num_splits)
+        if key not in self.shapes:
+            self.shapes[key] = plan_launch(self.metadata, queries_per_kv, num_kv_heads, num_splits)
+        return self.shapes[key]
+
+
+@functools.cache
+def multiprocessor_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_splits(
+    num_programs: int, max_seq_len: int, tile_n: int, device: torch.device
+) -> int:
+    """Split the keys only when the programs would leave most of the device idle: aim for two
+    programs per multiprocessor, each split keeping at least two key tiles."""
+    if device.type != "cuda":
+        return 1
+    wanted = math.ceil(2 * multiprocessor_count(device) / max(1, num_programs))
+    most = min(MAX_SPLITS, wanted, max(1, max_seq_len // (2 * tile_n)))
+    return 1 << (most.bit_length() - 1)  # the largest power of two <= most
+
+
+def plan_launch(
+    metadata: AttentionMetadata,
+    queries_per_kv: int,
+    num_kv_heads: int,
+    num_splits: int | None = None,
+) -> LaunchShape:
+    """Tile each sequence's queries so that a program's rows (tokens x grouped heads) fill a
+    tensor-core tile; choose the KV splits unless given."""
+    smallest = max(MIN_BLOCK_M, triton.next_power_of_2(queries_per_kv))
+    longest_query = max(metadata.query_lens_cpu, default=1)
+    block_m = smallest
+    if longest_query * queries_per_kv > smallest:
+        block_m = max(PREFILL_BLOCK_M, smallest)
+    block_q = block_m // queries_per_kv
+    tile_seq, tile_offset = [], []
+    for seq, query_len in enumerate(metadata.query_lens_cpu):
+        for first in range(0, query_len, block_q):
+            tile_seq.append(seq)
+            tile_offset.append(first)
+    device = metadata.slot_mapping.device
+    if num_splits is None:
+        num_splits = choose_num_splits(
+            len(tile_seq) * num_kv_heads,
+            max(metadata.seq_lens_cpu, default=1),
+            kernel_config(block_m).tile_n,
+            device,
+        )
+    elif num_splits < 1 or num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits must be a power of two, got {num_splits}")
+    return LaunchShape(
+        block_m,
+        block_q,
+        torch.tensor(tile_seq, dtype=torch.int32, device=device),
+        torch.tensor(tile_offset, dtype=torch.int32, device=device),
+        num_splits,
+    )
 
 
 def reshape_and_cache(
@@ -58,23 +160,45 @@ def unified_attention(
     kv_cache: torch.Tensor,
     plan: TritonAttentionPlan,
     out: torch.Tensor,  # [num_tokens, heads, head_dim], written in place
+    num_splits: int | None = None,  # None: chosen for the device
+    config: KernelConfig | None = None,  # None: the default for the step's tile height
 ) -> None:
     """Attend every query over its sequence's paged context (K/V already written)."""
-    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_tokens, num_heads, head_dim = query.shape
     key_cache, value_cache = kv_cache[0], kv_cache[1]
+    num_kv_heads = key_cache.shape[2]
+    queries_per_kv = num_heads // num_kv_heads
+    shape = plan.launch_shape(queries_per_kv, num_kv_heads, num_splits)
     metadata = plan.metadata
-    grid = (plan.tile_seq.numel(), num_heads)
+    splits = shape.num_splits
+    config = config or kernel_config(shape.block_m)
+    if splits > 1:
+        partial = torch.empty(
+            splits, num_tokens, num_heads, head_dim, dtype=torch.float32, device=query.device
+        )
+        partial_max = torch.empty(
+            splits, num_tokens, num_heads, dtype=torch.float32, device=query.device
+        )
+        partial_sum = torch.empty_like(partial_max)
+    else:  # unused by the kernel; any float32 tensors will do
+        partial = partial_max = partial_sum = out.new_empty(1, dtype=torch.float32)
+    grid = (shape.tile_seq.numel(), num_kv_heads, splits)
     unified_attention_kernel[grid](
         out,
+        partial,
+        partial_max,
+        partial_sum,
         query,
         key_cache,
         value_cache,
         metadata.block_tables,
         metadata.seq_lens,
         metadata.query_start_loc,
-        plan.tile_seq,
-        plan.tile_offset,
+        shape.tile_seq,
+        shape.tile_offset,
         head_dim**-0.5,
+        num_tokens,
+        num_heads,
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -83,29 +207,37 @@ def unified_attention(
         key_cache.stride(1),
         key_cache.stride(2),
         metadata.block_tables.stride(0),
-        QUERIES_PER_KV=num_heads // key_cache.shape[2],
+        QUERIES_PER_KV=queries_per_kv,
         BLOCK_SIZE=key_cache.shape[1],
         HEAD_DIM=head_dim,
-        BLOCK_M=BLOCK_M,
+        BLOCK_Q=shape.block_q,
+        BLOCK_M=shape.block_m,
+        TILE_N=config.tile_n,
+        NUM_SPLITS=splits,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
+    if splits > 1:
+        merge_splits_kernel[(num_tokens, num_heads)](
+            out,
+            partial,
+            partial_max,
+            partial_sum,
+            num_tokens,
+            num_heads,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            NUM_SPLITS=splits,
+        )
 
 
 class TritonAttentionBackend:
     name = "triton"
 
     def prepare(self, metadata: AttentionMetadata) -> TritonAttentionPlan:
-        tile_seq, tile_offset = [], []
-        for seq, query_len in enumerate(metadata.query_lens_cpu):
-            for first in range(0, query_len, BLOCK_M):
-                tile_seq.append(seq)
-                tile_offset.append(first)
-        device = metadata.slot_mapping.device
-        return TritonAttentionPlan(
-            metadata,
-            torch.tensor(tile_seq, dtype=torch.int32, device=device),
-            torch.tensor(tile_offset, dtype=torch.int32, device=device),
-        )
+        return TritonAttentionPlan(metadata)
 
     def forward(
         self,

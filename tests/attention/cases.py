@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -125,3 +126,50 @@ def reference_attention(case: AttentionCase) -> torch.Tensor:
         outputs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
         start += query_len
     return torch.cat(outputs)
+
+
+def make_bench_case(
+    specs: list[tuple[int, int]],  # per sequence: (num_cached_tokens, query_len)
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    device: str = "cuda",
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """query, key, value, kv_cache and metadata for `specs`, built on `device` for benchmarks:
+    random cache contents, each sequence's blocks scattered at random, no reference kept
+    (make_case's per-token bookkeeping would take minutes at batch 256 x 8k)."""
+    block_size = 16
+    gen = torch.Generator(device=device).manual_seed(seed)
+    blocks_needed = [math.ceil((c + q) / block_size) for c, q in specs]
+    num_blocks = sum(blocks_needed) + 1  # block 0 stays the null block
+    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    kv_cache = torch.randn(shape, generator=gen, device=device, dtype=dtype)
+    order = torch.randperm(num_blocks - 1, generator=gen, device=device) + 1
+    max_blocks = max(blocks_needed)
+    block_tables = torch.zeros(len(specs), max_blocks, dtype=torch.int64, device=device)
+    slots, start = [], 0
+    for row, ((num_cached, query_len), n) in enumerate(zip(specs, blocks_needed, strict=True)):
+        block_tables[row, :n] = order[start : start + n]
+        start += n
+        positions = torch.arange(num_cached, num_cached + query_len, device=device)
+        blocks = block_tables[row, positions // block_size]
+        slots.append(blocks * block_size + positions % block_size)
+    query_lens = [q for _, q in specs]
+    seq_lens = [c + q for c, q in specs]
+    num_tokens = sum(query_lens)
+    query_start = [0, *itertools.accumulate(query_lens)]
+    metadata = AttentionMetadata(
+        slot_mapping=torch.cat(slots),
+        block_tables=block_tables,
+        query_start_loc=torch.tensor(query_start, device=device),
+        seq_lens=torch.tensor(seq_lens, device=device),
+        query_lens_cpu=tuple(query_lens),
+        seq_lens_cpu=tuple(seq_lens),
+        block_size=block_size,
+    )
+    query = torch.randn(num_tokens, num_heads, head_dim, generator=gen, device=device, dtype=dtype)
+    key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen, device=device, dtype=dtype)
+    value = torch.randn_like(key)
+    return query, key, value, kv_cache, metadata
