@@ -1,5 +1,6 @@
 // Torch bindings for blockserve's CUDA kernels: tensor checks, dtype dispatch, the stream.
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
 #include "kernels.h"
@@ -29,10 +30,11 @@ void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64, "slot_mapping must be int64");
   const int row = static_cast<int>(key.size(1) * key.size(2));
+  const c10::cuda::CUDAGuard device_guard(key.device());
   check_cuda_error(blockserve::reshape_and_cache(
       dtype_of(key), key.data_ptr(), value.data_ptr(), key_cache.data_ptr(),
       value_cache.data_ptr(), slot_mapping.data_ptr<int64_t>(), key.size(0), key.stride(0),
-      value.stride(0), row, at::cuda::getCurrentCUDAStream()));
+      value.stride(0), row, c10::cuda::getCurrentCUDAStream()));
 }
 
 // out, query: [num_seqs, heads, head_dim] (one decode query per sequence).
@@ -54,11 +56,22 @@ void paged_decode(torch::Tensor out, torch::Tensor query, torch::Tensor key_cach
   shape.query_stride = query.stride(0);
   shape.out_stride = out.stride(0);
   shape.scale = 1.0f / std::sqrt(static_cast<float>(shape.head_dim));
+  const c10::cuda::CUDAGuard device_guard(query.device());
+  int device = 0;
+  int shared_limit = 0;
+  check_cuda_error(cudaGetDevice(&device));
+  check_cuda_error(
+      cudaDeviceGetAttribute(&shared_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  const size_t shared = blockserve::paged_decode_shared_bytes(shape);
+  TORCH_CHECK(shared <= static_cast<size_t>(shared_limit),
+              "paged_decode keeps a sequence's scores in shared memory: a context of ",
+              max_context, " tokens needs ", shared, " bytes, this device allows ", shared_limit,
+              " per block; use the triton attention backend for longer contexts");
   check_cuda_error(blockserve::paged_decode(
       dtype_of(query), out.data_ptr(), query.data_ptr(), key_cache.data_ptr(),
       value_cache.data_ptr(), block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
       static_cast<int>(query.size(0)), static_cast<int>(query.size(1)), shape,
-      at::cuda::getCurrentCUDAStream()));
+      c10::cuda::getCurrentCUDAStream()));
 }
 
 }  // namespace

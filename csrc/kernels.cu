@@ -130,21 +130,26 @@ static void launch_reshape_and_cache(const void* key, const void* value, void* k
       static_cast<T*>(value_cache), slot_mapping, key_stride, value_stride, row);
 }
 
+constexpr int kDecodeThreads = 128;
+
+size_t paged_decode_shared_bytes(const DecodeShape& shape) {
+  return sizeof(float) * (shape.head_dim + static_cast<size_t>(shape.max_context) + kDecodeThreads);
+}
+
 template <typename T>
 static void launch_paged_decode(void* out, const void* query, const void* key_cache,
                                 const void* value_cache, const int64_t* block_tables,
                                 const int64_t* seq_lens, int num_seqs, int num_heads,
                                 const DecodeShape& shape, cudaStream_t stream) {
-  const int threads = 128;
-  const size_t shared = sizeof(float) * (shape.head_dim + shape.max_context + threads);
+  const size_t shared = paged_decode_shared_bytes(shape);
   if (shared > 48 * 1024) {
     // Above 48 KB a kernel must opt in to dynamic shared memory (up to the device's limit,
-    // 227 KB on H100/H200: contexts of about 58k tokens).
+    // 227 KB on H100/H200: contexts of about 58k tokens; bindings.cpp checks it).
     cudaFuncSetAttribute(paged_decode_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                          static_cast<int>(shared));
   }
   dim3 grid(num_seqs, num_heads);
-  paged_decode_kernel<T><<<grid, threads, shared, stream>>>(
+  paged_decode_kernel<T><<<grid, kDecodeThreads, shared, stream>>>(
       static_cast<T*>(out), static_cast<const T*>(query), static_cast<const T*>(key_cache),
       static_cast<const T*>(value_cache), block_tables, seq_lens, shape);
 }

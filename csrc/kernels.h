@@ -25,6 +25,10 @@ int reshape_and_cache(DType dtype, const void* key, const void* value, void* key
                       void* value_cache, const int64_t* slot_mapping, int64_t num_tokens,
                       int64_t key_stride, int64_t value_stride, int row, cudaStream_t stream);
 
+// Dynamic shared memory one paged_decode block needs for `shape`: the query, every score of
+// the longest context, and reduction scratch (float32).
+size_t paged_decode_shared_bytes(const DecodeShape& shape);
+
 int paged_decode(DType dtype, void* out, const void* query, const void* key_cache,
                  const void* value_cache, const int64_t* block_tables, const int64_t* seq_lens,
                  int num_seqs, int num_heads, const DecodeShape& shape, cudaStream_t stream);

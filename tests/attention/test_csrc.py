@@ -31,3 +31,41 @@ def test_kernels_compile_to_ptx_for_sm90(tmp_path: Path) -> None:
     assert len(entries) == 6  # two kernels × float, half, bfloat16
     assert names.count("reshape_and_cache_kernel") == 3
     assert names.count("paged_decode_kernel") == 3
+
+
+def cuda_include_dir() -> Path | None:
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    include = Path(CUDA_HOME or "/usr/local/cuda") / "include"
+    return include if (include / "cuda_runtime_api.h").is_file() else None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    shutil.which("g++") is None or cuda_include_dir() is None,
+    reason="needs g++ and the CUDA runtime headers, absent on this machine",
+)
+def test_bindings_type_check_against_torch_headers(tmp_path: Path) -> None:
+    """bindings.cpp compiles (syntax and types) against the installed torch's C++ API.
+
+    A CPU-only torch wheel ships c10/cuda's headers but not the one its CMake build generates
+    (cuda_cmake_macros.h); a stand-in defining its one macro takes its place.
+    """
+    import sysconfig
+
+    from torch.utils.cpp_extension import include_paths
+
+    generated = tmp_path / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h"
+    generated.parent.mkdir(parents=True)
+    generated.write_text("#define C10_CUDA_BUILD_SHARED_LIBS\n")
+    includes = [*include_paths(), str(tmp_path), sysconfig.get_paths()["include"]]
+    includes += [str(cuda_include_dir()), str(CSRC)]
+    result = subprocess.run(
+        ["g++", "-std=c++20", "-fsyntax-only", "-DTORCH_EXTENSION_NAME=blockserve_cuda"]
+        + [f"-I{path}" for path in includes]
+        + [str(CSRC / "bindings.cpp")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
