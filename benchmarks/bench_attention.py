@@ -1,32 +1,47 @@
 """Attention kernels on a CUDA device: decode bandwidth and prefill-on-prefix FLOP rate.
 
 Decode: batch 1 / 64 / 256 sequences, context 1k / 8k, one query each; achieved bandwidth =
-K and V bytes read / kernel time, against the device's measured copy bandwidth.
-Prefill-on-prefix: 512 new tokens on top of a cached 1k / 8k context; achieved FLOP/s (causal
-QK^T and PV) against the device's measured bf16 matmul rate. bf16, 32 query heads, 8 KV heads,
-head_dim 128, block size 16.
+K and V bytes read / time of the backend's forward (K/V write included), against the device's
+measured copy bandwidth. Prefill-on-prefix: 512 new tokens on top of a cached 1k / 8k context;
+achieved FLOP/s (QK^T and PV, causal over the new tokens) against the device's measured bf16
+matmul rate. bf16, 32 query heads, 8 KV heads, head_dim 128, block size 16; each sequence's
+blocks are scattered over the cache at random.
 
-    .venv/bin/python benchmarks/bench_attention.py [--backends triton cuda torch] [--out FILE]
+--sweep also times the triton kernel's launch parameters (keys per tile, warps, pipeline
+stages) at decode batch 64 / 8k and prefill 512 on 8k, and decode batch 1 / 8k with and without
+KV splits, so one run on a GPU shows which configuration to ship.
+
+    python benchmarks/bench_attention.py [--backends triton cuda torch] [--sweep] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from blockserve.attention.selector import get_attention_backend
-from tests.attention.cases import make_case  # the same random paged cases as the tests
+from blockserve.attention.triton_backend import (
+    KernelConfig,
+    TritonAttentionPlan,
+    unified_attention,
+)
+from tests.attention.cases import make_bench_case  # random paged cases, built on the device
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+PREFILL_TOKENS = 512
 
 
-def cuda_time(fn, repeats: int = 20) -> float:  # type: ignore[no-untyped-def]
-    """Median seconds of `fn` on the device (CUDA events)."""
+def cuda_time(fn: Callable[[], object], repeats: int = 20) -> float:
+    """Median seconds of `fn` on the device (CUDA events), after one warm-up call."""
     fn()
     torch.cuda.synchronize()
     times = []
@@ -41,8 +56,8 @@ def cuda_time(fn, repeats: int = 20) -> float:  # type: ignore[no-untyped-def]
 
 
 def device_peaks() -> dict[str, float]:
-    size = 1 << 28  # 512 MiB of bf16
-    src = torch.empty(size, dtype=torch.bfloat16, device="cuda")
+    """Copy bandwidth (bytes read + written) and bf16 matmul rate, measured here."""
+    src = torch.empty(1 << 28, dtype=torch.bfloat16, device="cuda")  # 512 MiB
     dst = torch.empty_like(src)
     copy_s = cuda_time(lambda: dst.copy_(src))
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
@@ -53,65 +68,127 @@ def device_peaks() -> dict[str, float]:
     }
 
 
-def bench(backend_name: str, specs: list[tuple[int, int]]) -> float:
-    case = make_case(specs, HEADS, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16).to("cuda")
+def time_backend(backend_name: str, specs: list[tuple[int, int]]) -> float:
+    query, key, value, kv_cache, metadata = make_bench_case(specs, HEADS, KV_HEADS, HEAD_DIM)
     backend = get_attention_backend(backend_name, "cuda")
-    plan = backend.prepare(case.metadata)
-    return cuda_time(lambda: backend.forward(case.query, case.key, case.value, case.kv_cache, plan))
+    plan = backend.prepare(metadata)
+    return cuda_time(lambda: backend.forward(query, key, value, kv_cache, plan))
+
+
+def time_triton(
+    specs: list[tuple[int, int]], config: KernelConfig | None, num_splits: int | None
+) -> float:
+    """The triton attention kernel alone (K/V already written) with the given parameters."""
+    query, _, _, kv_cache, metadata = make_bench_case(specs, HEADS, KV_HEADS, HEAD_DIM)
+    plan = TritonAttentionPlan(metadata)
+    out = torch.empty_like(query)
+    return cuda_time(lambda: unified_attention(query, kv_cache, plan, out, num_splits, config))
+
+
+def decode_bytes(batch: int, context: int) -> int:
+    return batch * (context + 1) * KV_HEADS * HEAD_DIM * 2 * 2  # K and V, bf16
+
+
+def prefill_flops(context: int) -> int:
+    return 4 * HEADS * HEAD_DIM * PREFILL_TOKENS * (context + PREFILL_TOKENS // 2)
+
+
+def decode_row(peaks: dict[str, float], batch: int, context: int, seconds: float) -> dict:
+    bandwidth = decode_bytes(batch, context) / seconds / 1e9
+    return {
+        "kind": "decode",
+        "batch": batch,
+        "context": context,
+        "us": round(seconds * 1e6, 1),
+        "achieved": round(bandwidth, 1),
+        "unit": "GB/s",
+        "of_peak": round(bandwidth / peaks["copy_gb_per_s"], 3),
+    }
+
+
+def prefill_row(peaks: dict[str, float], context: int, seconds: float) -> dict:
+    tflops = prefill_flops(context) / seconds / 1e12
+    return {
+        "kind": "prefill_on_prefix",
+        "batch": 1,
+        "context": context,
+        "us": round(seconds * 1e6, 1),
+        "achieved": round(tflops, 2),
+        "unit": "TFLOP/s",
+        "of_peak": round(tflops / peaks["bf16_matmul_tflops"], 3),
+    }
+
+
+def sweep(peaks: dict[str, float], batch: int = 64, context: int = 8192) -> list[dict[str, Any]]:
+    """Triton launch parameters at the shapes the goals name (decode batch 64, 8k context)."""
+    rows = []
+    for tile_n, warps, stages in itertools.product((32, 64, 128), (4, 8), (2, 3, 4)):
+        config = KernelConfig(tile_n, warps, stages)
+        label = {"backend": "triton", "tile_n": tile_n, "num_warps": warps, "num_stages": stages}
+        for specs in ([(context, 1)] * batch, [(context, PREFILL_TOKENS)]):
+            try:
+                seconds = time_triton(specs, config, None)
+            except Exception as error:  # e.g. more shared memory than a block may have
+                rows.append({**label, "specs": str(specs[0]), "error": repr(error)[:200]})
+            else:
+                if specs[0][1] == 1:
+                    rows.append({**label, **decode_row(peaks, batch, context, seconds)})
+                else:
+                    rows.append({**label, **prefill_row(peaks, context, seconds)})
+            print(json.dumps(rows[-1]), flush=True)
+    for splits in (1, 4, 16, 32, None):
+        seconds = time_triton([(context, 1)], None, splits)
+        row = {"backend": "triton", "num_splits": splits or "auto"}
+        rows.append({**row, **decode_row(peaks, 1, context, seconds)})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--backends", nargs="+", default=["triton", "cuda", "torch"])
+    parser.add_argument("--sweep", action="store_true", help="also time triton's parameters")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/attention.json"))
     args = parser.parse_args()
+    started = time.perf_counter()
+    failed: dict[str, str] = {}
     peaks = device_peaks()
-    rows = []
+    print(json.dumps(peaks), flush=True)
+    rows: list[dict[str, Any]] = []
     for backend_name in args.backends:
-        for context in (1024, 8192):
-            for batch in (1, 64, 256):
-                seconds = bench(backend_name, [(context, 1)] * batch)
-                bytes_read = batch * (context + 1) * KV_HEADS * HEAD_DIM * 2 * 2
-                bandwidth = bytes_read / seconds / 1e9
-                rows.append(
-                    {
-                        "backend": backend_name,
-                        "kind": "decode",
-                        "batch": batch,
-                        "context": context,
-                        "us": round(seconds * 1e6, 1),
-                        "gb_per_s": round(bandwidth, 1),
-                        "fraction_of_copy": round(bandwidth / peaks["copy_gb_per_s"], 3),
-                    }
-                )
-            seconds = bench(backend_name, [(context, 512)])
-            flops = 4 * HEADS * HEAD_DIM * 512 * (context + 256)  # causal over the new tokens
-            tflops = flops / seconds / 1e12
-            rows.append(
-                {
-                    "backend": backend_name,
-                    "kind": "prefill_on_prefix",
-                    "batch": 1,
-                    "context": context,
-                    "us": round(seconds * 1e6, 1),
-                    "tflops": round(tflops, 2),
-                    "fraction_of_matmul": round(tflops / peaks["bf16_matmul_tflops"], 3),
-                }
-            )
-    report = {"device": torch.cuda.get_device_name(), "peaks": peaks, "results": rows}
+        try:
+            for context in (1024, 8192):
+                for batch in (1, 64, 256):
+                    seconds = time_backend(backend_name, [(context, 1)] * batch)
+                    row = decode_row(peaks, batch, context, seconds)
+                    rows.append({"backend": backend_name, **row})
+                seconds = time_backend(backend_name, [(context, PREFILL_TOKENS)])
+                rows.append({"backend": backend_name, **prefill_row(peaks, context, seconds)})
+        except Exception as error:  # e.g. the csrc extension did not build: go on without it
+            print(f"{backend_name} failed: {error!r}", flush=True)
+            failed[backend_name] = repr(error)[:500]
+        print(f"{backend_name} done at {time.perf_counter() - started:.0f} s", flush=True)
+    sweep_rows = sweep(peaks) if args.sweep else []
+    report = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "peaks": peaks,
+        "results": rows,
+        "failed": failed,
+        "sweep": sweep_rows,
+        "seconds": round(time.perf_counter() - started, 1),
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(report["peaks"]))
     print(
-        f"{'backend':8} {'kind':18} {'batch':>5} {'context':>7} {'us':>10} "
-        f"{'achieved':>10} {'of peak':>8}"
+        f"{'backend':8} {'kind':18} {'batch':>5} {'context':>7} {'us':>10} {'achieved':>14} "
+        f"{'of peak':>8}"
     )
     for r in rows:
-        achieved = r.get("gb_per_s", r.get("tflops"))
-        fraction = r.get("fraction_of_copy", r.get("fraction_of_matmul"))
+        achieved = f"{r['achieved']} {r['unit']}"
         print(
             f"{r['backend']:8} {r['kind']:18} {r['batch']:>5} {r['context']:>7} {r['us']:>10} "
-            f"{achieved:>10} {fraction:>8}"
+            f"{achieved:>14} {r['of_peak']:>8}"
         )
 
 

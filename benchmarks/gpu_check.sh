@@ -1,16 +1,41 @@
 #!/usr/bin/env bash
-# One prepared run for a machine with an NVIDIA GPU: build the csrc extension, run tests/gpu,
-# then benchmark the attention kernels. Output goes to $OUT (default benchmarks/results).
+# One prepared run for a machine with an NVIDIA GPU: build the csrc extension, run the GPU
+# tests, then benchmark the attention kernels. Results go to $OUT (default
+# benchmarks/results/gpu): gpu.txt, build.txt, gpu_tests.txt, attention.json, attention.txt.
+#
+# It uses the machine's own python3 with its torch and triton (no `make setup`: such machines
+# may have no package index). Packages they lack come as wheels from .whl/, which
+# benchmarks/gpu_wheels.sh fills on a machine that has an index.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT="${OUT:-benchmarks/results}"
+OUT="${OUT:-benchmarks/results/gpu}"
+PY="${PYTHON:-python3}"
 mkdir -p "$OUT"
-make setup >/dev/null
-PY=.venv/bin/python
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+export PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/blockserve-site .whl/*.whl
+    export PYTHONPATH="/tmp/blockserve-site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$PWD:${PYTHONPATH:-}"
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+    "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+    nvcc --version | tail -1
+} 2>&1 | tee "$OUT/gpu.txt"
+
 echo "== building csrc"
-time $PY -c "from blockserve.attention.cuda_backend import load_extension; load_extension(); print('built')"
-echo "== tests/gpu and tests/attention"
-$PY -m pytest -q tests/gpu tests/attention 2>&1 | tee "$OUT/gpu_tests.txt"
+start=$SECONDS
+"$PY" -c "from blockserve.attention.cuda_backend import load_extension; load_extension()" \
+    >"$OUT/build.txt" 2>&1 && status=built || status=FAILED
+echo "csrc $status in $((SECONDS - start)) s" | tee -a "$OUT/build.txt"
+
+echo "== tests (tests/gpu; the triton tests, on the device now; the sm_90 compile check)"
+# test_selector is left out: it starts `blockserve serve`, whose web packages such a machine
+# lacks, and it tests nothing device-specific.
+"$PY" -m pytest -q -p no:cacheprovider tests/gpu tests/attention/test_triton_backend.py \
+    tests/attention/test_torch_backend.py tests/attention/test_csrc.py \
+    tests/attention/test_triton_compile.py 2>&1 | tee "$OUT/gpu_tests.txt" || true
+
 echo "== bench_attention"
-$PY benchmarks/bench_attention.py --out "$OUT/attention.json" | tee "$OUT/attention.txt"
+"$PY" benchmarks/bench_attention.py --sweep --out "$OUT/attention.json" 2>&1 \
+    | tee "$OUT/attention.txt"
