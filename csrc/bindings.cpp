@@ -39,39 +39,33 @@ void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key
 
 // out, query: [num_seqs, heads, head_dim] (one decode query per sequence).
 void paged_decode(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
-                  torch::Tensor value_cache, torch::Tensor block_tables, torch::Tensor seq_lens,
-                  int64_t max_context) {
+                  torch::Tensor value_cache, torch::Tensor block_tables, torch::Tensor seq_lens) {
   TORCH_CHECK(query.is_cuda(), "tensors must be on a CUDA device");
   TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2), "query rows must be contiguous");
   TORCH_CHECK(out.stride(2) == 1 && out.stride(1) == out.size(2), "out rows must be contiguous");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(block_tables.is_contiguous() && block_tables.scalar_type() == torch::kInt64,
               "block_tables must be contiguous int64");
+  TORCH_CHECK(seq_lens.is_contiguous() && seq_lens.scalar_type() == torch::kInt64,
+              "seq_lens must be contiguous int64");
   blockserve::DecodeShape shape;
   shape.num_kv_heads = static_cast<int>(key_cache.size(2));
   shape.queries_per_kv = static_cast<int>(query.size(1) / key_cache.size(2));
   shape.head_dim = static_cast<int>(query.size(2));
   shape.block_size = static_cast<int>(key_cache.size(1));
   shape.max_blocks = static_cast<int>(block_tables.size(1));
-  shape.max_context = static_cast<int>(max_context);
   shape.query_stride = query.stride(0);
   shape.out_stride = out.stride(0);
   shape.scale = 1.0f / std::sqrt(static_cast<float>(shape.head_dim));
+  TORCH_CHECK(blockserve::paged_decode_supports(shape),
+              "the cuda backend's decode kernel takes head_dim 64, 128, 256 or at most 32 and a "
+              "block size that is a multiple of 8; got head_dim ", shape.head_dim,
+              ", block size ", shape.block_size, " (the triton backend takes others)");
   const c10::cuda::CUDAGuard device_guard(query.device());
-  int device = 0;
-  int shared_limit = 0;
-  check_cuda_error(cudaGetDevice(&device));
-  check_cuda_error(
-      cudaDeviceGetAttribute(&shared_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  const size_t shared = blockserve::paged_decode_shared_bytes(shape);
-  TORCH_CHECK(shared <= static_cast<size_t>(shared_limit),
-              "paged_decode keeps a sequence's scores in shared memory: a context of ",
-              max_context, " tokens needs ", shared, " bytes, this device allows ", shared_limit,
-              " per block; use the triton attention backend for longer contexts");
   check_cuda_error(blockserve::paged_decode(
       dtype_of(query), out.data_ptr(), query.data_ptr(), key_cache.data_ptr(),
       value_cache.data_ptr(), block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
-      static_cast<int>(query.size(0)), static_cast<int>(query.size(1)), shape,
-      c10::cuda::getCurrentCUDAStream()));
+      static_cast<int>(query.size(0)), shape, c10::cuda::getCurrentCUDAStream()));
 }
 
 }  // namespace

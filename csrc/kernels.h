@@ -14,23 +14,24 @@ struct DecodeShape {
   int head_dim;
   int block_size;
   int max_blocks;       // columns of block_tables
-  int max_context;      // the longest sequence (sizes shared memory)
   int64_t query_stride; // elements between two decode queries
   int64_t out_stride;
   float scale;
 };
+
+// Whether paged_decode handles `shape`: head_dim 64, 128, 256 or at most 32, and a block size
+// that is a multiple of 8.
+bool paged_decode_supports(const DecodeShape& shape);
 
 // Both return a cudaError_t as int (0 = success).
 int reshape_and_cache(DType dtype, const void* key, const void* value, void* key_cache,
                       void* value_cache, const int64_t* slot_mapping, int64_t num_tokens,
                       int64_t key_stride, int64_t value_stride, int row, cudaStream_t stream);
 
-// Dynamic shared memory one paged_decode block needs for `shape`: the query, every score of
-// the longest context, and reduction scratch (float32).
-size_t paged_decode_shared_bytes(const DecodeShape& shape);
-
+// One decode query per sequence: out, query [num_seqs, num_heads, head_dim] (rows of each
+// sequence contiguous), attending the sequence's whole paged context.
 int paged_decode(DType dtype, void* out, const void* query, const void* key_cache,
                  const void* value_cache, const int64_t* block_tables, const int64_t* seq_lens,
-                 int num_seqs, int num_heads, const DecodeShape& shape, cudaStream_t stream);
+                 int num_seqs, const DecodeShape& shape, cudaStream_t stream);
 
 }  // namespace blockserve

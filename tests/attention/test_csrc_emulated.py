@@ -1,0 +1,115 @@
+"""csrc/kernels.cu run on the CPU through the fiber emulator (tests/attention/cuda_emulation):
+the paged decode kernel equals the float64 reference and the torch backend for every head_dim
+it supports (16, 64, 128), GQA groups of 1 to 10 query heads, contexts that leave warps idle or
+end mid-step, in float32, float16 and bfloat16; reshape_and_cache writes exactly the slots."""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from blockserve.attention.torch_backend import TorchAttentionBackend
+from tests.attention.cases import make_case, reference_attention
+from tests.attention.cuda_emulation import build_emulator, missing_tools
+
+pytestmark = pytest.mark.skipif(missing_tools() is not None, reason=str(missing_tools()))
+
+DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+# Contexts of 1 (only warp 0 has work), 7 / 9 (a step cut short), 8, 37, 200 tokens.
+CONTEXTS = [(0, 1), (6, 1), (8, 1), (7, 1), (36, 1), (199, 1)]
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
+    return build_emulator(Path(tmp_path_factory.mktemp("emulator")))
+
+
+def paged_decode(lib: ctypes.CDLL, query: torch.Tensor, kv_cache: torch.Tensor, case) -> tuple:  # type: ignore[no-untyped-def]
+    out = torch.full_like(query, float("nan"))  # poisoned: unwritten elements fail
+    num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads = kv_cache.shape[3]
+    tables = case.metadata.block_tables.contiguous()
+    seq_lens = case.metadata.seq_lens.contiguous()
+    code = lib.emulated_paged_decode(
+        DTYPES[query.dtype],
+        out.data_ptr(),
+        query.data_ptr(),
+        kv_cache[0].data_ptr(),
+        kv_cache[1].data_ptr(),
+        tables.data_ptr(),
+        seq_lens.data_ptr(),
+        num_seqs,
+        num_kv_heads,
+        num_heads // num_kv_heads,
+        head_dim,
+        kv_cache.shape[2],
+        tables.shape[1],
+        query.stride(0),
+        out.stride(0),
+        1 / math.sqrt(head_dim),
+    )
+    return code, out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"),
+    [(4, 2, 16), (6, 2, 64), (8, 2, 128), (12, 2, 64), (10, 1, 64), (2, 2, 64)],
+)
+def test_paged_decode_matches_reference(
+    emulator: ctypes.CDLL, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
+) -> None:
+    """Groups of 2, 3, 4, 6 (one 8-head block, two idle), 10 (8 + 2 heads in two blocks) and 1
+    query heads per KV head; head_dim 16 leaves half the lanes idle."""
+    case = make_case(CONTEXTS, num_heads, num_kv_heads, head_dim, dtype=dtype, seed=5)
+    torch_cache = case.kv_cache.clone()
+    torch_backend = TorchAttentionBackend()
+    expected = torch_backend.forward(
+        case.query, case.key, case.value, torch_cache, torch_backend.prepare(case.metadata)
+    )
+    code, out = paged_decode(emulator, case.query, torch_cache, case)  # K/V written above
+    assert code == 0
+    assert not torch.isnan(out).any()
+    reference = reference_attention(case)
+    assert (out.double() - reference).abs().max().item() < TOLERANCE[dtype]
+    assert (out.float() - expected.float()).abs().max().item() < 2 * TOLERANCE[dtype]
+
+
+def test_paged_decode_refuses_an_unsupported_head_dim(emulator: ctypes.CDLL) -> None:
+    """head_dim 96 is not one the kernel is built for: cudaErrorInvalidValue (1), no write."""
+    case = make_case([(10, 1)], 2, 1, 96, seed=1)
+    code, out = paged_decode(emulator, case.query, case.kv_cache, case)
+    assert code == 1
+    assert torch.isnan(out).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reshape_and_cache_writes_only_the_slots(emulator: ctypes.CDLL, dtype: torch.dtype) -> None:
+    """Each token's K/V row lands at its slot; every other cache element is unchanged."""
+    case = make_case([(3, 5), (20, 1)], 4, 2, head_dim=64, dtype=dtype, seed=2)
+    before = case.kv_cache.clone()
+    slots = case.metadata.slot_mapping.contiguous()
+    code = emulator.emulated_reshape_and_cache(
+        DTYPES[dtype],
+        case.key.data_ptr(),
+        case.value.data_ptr(),
+        case.kv_cache[0].data_ptr(),
+        case.kv_cache[1].data_ptr(),
+        slots.data_ptr(),
+        case.key.shape[0],
+        case.key.stride(0),
+        case.value.stride(0),
+        2 * 64,
+    )
+    assert code == 0
+    flat = case.kv_cache.view(2, -1, 2, 64)
+    assert torch.equal(flat[0, slots], case.key)
+    assert torch.equal(flat[1, slots], case.value)
+    untouched = torch.ones(flat.shape[1], dtype=torch.bool)
+    untouched[slots] = False
+    assert torch.equal(flat[:, untouched], before.view(2, -1, 2, 64)[:, untouched])
