@@ -304,10 +304,12 @@ def main() -> None:
         report["p50_ttft_ratio_on_over_off"] = round(on / off, 4)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"serving-{args.dataset}"
+    load = f"{args.concurrency} clients"
+    if args.request_rate:
+        stem += f"-rate{args.request_rate:g}"
+        load = f"Poisson arrivals, {args.request_rate:g} req/s"
     (args.out_dir / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
-    plot_ttft(
-        runs, args.out_dir / f"{stem}-ttft.png", f"TTFT, {args.dataset}, {args.concurrency} clients"
-    )
+    plot_ttft(runs, args.out_dir / f"{stem}-ttft.png", f"TTFT, {args.dataset}, {load}")
     printable = {
         label: {k: v for k, v in run.items() if k != "ttft_samples_s"}
         for label, run in runs.items()
