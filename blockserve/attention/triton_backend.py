@@ -78,13 +78,11 @@ def multiprocessor_count(device: torch.device) -> int:
 
 
 def choose_num_splits(
-    num_programs: int, max_seq_len: int, tile_n: int, device: torch.device
+    num_programs: int, max_seq_len: int, tile_n: int, multiprocessors: int
 ) -> int:
     """Split the keys only when the programs would leave most of the device idle: aim for two
     programs per multiprocessor, each split keeping at least two key tiles."""
-    if device.type != "cuda":
-        return 1
-    wanted = math.ceil(2 * multiprocessor_count(device) / max(1, num_programs))
+    wanted = math.ceil(2 * multiprocessors / max(1, num_programs))
     most = min(MAX_SPLITS, wanted, max(1, max_seq_len // (2 * tile_n)))
     return 1 << (most.bit_length() - 1)  # the largest power of two <= most
 
@@ -110,12 +108,14 @@ def plan_launch(
             tile_offset.append(first)
     device = metadata.slot_mapping.device
     if num_splits is None:
-        num_splits = choose_num_splits(
-            len(tile_seq) * num_kv_heads,
-            max(metadata.seq_lens_cpu, default=1),
-            kernel_config(block_m).tile_n,
-            device,
-        )
+        num_splits = 1  # the interpreter (CPU) gains nothing from splits
+        if device.type == "cuda":
+            num_splits = choose_num_splits(
+                len(tile_seq) * num_kv_heads,
+                max(metadata.seq_lens_cpu, default=1),
+                kernel_config(block_m).tile_n,
+                multiprocessor_count(device),
+            )
     elif num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
     return LaunchShape(

@@ -10,6 +10,7 @@ from blockserve.attention.torch_backend import TorchAttentionBackend
 from blockserve.attention.triton_backend import (
     TritonAttentionBackend,
     TritonAttentionPlan,
+    choose_num_splits,
     plan_launch,
     reshape_and_cache,
     unified_attention,
@@ -150,3 +151,14 @@ def test_benchmark_cases_are_consistent() -> None:
     )
     assert (out - expected).abs().max().item() < TOLERANCE[torch.float32]
     assert torch.equal(kv_cache, torch_cache)
+
+
+def test_splits_fill_an_under_occupied_device() -> None:
+    """On a 132-multiprocessor device (H100/H200) with 64-key tiles: one 8k decode over 8 KV
+    heads splits 32 ways (the cap); 512 programs need no split; 128 programs split in two (the
+    largest power of two <= 3); a 300-token context splits at most in two (two tiles each)."""
+    assert choose_num_splits(8, 8193, 64, 132) == 32
+    assert choose_num_splits(512, 8193, 64, 132) == 1
+    assert choose_num_splits(128, 8193, 64, 132) == 2
+    assert choose_num_splits(8, 300, 64, 132) == 2
+    assert choose_num_splits(8, 100, 64, 132) == 1
