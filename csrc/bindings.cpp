@@ -37,9 +37,11 @@ void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key
       value.stride(0), row, c10::cuda::getCurrentCUDAStream()));
 }
 
-// out, query: [num_seqs, heads, head_dim] (one decode query per sequence).
+// out, query: [num_seqs, heads, head_dim] (one decode query per sequence); max_seq_len: the
+// longest context (host-side, for the split choice).
 void paged_decode(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
-                  torch::Tensor value_cache, torch::Tensor block_tables, torch::Tensor seq_lens) {
+                  torch::Tensor value_cache, torch::Tensor block_tables, torch::Tensor seq_lens,
+                  int64_t max_seq_len) {
   TORCH_CHECK(query.is_cuda(), "tensors must be on a CUDA device");
   TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2), "query rows must be contiguous");
   TORCH_CHECK(out.stride(2) == 1 && out.stride(1) == out.size(2), "out rows must be contiguous");
@@ -57,15 +59,27 @@ void paged_decode(torch::Tensor out, torch::Tensor query, torch::Tensor key_cach
   shape.query_stride = query.stride(0);
   shape.out_stride = out.stride(0);
   shape.scale = 1.0f / std::sqrt(static_cast<float>(shape.head_dim));
+  shape.num_splits = 1;
   TORCH_CHECK(blockserve::paged_decode_supports(shape),
               "the cuda backend's decode kernel takes head_dim 64, 128, 256 or at most 32 and a "
               "block size that is a multiple of 8; got head_dim ", shape.head_dim,
               ", block size ", shape.block_size, " (the triton backend takes others)");
   const c10::cuda::CUDAGuard device_guard(query.device());
+  const int num_seqs = static_cast<int>(query.size(0));
+  int multiprocessors = 0;
+  check_cuda_error(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount,
+                                          query.device().index()));
+  shape.num_splits = blockserve::paged_decode_splits(num_seqs, shape, max_seq_len, multiprocessors);
+  torch::Tensor workspace;  // float32 scratch of a split launch, from torch's caching allocator
+  if (shape.num_splits > 1) {
+    const auto floats = static_cast<int64_t>(blockserve::paged_decode_workspace_floats(num_seqs, shape));
+    workspace = torch::empty({floats}, query.options().dtype(torch::kFloat32));
+  }
   check_cuda_error(blockserve::paged_decode(
       dtype_of(query), out.data_ptr(), query.data_ptr(), key_cache.data_ptr(),
       value_cache.data_ptr(), block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
-      static_cast<int>(query.size(0)), shape, c10::cuda::getCurrentCUDAStream()));
+      num_seqs, shape, workspace.defined() ? workspace.data_ptr<float>() : nullptr,
+      c10::cuda::getCurrentCUDAStream()));
 }
 
 }  // namespace

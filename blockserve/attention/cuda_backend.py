@@ -48,6 +48,7 @@ class CudaAttentionPlan:
     decode_token_indices: torch.Tensor | None  # [num_decodes]
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int64, contiguous
     decode_seq_lens: torch.Tensor | None  # [num_decodes] int64
+    max_decode_len: int  # the longest decode context (sizes the kernel's KV splits)
     prefills: tuple[PrefillPlan, ...]
 
 
@@ -62,7 +63,7 @@ class CudaAttentionBackend:
         decode_rows, decode_tokens = split.decode_rows, split.decode_tokens
         prefills = all_prefill_plans(metadata, split)
         if not decode_rows:
-            return CudaAttentionPlan(metadata.slot_mapping, None, None, None, prefills)
+            return CudaAttentionPlan(metadata.slot_mapping, None, None, None, 0, prefills)
         device = metadata.slot_mapping.device
         rows = torch.tensor(decode_rows, device=device)
         return CudaAttentionPlan(
@@ -70,6 +71,7 @@ class CudaAttentionBackend:
             torch.tensor(decode_tokens, device=device),
             metadata.block_tables[rows].contiguous(),
             metadata.seq_lens[rows].contiguous(),
+            max(metadata.seq_lens_cpu[r] for r in decode_rows),
             prefills,
         )
 
@@ -94,6 +96,7 @@ class CudaAttentionBackend:
                 kv_cache[1],
                 plan.decode_block_tables,
                 plan.decode_seq_lens,
+                plan.max_decode_len,
             )
             output[plan.decode_token_indices] = decode_out
         attend_prefills(query, key, value, kv_cache, plan.prefills, output)

@@ -16,8 +16,8 @@ NVCC = shutil.which("nvcc")
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not installed on this machine")
 def test_kernels_compile_to_ptx_for_sm90(tmp_path: Path) -> None:
-    """kernels.cu compiles to PTX for sm_90 and defines both kernels for every dtype (the decode
-    kernel for 4 lane widths x 2 head-group sizes each)."""
+    """kernels.cu compiles to PTX for sm_90 and defines its three kernels for every dtype (the
+    decode kernel for 4 lane widths x 2 head-group sizes each)."""
     assert NVCC is not None
     ptx = tmp_path / "kernels.ptx"
     result = subprocess.run(
@@ -31,8 +31,9 @@ def test_kernels_compile_to_ptx_for_sm90(tmp_path: Path) -> None:
     assert ".target sm_90" in text
     entries = [line for line in text.splitlines() if line.startswith(".visible .entry")]
     names = " ".join(entries)
-    assert len(entries) == 27
+    assert len(entries) == 30
     assert names.count("reshape_and_cache_kernel") == 3  # float, half, bfloat16
+    assert names.count("merge_decode_splits_kernel") == 3
     assert names.count("paged_decode_kernel") == 24  # x (1, 2, 4, 8 dims) x (4, 8 heads)
 
 

@@ -1,7 +1,8 @@
 """csrc/kernels.cu run on the CPU through the fiber emulator (tests/attention/cuda_emulation):
 the paged decode kernel equals the float64 reference and the torch backend for every head_dim
 it supports (16, 64, 128), GQA groups of 1 to 10 query heads, contexts that leave warps idle or
-end mid-step, in float32, float16 and bfloat16; reshape_and_cache writes exactly the slots."""
+end mid-step, unsplit and split (with empty splits), in float32, float16 and bfloat16;
+reshape_and_cache writes exactly the slots."""
 
 from __future__ import annotations
 
@@ -29,7 +30,9 @@ def emulator(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     return build_emulator(Path(tmp_path_factory.mktemp("emulator")))
 
 
-def paged_decode(lib: ctypes.CDLL, query: torch.Tensor, kv_cache: torch.Tensor, case) -> tuple:  # type: ignore[no-untyped-def]
+def paged_decode(
+    lib: ctypes.CDLL, query: torch.Tensor, kv_cache: torch.Tensor, case, num_splits: int = 1
+) -> tuple:  # type: ignore[no-untyped-def]
     out = torch.full_like(query, float("nan"))  # poisoned: unwritten elements fail
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
@@ -52,32 +55,70 @@ def paged_decode(lib: ctypes.CDLL, query: torch.Tensor, kv_cache: torch.Tensor, 
         query.stride(0),
         out.stride(0),
         1 / math.sqrt(head_dim),
+        num_splits,
     )
     return code, out
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim"),
     [(4, 2, 16), (6, 2, 64), (8, 2, 128), (12, 2, 64), (10, 1, 64), (2, 2, 64)],
 )
 def test_paged_decode_matches_reference(
-    emulator: ctypes.CDLL, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
+    emulator: ctypes.CDLL,
+    dtype: torch.dtype,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    num_splits: int,
 ) -> None:
     """Groups of 2, 3, 4, 6 (one 8-head block, two idle), 10 (8 + 2 heads in two blocks) and 1
-    query heads per KV head; head_dim 16 leaves half the lanes idle."""
+    query heads per KV head; head_dim 16 leaves half the lanes idle; split in three, the
+    1-token context leaves two splits empty."""
     case = make_case(CONTEXTS, num_heads, num_kv_heads, head_dim, dtype=dtype, seed=5)
     torch_cache = case.kv_cache.clone()
     torch_backend = TorchAttentionBackend()
     expected = torch_backend.forward(
         case.query, case.key, case.value, torch_cache, torch_backend.prepare(case.metadata)
     )
-    code, out = paged_decode(emulator, case.query, torch_cache, case)  # K/V written above
+    code, out = paged_decode(emulator, case.query, torch_cache, case, num_splits)  # K/V written
     assert code == 0
     assert not torch.isnan(out).any()
     reference = reference_attention(case)
     assert (out.double() - reference).abs().max().item() < TOLERANCE[dtype]
     assert (out.float() - expected.float()).abs().max().item() < 2 * TOLERANCE[dtype]
+
+
+def test_many_splits_of_a_long_context(emulator: ctypes.CDLL) -> None:
+    """A 1,000-token context cut into 32 splits of 4 steps (most of them shared by 4 warps)
+    plus a 5-token one whose 31 last splits are empty: equal to the reference."""
+    case = make_case([(999, 1), (4, 1)], 8, 2, 128, dtype=torch.float16, seed=9)
+    TorchAttentionBackend().forward(
+        case.query,
+        case.key,
+        case.value,
+        case.kv_cache,
+        TorchAttentionBackend().prepare(case.metadata),
+    )
+    code, out = paged_decode(emulator, case.query, case.kv_cache, case, num_splits=32)
+    assert code == 0
+    assert (out.double() - reference_attention(case)).abs().max().item() < TOLERANCE[torch.float16]
+
+
+def test_split_count_fills_the_device(emulator: ctypes.CDLL) -> None:
+    """On 132 multiprocessors (H100/H200): one 8k decode over 8 KV heads splits 32 ways (the
+    cap); 64 of them need no split; 16 split in three (two blocks per SM); a 300-token context
+    splits at most 4 ways (two 8-key steps per warp each), a 100-token one not at all; GQA 10:1
+    takes two blocks per KV head."""
+    splits = emulator.emulated_decode_splits
+    assert splits(1, 8, 4, 8193, 132) == 32
+    assert splits(64, 8, 4, 8193, 132) == 1
+    assert splits(16, 8, 4, 8193, 132) == 3
+    assert splits(1, 8, 4, 300, 132) == 4
+    assert splits(1, 8, 4, 100, 132) == 1
+    assert splits(8, 1, 10, 8193, 132) == 17  # 8 x 2 blocks: ceil(264 / 16)
 
 
 def test_paged_decode_refuses_an_unsupported_head_dim(emulator: ctypes.CDLL) -> None:

@@ -64,5 +64,7 @@ def build_emulator(out_dir: Path) -> ctypes.CDLL:
         i64,
         i64,
         ctypes.c_float,
+        ctypes.c_int,
     ]
+    lib.emulated_decode_splits.argtypes = [*[ctypes.c_int] * 3, i64, ctypes.c_int]
     return lib

@@ -158,22 +158,41 @@ int emulated_reshape_and_cache(int dtype, const void* key, const void* value, vo
                                        key_stride, value_stride, row, nullptr);
 }
 
-// Returns the launcher's error code, or -1 if the emulator found a deadlock.
+blockserve::DecodeShape decode_shape(int num_kv_heads, int queries_per_kv, int head_dim,
+                                     int block_size, int max_blocks, int64_t query_stride,
+                                     int64_t out_stride, float scale, int num_splits) {
+  return blockserve::DecodeShape{num_kv_heads, queries_per_kv, head_dim,  block_size, max_blocks,
+                                 query_stride, out_stride,     scale,     num_splits};
+}
+
+// Returns the launcher's error code, or -1 if the emulator found a deadlock. The split
+// workspace is allocated here, poisoned with NaN.
 int emulated_paged_decode(int dtype, void* out, const void* query, const void* key_cache,
                           const void* value_cache, const int64_t* block_tables,
                           const int64_t* seq_lens, int num_seqs, int num_kv_heads,
                           int queries_per_kv, int head_dim, int block_size, int max_blocks,
-                          int64_t query_stride, int64_t out_stride, float scale) {
-  blockserve::DecodeShape shape{num_kv_heads, queries_per_kv, head_dim,  block_size,
-                                max_blocks,   query_stride,   out_stride, scale};
+                          int64_t query_stride, int64_t out_stride, float scale,
+                          int num_splits) {
+  const blockserve::DecodeShape shape =
+      decode_shape(num_kv_heads, queries_per_kv, head_dim, block_size, max_blocks, query_stride,
+                   out_stride, scale, num_splits);
+  std::vector<float> workspace(blockserve::paged_decode_workspace_floats(num_seqs, shape), NAN);
   try {
     return blockserve::paged_decode(static_cast<blockserve::DType>(dtype), out, query,
                                     key_cache, value_cache, block_tables, seq_lens, num_seqs,
-                                    shape, nullptr);
+                                    shape, workspace.empty() ? nullptr : workspace.data(),
+                                    nullptr);
   } catch (const std::runtime_error& error) {
     std::fprintf(stderr, "%s\n", error.what());
     return -1;
   }
+}
+
+int emulated_decode_splits(int num_seqs, int num_kv_heads, int queries_per_kv,
+                           int64_t max_seq_len, int multiprocessors) {
+  const blockserve::DecodeShape shape =
+      decode_shape(num_kv_heads, queries_per_kv, 128, 16, 1, 0, 0, 1.f, 1);
+  return blockserve::paged_decode_splits(num_seqs, shape, max_seq_len, multiprocessors);
 }
 
 }  // extern "C"
