@@ -33,9 +33,9 @@ class KernelConfig:
     (benchmarks/bench_attention.py --sweep compares alternatives); CI compiles these for sm_90
     and checks they pipeline the K/V loads without register spills."""
 
-    tile_n: int = 64  # keys per loop iteration (four 16-token blocks)
-    num_warps: int = 4
-    num_stages: int = 3  # software pipelining depth of the K/V loads
+    tile_n: int  # keys per loop iteration (64: four 16-token blocks)
+    num_warps: int
+    num_stages: int  # software pipelining depth of the K/V loads
 
 
 DECODE_CONFIG = KernelConfig(tile_n=64, num_warps=4, num_stages=3)
