@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One prepared run for a machine with an NVIDIA GPU: build the csrc extension, run the GPU
-# tests, then benchmark the attention kernels. Results go to $OUT (default
-# benchmarks/results/gpu): gpu.txt, build.txt, gpu_tests.txt, attention.json, attention.txt.
+# tests, check the kernels' memory accesses with compute-sanitizer, then benchmark the attention
+# kernels (their table is printed last). Results go to $OUT (default benchmarks/results/gpu):
+# gpu.txt, build.txt, gpu_tests.txt, sanitizer.txt, attention.json, attention.txt.
 #
 # It uses the machine's own python3 with its torch and triton (no `make setup`: such machines
 # may have no package index). Packages they lack come as wheels from .whl/, which
@@ -35,6 +36,18 @@ echo "== tests (tests/gpu; the triton tests, on the device now; the sm_90 compil
 "$PY" -m pytest -q -p no:cacheprovider tests/gpu tests/attention/test_triton_backend.py \
     tests/attention/test_torch_backend.py tests/attention/test_csrc.py \
     tests/attention/test_triton_compile.py 2>&1 | tee "$OUT/gpu_tests.txt" || true
+
+echo "== compute-sanitizer memcheck: the kernels against the torch backend, bf16 (at most 120 s)"
+# Without torch's caching allocator every tensor is its own allocation, so an out-of-bounds
+# access shows even where it would land inside a pooled block.
+if command -v compute-sanitizer >/dev/null; then
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 120 compute-sanitizer --tool memcheck \
+        --print-limit 20 "$PY" -m pytest -q -p no:cacheprovider tests/gpu -k "backend_matches_torch and bfloat16" \
+        >"$OUT/sanitizer.txt" 2>&1 || true
+    tail -5 "$OUT/sanitizer.txt"
+else
+    echo "compute-sanitizer is not installed here" | tee "$OUT/sanitizer.txt"
+fi
 
 echo "== bench_attention"
 "$PY" benchmarks/bench_attention.py --sweep --out "$OUT/attention.json" 2>&1 \

@@ -26,7 +26,7 @@ def backend(name: str):  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize("name", ["triton", "cuda"])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(6, 2, 64), (32, 8, 128)])
 def test_backend_matches_torch(
     name: str, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
