@@ -55,8 +55,10 @@ class CudaAttentionPlan:
 class CudaAttentionBackend:
     name = "cuda"
 
-    def __init__(self) -> None:
-        self.ops = load_extension()
+    def __init__(self, ops: Any = None) -> None:
+        """`ops`: the compiled extension (built here when None); tests pass csrc run on the CPU
+        (tests/attention/cuda_emulation) behind the same two calls."""
+        self.ops = ops if ops is not None else load_extension()
 
     def prepare(self, metadata: AttentionMetadata) -> CudaAttentionPlan:
         split = split_batch(metadata)

@@ -5,9 +5,12 @@ check."""
 from __future__ import annotations
 
 import ctypes
+import math
 import shutil
 import subprocess
 from pathlib import Path
+
+import torch
 
 HERE = Path(__file__).resolve().parent
 CSRC = HERE.parents[2] / "csrc"
@@ -68,3 +71,76 @@ def build_emulator(out_dir: Path) -> ctypes.CDLL:
     ]
     lib.emulated_decode_splits.argtypes = [*[ctypes.c_int] * 3, i64, ctypes.c_int]
     return lib
+
+
+DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+H100_MULTIPROCESSORS = 132
+
+
+class EmulatedOps:
+    """The extension's two calls as csrc/bindings.cpp makes them, on CPU tensors through the
+    emulator: a drop-in `ops` for CudaAttentionBackend. Splits are chosen for an H100/H200's
+    132 multiprocessors, as the bindings would there."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+
+    def reshape_and_cache(
+        self,
+        key: torch.Tensor,  # [num_tokens, kv_heads, head_dim]
+        value: torch.Tensor,
+        key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [num_tokens] int64
+    ) -> None:
+        code = self.lib.emulated_reshape_and_cache(
+            DTYPE_CODES[key.dtype],
+            key.data_ptr(),
+            value.data_ptr(),
+            key_cache.data_ptr(),
+            value_cache.data_ptr(),
+            slot_mapping.contiguous().data_ptr(),
+            key.shape[0],
+            key.stride(0),
+            value.stride(0),
+            key.shape[1] * key.shape[2],
+        )
+        if code != 0:
+            raise RuntimeError(f"reshape_and_cache failed: {code}")
+
+    def paged_decode(
+        self,
+        out: torch.Tensor,  # [num_seqs, heads, head_dim]
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,  # [num_seqs, max_blocks] int64
+        seq_lens: torch.Tensor,  # [num_seqs] int64
+        max_seq_len: int,
+    ) -> None:
+        num_seqs, num_heads, head_dim = query.shape
+        num_kv_heads = key_cache.shape[2]
+        splits = self.lib.emulated_decode_splits(
+            num_seqs, num_kv_heads, num_heads // num_kv_heads, max_seq_len, H100_MULTIPROCESSORS
+        )
+        code = self.lib.emulated_paged_decode(
+            DTYPE_CODES[query.dtype],
+            out.data_ptr(),
+            query.data_ptr(),
+            key_cache.data_ptr(),
+            value_cache.data_ptr(),
+            block_tables.data_ptr(),
+            seq_lens.data_ptr(),
+            num_seqs,
+            num_kv_heads,
+            num_heads // num_kv_heads,
+            head_dim,
+            key_cache.shape[1],
+            block_tables.shape[1],
+            query.stride(0),
+            out.stride(0),
+            1 / math.sqrt(head_dim),
+            splits,
+        )
+        if code != 0:
+            raise RuntimeError(f"paged_decode failed: {code}")
