@@ -68,7 +68,10 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     size = serve.add_mutually_exclusive_group()
     size.add_argument(
-        "--kv-cache-memory-bytes", type=int, default=None, help="KV cache size in bytes"
+        "--kv-cache-memory-bytes",
+        type=int,
+        default=None,
+        help="KV cache size in bytes (default 2 GiB, on a GPU too: size it for the device)",
     )
     size.add_argument(
         "--num-gpu-blocks-override", type=int, default=None, help="KV cache size in blocks"
