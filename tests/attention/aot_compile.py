@@ -1,7 +1,8 @@
-"""Compile the Triton kernels ahead of time for sm_90 (Hopper) and report what the compiler made
-of them; no GPU needed. Run without TRITON_INTERPRET (interpreted kernels cannot compile):
+"""Compile the Triton kernels ahead of time for a GPU architecture (sm_90, Hopper, unless told)
+and report what the compiler made of them; no GPU needed. Run without TRITON_INTERPRET
+(interpreted kernels cannot compile):
 
-    .venv/bin/python -m tests.attention.sm90_compile     # one JSON object per line
+    .venv/bin/python -m tests.attention.aot_compile [--capability 80]   # one JSON object a line
 
 Each kernel is compiled with the launch parameters the triton backend uses, and with the
 specialisation Triton applies at run time to this engine's tensors: every pointer 16-byte
@@ -11,6 +12,7 @@ row stride, which is the (arbitrary) number of blocks of the longest sequence.
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import subprocess
@@ -30,7 +32,6 @@ from blockserve.attention.triton_kernels import (
     unified_attention_kernel,
 )
 
-TARGET = GPUTarget("cuda", 90, 32)
 TENSORS = {"out_ptr", "query_ptr", "key_cache_ptr", "value_cache_ptr", "key_ptr", "value_ptr"}
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
@@ -58,14 +59,19 @@ def signature(kernel: Any, dtype: str) -> tuple[dict[str, str], dict[tuple[int, 
 
 
 def compile_kernel(
-    kernel: Any, dtype: str, constants: dict[str, Any], num_warps: int = 4, num_stages: int = 3
+    kernel: Any,
+    dtype: str,
+    constants: dict[str, Any],
+    target: GPUTarget,
+    num_warps: int = 4,
+    num_stages: int = 3,
 ) -> dict[str, Any]:
-    """Compile for sm_90; the resources the compiled code needs, and whether it uses tensor
+    """Compile for `target`; the resources the compiled code needs, and whether it uses tensor
     cores (mma / wgmma) and asynchronous copies (a pipelined loop)."""
     types, attrs = signature(kernel, dtype)
     source = ASTSource(kernel, types, constexprs=constants, attrs=attrs)
     compiled = triton.compile(
-        source, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages}
+        source, target=target, options={"num_warps": num_warps, "num_stages": num_stages}
     )
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
@@ -108,19 +114,22 @@ def attention_cases() -> Iterator[tuple[str, str, dict[str, Any], Any]]:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--capability", type=int, default=90, help="e.g. 80 (A100), 90 (H100)")
+    target = GPUTarget("cuda", parser.parse_args().capability, 32)
     for name, dtype, constants, config in attention_cases():
         report = compile_kernel(
-            unified_attention_kernel, dtype, constants, config.num_warps, config.num_stages
+            unified_attention_kernel, dtype, constants, target, config.num_warps, config.num_stages
         )
         print(json.dumps({"kernel": name, "dtype": dtype, **report}), flush=True)
     for dtype, head_dim, splits in [("bf16", 128, 32), ("fp16", 64, 2)]:
         constants = {"HEAD_DIM": head_dim, "NUM_SPLITS": splits}
-        report = compile_kernel(merge_splits_kernel, dtype, constants)
+        report = compile_kernel(merge_splits_kernel, dtype, constants, target)
         name = f"merge-{dtype}-d{head_dim}-s{splits}"
         print(json.dumps({"kernel": name, "dtype": dtype, **report}), flush=True)
     for dtype, row in [("bf16", 8 * 128), ("fp16", 3 * 64)]:
         constants = {"BLOCK_SIZE": 16, "ROW": row, "ROW_POW2": triton.next_power_of_2(row)}
-        report = compile_kernel(reshape_and_cache_kernel, dtype, constants)
+        report = compile_kernel(reshape_and_cache_kernel, dtype, constants, target)
         print(json.dumps({"kernel": f"cache-{dtype}-row{row}", "dtype": dtype, **report}))
 
 
