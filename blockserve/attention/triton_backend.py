@@ -57,10 +57,18 @@ class LaunchShape:
     num_splits: int  # KV splits per program (a power of two); 1 = no merge step
 
 
+SplitScratch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # partial out, max, sum
+
+
 @dataclass(slots=True)
 class TritonAttentionPlan:
+    """One step's plan: the metadata, plus what the first layer works out and every later
+    layer reuses (launch shapes; the float32 scratch of split launches, safe to share because
+    layers run in stream order: a layer's merge has read it before the next layer writes)."""
+
     metadata: AttentionMetadata
     shapes: dict[tuple[int, int, int | None], LaunchShape] = field(default_factory=dict)
+    scratch: dict[tuple[int, int, int], SplitScratch] = field(default_factory=dict)
 
     def launch_shape(
         self, queries_per_kv: int, num_kv_heads: int, num_splits: int | None = None
@@ -70,6 +78,25 @@ class TritonAttentionPlan:
         if key not in self.shapes:
             self.shapes[key] = plan_launch(self.metadata, queries_per_kv, num_kv_heads, num_splits)
         return self.shapes[key]
+
+    def split_scratch(
+        self, num_splits: int, num_heads: int, head_dim: int, device: torch.device
+    ) -> SplitScratch:
+        """[splits, tokens, heads, head_dim], [splits, tokens, heads] x 2, float32; for an
+        unsplit launch, which never touches them, one-element stand-ins."""
+        key = (num_splits, num_heads, head_dim)
+        if key not in self.scratch:
+            if num_splits == 1:
+                stand_in = torch.empty(1, dtype=torch.float32, device=device)
+                self.scratch[key] = (stand_in, stand_in, stand_in)
+            else:
+                stats = (num_splits, self.metadata.num_tokens, num_heads)
+                self.scratch[key] = (
+                    torch.empty(*stats, head_dim, dtype=torch.float32, device=device),
+                    torch.empty(stats, dtype=torch.float32, device=device),
+                    torch.empty(stats, dtype=torch.float32, device=device),
+                )
+        return self.scratch[key]
 
 
 @functools.cache
@@ -172,16 +199,9 @@ def unified_attention(
     metadata = plan.metadata
     splits = shape.num_splits
     config = config or kernel_config(shape.block_m)
-    if splits > 1:
-        partial = torch.empty(
-            splits, num_tokens, num_heads, head_dim, dtype=torch.float32, device=query.device
-        )
-        partial_max = torch.empty(
-            splits, num_tokens, num_heads, dtype=torch.float32, device=query.device
-        )
-        partial_sum = torch.empty_like(partial_max)
-    else:  # unused by the kernel; any float32 tensors will do
-        partial = partial_max = partial_sum = out.new_empty(1, dtype=torch.float32)
+    partial, partial_max, partial_sum = plan.split_scratch(
+        splits, num_heads, head_dim, query.device
+    )
     grid = (shape.tile_seq.numel(), num_kv_heads, splits)
     unified_attention_kernel[grid](
         out,

@@ -82,8 +82,30 @@ def test_launch_shape_packs_grouped_heads() -> None:
     assert shape.tile_offset.tolist() == [0, 21, 0, 0, 0, 21, 0, 0]
     plan = TritonAttentionPlan(mixed)
     assert plan.launch_shape(3, 2) is plan.launch_shape(3, 2)  # once per step, every layer
+    scratch = plan.split_scratch(4, 6, 64, torch.device("cpu"))
+    assert [tuple(t.shape) for t in scratch] == [(4, 85, 6, 64), (4, 85, 6), (4, 85, 6)]
+    assert plan.split_scratch(4, 6, 64, torch.device("cpu")) is scratch
     with pytest.raises(ValueError, match="power of two"):
         plan_launch(mixed, queries_per_kv=3, num_kv_heads=2, num_splits=3)
+
+
+def test_layers_of_one_step_share_the_plan_and_its_scratch() -> None:
+    """Two layers (their own queries and caches, the step's one metadata) attended through one
+    plan, split four ways: the second reuses the first's scratch and still equals the torch
+    backend."""
+    case = make_case(DECODES, 8, 2, head_dim=64, seed=1).to(DEVICE)
+    plan = TritonAttentionBackend().prepare(case.metadata)
+    torch_backend = TorchAttentionBackend()
+    for layer in range(2):
+        query, kv_cache = case.query * (layer + 1), case.kv_cache.flip(-1).clone() * (layer + 1)
+        expected = torch_backend.forward(
+            query, case.key, case.value, kv_cache.clone(), torch_backend.prepare(case.metadata)
+        )
+        reshape_and_cache(case.key, case.value, kv_cache, case.metadata.slot_mapping)
+        out = torch.full_like(query, float("nan"))
+        unified_attention(query, kv_cache, plan, out, num_splits=4)
+        assert (out - expected).abs().max().item() < TOLERANCE[torch.float32]
+    assert len(plan.scratch) == 1
 
 
 def test_reshape_and_cache_writes_only_the_slots() -> None:
