@@ -7,7 +7,6 @@ reshape_and_cache writes exactly the slots."""
 from __future__ import annotations
 
 import ctypes
-import math
 from pathlib import Path
 
 import pytest
@@ -15,12 +14,11 @@ import torch
 
 from blockserve.attention.cuda_backend import CudaAttentionBackend
 from blockserve.attention.torch_backend import TorchAttentionBackend
-from tests.attention.cases import make_case, reference_attention
+from tests.attention.cases import AttentionCase, make_case, reference_attention
 from tests.attention.cuda_emulation import EmulatedOps, build_emulator, missing_tools
 
 pytestmark = pytest.mark.skipif(missing_tools() is not None, reason=str(missing_tools()))
 
-DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 # Contexts of 1 (only warp 0 has work), 7 / 9 (a step cut short), 8, 37, 200 tokens.
 CONTEXTS = [(0, 1), (6, 1), (8, 1), (7, 1), (36, 1), (199, 1)]
@@ -32,31 +30,14 @@ def emulator(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
 
 
 def paged_decode(
-    lib: ctypes.CDLL, query: torch.Tensor, kv_cache: torch.Tensor, case, num_splits: int = 1
-) -> tuple:  # type: ignore[no-untyped-def]
-    out = torch.full_like(query, float("nan"))  # poisoned: unwritten elements fail
-    num_seqs, num_heads, head_dim = query.shape
-    num_kv_heads = kv_cache.shape[3]
-    tables = case.metadata.block_tables.contiguous()
-    seq_lens = case.metadata.seq_lens.contiguous()
-    code = lib.emulated_paged_decode(
-        DTYPES[query.dtype],
-        out.data_ptr(),
-        query.data_ptr(),
-        kv_cache[0].data_ptr(),
-        kv_cache[1].data_ptr(),
-        tables.data_ptr(),
-        seq_lens.data_ptr(),
-        num_seqs,
-        num_kv_heads,
-        num_heads // num_kv_heads,
-        head_dim,
-        kv_cache.shape[2],
-        tables.shape[1],
-        query.stride(0),
-        out.stride(0),
-        1 / math.sqrt(head_dim),
-        num_splits,
+    lib: ctypes.CDLL, case: AttentionCase, num_splits: int = 1
+) -> tuple[int, torch.Tensor]:
+    """The decode kernel over `case` (K/V already in its cache): its code and its output,
+    poisoned beforehand so that unwritten elements fail."""
+    out = torch.full_like(case.query, float("nan"))
+    cache, metadata = case.kv_cache, case.metadata
+    code = EmulatedOps(lib).decode(
+        out, case.query, cache[0], cache[1], metadata.block_tables, metadata.seq_lens, num_splits
     )
     return code, out
 
@@ -79,12 +60,11 @@ def test_paged_decode_matches_reference(
     query heads per KV head; head_dim 16 leaves half the lanes idle; split in three, the
     1-token context leaves two splits empty."""
     case = make_case(CONTEXTS, num_heads, num_kv_heads, head_dim, dtype=dtype, seed=5)
-    torch_cache = case.kv_cache.clone()
     torch_backend = TorchAttentionBackend()
-    expected = torch_backend.forward(
-        case.query, case.key, case.value, torch_cache, torch_backend.prepare(case.metadata)
+    expected = torch_backend.forward(  # also writes the new K/V into the case's cache
+        case.query, case.key, case.value, case.kv_cache, torch_backend.prepare(case.metadata)
     )
-    code, out = paged_decode(emulator, case.query, torch_cache, case, num_splits)  # K/V written
+    code, out = paged_decode(emulator, case, num_splits)
     assert code == 0
     assert not torch.isnan(out).any()
     reference = reference_attention(case)
@@ -96,14 +76,10 @@ def test_many_splits_of_a_long_context(emulator: ctypes.CDLL) -> None:
     """A 1,000-token context cut into 32 splits of 4 steps (most of them shared by 4 warps)
     plus a 5-token one whose 31 last splits are empty: equal to the reference."""
     case = make_case([(999, 1), (4, 1)], 8, 2, 128, dtype=torch.float16, seed=9)
-    TorchAttentionBackend().forward(
-        case.query,
-        case.key,
-        case.value,
-        case.kv_cache,
-        TorchAttentionBackend().prepare(case.metadata),
+    EmulatedOps(emulator).reshape_and_cache(
+        case.key, case.value, case.kv_cache[0], case.kv_cache[1], case.metadata.slot_mapping
     )
-    code, out = paged_decode(emulator, case.query, case.kv_cache, case, num_splits=32)
+    code, out = paged_decode(emulator, case, num_splits=32)
     assert code == 0
     assert (out.double() - reference_attention(case)).abs().max().item() < TOLERANCE[torch.float16]
 
@@ -125,7 +101,7 @@ def test_split_count_fills_the_device(emulator: ctypes.CDLL) -> None:
 def test_paged_decode_refuses_an_unsupported_head_dim(emulator: ctypes.CDLL) -> None:
     """head_dim 96 is not one the kernel is built for: cudaErrorInvalidValue (1), no write."""
     case = make_case([(10, 1)], 2, 1, 96, seed=1)
-    code, out = paged_decode(emulator, case.query, case.kv_cache, case)
+    code, out = paged_decode(emulator, case)
     assert code == 1
     assert torch.isnan(out).all()
 
@@ -135,20 +111,10 @@ def test_reshape_and_cache_writes_only_the_slots(emulator: ctypes.CDLL, dtype: t
     """Each token's K/V row lands at its slot; every other cache element is unchanged."""
     case = make_case([(3, 5), (20, 1)], 4, 2, head_dim=64, dtype=dtype, seed=2)
     before = case.kv_cache.clone()
-    slots = case.metadata.slot_mapping.contiguous()
-    code = emulator.emulated_reshape_and_cache(
-        DTYPES[dtype],
-        case.key.data_ptr(),
-        case.value.data_ptr(),
-        case.kv_cache[0].data_ptr(),
-        case.kv_cache[1].data_ptr(),
-        slots.data_ptr(),
-        case.key.shape[0],
-        case.key.stride(0),
-        case.value.stride(0),
-        2 * 64,
+    slots = case.metadata.slot_mapping
+    EmulatedOps(emulator).reshape_and_cache(
+        case.key, case.value, case.kv_cache[0], case.kv_cache[1], slots
     )
-    assert code == 0
     flat = case.kv_cache.view(2, -1, 2, 64)
     assert torch.equal(flat[0, slots], case.key)
     assert torch.equal(flat[1, slots], case.value)

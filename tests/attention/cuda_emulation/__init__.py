@@ -80,7 +80,8 @@ H100_MULTIPROCESSORS = 132
 class EmulatedOps:
     """The extension's two calls as csrc/bindings.cpp makes them, on CPU tensors through the
     emulator: a drop-in `ops` for CudaAttentionBackend. Splits are chosen for an H100/H200's
-    132 multiprocessors, as the bindings would there."""
+    132 multiprocessors, as the bindings would there. `decode` is the launcher itself, with the
+    split count given and its error code returned, for tests of the kernel."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
@@ -118,29 +119,47 @@ class EmulatedOps:
         seq_lens: torch.Tensor,  # [num_seqs] int64
         max_seq_len: int,
     ) -> None:
-        num_seqs, num_heads, head_dim = query.shape
+        num_seqs, num_heads, _ = query.shape
         num_kv_heads = key_cache.shape[2]
         splits = self.lib.emulated_decode_splits(
             num_seqs, num_kv_heads, num_heads // num_kv_heads, max_seq_len, H100_MULTIPROCESSORS
         )
-        code = self.lib.emulated_paged_decode(
-            DTYPE_CODES[query.dtype],
-            out.data_ptr(),
-            query.data_ptr(),
-            key_cache.data_ptr(),
-            value_cache.data_ptr(),
-            block_tables.data_ptr(),
-            seq_lens.data_ptr(),
-            num_seqs,
-            num_kv_heads,
-            num_heads // num_kv_heads,
-            head_dim,
-            key_cache.shape[1],
-            block_tables.shape[1],
-            query.stride(0),
-            out.stride(0),
-            1 / math.sqrt(head_dim),
-            splits,
-        )
+        code = self.decode(out, query, key_cache, value_cache, block_tables, seq_lens, splits)
         if code != 0:
             raise RuntimeError(f"paged_decode failed: {code}")
+
+    def decode(
+        self,
+        out: torch.Tensor,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        num_splits: int,
+    ) -> int:
+        """paged_decode's launcher with `num_splits`: 0, a cudaError_t, or -1 (deadlock)."""
+        num_seqs, num_heads, head_dim = query.shape
+        num_kv_heads = key_cache.shape[2]
+        tables, lens = block_tables.contiguous(), seq_lens.contiguous()
+        return int(
+            self.lib.emulated_paged_decode(
+                DTYPE_CODES[query.dtype],
+                out.data_ptr(),
+                query.data_ptr(),
+                key_cache.data_ptr(),
+                value_cache.data_ptr(),
+                tables.data_ptr(),
+                lens.data_ptr(),
+                num_seqs,
+                num_kv_heads,
+                num_heads // num_kv_heads,
+                head_dim,
+                key_cache.shape[1],
+                tables.shape[1],
+                query.stride(0),
+                out.stride(0),
+                1 / math.sqrt(head_dim),
+                num_splits,
+            )
+        )
