@@ -30,7 +30,7 @@ lint: setup
 	$(BIN)/ruff format --check blockserve tests benchmarks
 
 typecheck: setup
-	$(BIN)/mypy blockserve/core blockserve/sched
+	$(BIN)/mypy blockserve/core blockserve/sched blockserve/engine blockserve/server blockserve/config.py blockserve/options.py
 
 pytest: setup
 	$(BIN)/pytest

@@ -74,15 +74,15 @@ def percentile(values: list[float], q: float) -> float:
 def run(workload: str, caching: bool, num_requests: int) -> dict:
     llm = LLM(enable_prefix_caching=caching, max_num_seqs=num_requests)
     engine = llm.engine
-    prompts = make_prompts(workload, num_requests, engine.vocab_size)
+    prompts = make_prompts(workload, num_requests, engine.core.info.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_LEN, ignore_eos=True)
     llm.generate(prompts[0][:64], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     llm.reset_prefix_cache()
     before = llm.get_stats()
     steps = Timer(engine, "step")
-    execute = Timer(engine.runner, "execute")
-    schedule = Timer(engine.scheduler, "schedule")
-    update = Timer(engine.scheduler, "update_from_output")
+    execute = Timer(engine.core.runner, "execute")
+    schedule = Timer(engine.core.scheduler, "schedule")
+    update = Timer(engine.core.scheduler, "update_from_output")
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - start

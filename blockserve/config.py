@@ -1,30 +1,27 @@
-"""Configuration: small frozen dataclasses, validated on construction.
+"""The frozen configs the engine is built from, and the server's options.
 
-A config's constructor checks types and ranges only; it never touches disk or network.
-CLI flags map onto these fields under vLLM's names.
+The engine's configs are plain data: `EngineArgs` (engine/args.py) declares, validates and
+builds them, so nothing here checks them twice. Nothing here touches disk or network or
+imports below this layer: the choice lists that several layers share live here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from blockserve.core.eviction import EVICTION_POLICIES
-from blockserve.core.hashing import get_hash_fn
-from blockserve.errors import InvalidConfigError
+from blockserve.events.config import KVEventsConfig
+from blockserve.options import option, validate
 
-
-def _require_positive_int(name: str, value: object, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise InvalidConfigError(f"{name} must be a positive integer, got {value!r}")
+DTYPES = ("auto", "float32", "bfloat16")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "cuda")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
     """The paged KV cache and its prefix cache.
 
-    The cache is sized by `num_gpu_blocks_override` (a block count) or, failing that, by
+    The cache is sized by `num_gpu_blocks_override` (a block count) or by
     `kv_cache_memory_bytes`; with neither, the runner picks a default budget.
     """
 
@@ -34,21 +31,6 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None
     eviction_policy: str = "lru"
-
-    def __post_init__(self) -> None:
-        _require_positive_int("block_size", self.block_size)
-        if self.eviction_policy not in EVICTION_POLICIES:
-            raise InvalidConfigError(
-                f"unknown eviction policy {self.eviction_policy!r}; "
-                f"choose one of {', '.join(EVICTION_POLICIES)}"
-            )
-        get_hash_fn(self.prefix_caching_hash_algo)
-        _require_positive_int("num_gpu_blocks_override", self.num_gpu_blocks_override, True)
-        _require_positive_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, True)
-        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
-            raise InvalidConfigError(
-                "num_gpu_blocks_override must be >= 2 (block 0 is the null block)"
-            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,21 +49,14 @@ class ModelConfig:
     max_model_len: int | None = None
     seed: int = 0
 
-    def __post_init__(self) -> None:
-        if self.dtype not in ("auto", "float32", "bfloat16"):
-            raise InvalidConfigError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
-        _require_positive_int("max_model_len", self.max_model_len, True)
-
-
-SCHEDULING_POLICIES = ("fcfs", "priority")
-
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     """Continuous batching limits.
 
     Each step spends at most `max_num_batched_tokens` tokens over at most `max_num_seqs`
-    running requests; a prompt longer than the budget is prefilled in chunks.
+    running requests; a prompt longer than the budget is prefilled in chunks. `max_model_len`
+    is the context the engine settled on (the model's, capped by the KV cache).
     """
 
     max_num_seqs: int = 64
@@ -89,29 +64,39 @@ class SchedulerConfig:
     max_model_len: int = 8192
     policy: str = "fcfs"
 
-    def __post_init__(self) -> None:
-        _require_positive_int("max_num_seqs", self.max_num_seqs)
-        _require_positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
-        _require_positive_int("max_model_len", self.max_model_len)
-        if self.policy not in SCHEDULING_POLICIES:
-            raise InvalidConfigError(
-                f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
-                f"got {self.policy!r}"
-            )
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Everything an engine is built from; made by `EngineArgs.create_configs()`."""
+
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    kv_events: KVEventsConfig | None = None
+
+
+def _port(value: int) -> str | None:
+    return None if 0 <= value <= 65535 else f"must be in 0..65535, got {value!r}"
+
+
+def _non_empty(value: str | None) -> str | None:
+    return "must be a non-empty string" if value == "" else None
 
 
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
-    """The HTTP front end. `api_key` None leaves /v1/* open."""
+    """The HTTP front end's options (`blockserve serve` flags). `api_key` None leaves /v1/*
+    open; the CLI falls back to the BLOCKSERVE_API_KEY environment variable."""
 
-    host: str = "127.0.0.1"
-    port: int = 8000
-    served_model_name: str | None = None
-    api_key: str | None = None
+    host: str = option("127.0.0.1", "address to listen on")
+    port: int = option(8000, "port to listen on", check=_port)
+    served_model_name: str | None = option(None, "model name reported by the API")
+    api_key: str | None = option(
+        None,
+        "require `Authorization: Bearer KEY` on /v1/* (or BLOCKSERVE_API_KEY)",
+        check=_non_empty,
+    )
     stats_interval_s: float = 10.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
-            raise InvalidConfigError(f"port must be in 0..65535, got {self.port!r}")
-        if self.api_key is not None and not self.api_key:
-            raise InvalidConfigError("api_key must be a non-empty string")
+        validate(self)

@@ -24,9 +24,14 @@ class UnknownHashAlgorithmError(InvalidConfigError):
 
 
 class InvalidRequestError(BlockserveError, ValueError):
-    """A request (or a call on its behalf) is malformed; nothing was changed."""
+    """A request (or a call on its behalf) is malformed; nothing was changed. `param` names
+    the request field at fault, when one is."""
 
     http_status = 400
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class NoFreeBlocksError(BlockserveError, RuntimeError):

@@ -1,4 +1,4 @@
-"""The `blockserve` command line: flags under vLLM's names, with the REFERENCE defaults."""
+"""The `blockserve` command line: vLLM's flag names and defaults (docs/behaviour.md §8)."""
 
 from __future__ import annotations
 

@@ -1,38 +1,34 @@
-"""CacheConfig validates on construction and touches nothing else."""
+"""ServerConfig validates its options on construction; the engine's configs are plain data."""
 
 from __future__ import annotations
 
 import pytest
 
-from blockserve.config import CacheConfig
-from blockserve.errors import InvalidConfigError, UnknownHashAlgorithmError
+from blockserve.config import ServerConfig
+from blockserve.errors import InvalidConfigError
 
 
-def test_defaults_match_reference() -> None:
-    """Block size 16, prefix caching on, sha256, no explicit size."""
-    config = CacheConfig()
-    assert (config.block_size, config.enable_prefix_caching) == (16, True)
-    assert config.prefix_caching_hash_algo == "sha256"
-    assert (config.num_gpu_blocks_override, config.kv_cache_memory_bytes) == (None, None)
+def test_server_defaults() -> None:
+    """127.0.0.1:8000, the model's own name, no API key."""
+    config = ServerConfig()
+    assert (config.host, config.port, config.served_model_name, config.api_key) == (
+        "127.0.0.1",
+        8000,
+        None,
+        None,
+    )
 
 
 @pytest.mark.parametrize(
-    "kwargs",
+    ("kwargs", "message"),
     [
-        {"block_size": 0},
-        {"block_size": 16.0},
-        {"num_gpu_blocks_override": 1},
-        {"num_gpu_blocks_override": -3},
-        {"kv_cache_memory_bytes": 0},
+        ({"port": 70000}, "port (--port) must be in 0..65535, got 70000"),
+        ({"port": "80"}, "port (--port) must be of type int, got '80'"),
+        ({"api_key": ""}, "api_key (--api-key) must be a non-empty string"),
     ],
 )
-def test_bad_values_raise(kwargs: dict[str, object]) -> None:
-    """Out-of-range or mistyped sizes raise InvalidConfigError."""
-    with pytest.raises(InvalidConfigError):
-        CacheConfig(**kwargs)  # type: ignore[arg-type]
-
-
-def test_unknown_hash_algo_raises() -> None:
-    """An unknown hash algorithm is a typed config error."""
-    with pytest.raises(UnknownHashAlgorithmError, match="md5"):
-        CacheConfig(prefix_caching_hash_algo="md5")
+def test_bad_server_options_raise(kwargs: dict[str, object], message: str) -> None:
+    """A bad option raises InvalidConfigError naming the field and its flag."""
+    with pytest.raises(InvalidConfigError) as refused:
+        ServerConfig(**kwargs)  # type: ignore[arg-type]
+    assert str(refused.value) == message

@@ -6,17 +6,16 @@ import os
 
 from blockserve.attention.metadata import AttentionBackend
 from blockserve.attention.torch_backend import TorchAttentionBackend
+from blockserve.config import ATTENTION_BACKENDS
 from blockserve.errors import BackendUnavailableError, InvalidConfigError
-
-BACKEND_NAMES = ("auto", "torch", "triton", "cuda")
 
 
 def get_attention_backend(name: str, device: str) -> AttentionBackend:
     """`auto`: triton on a CUDA device, torch on the CPU. A named backend that cannot run
     here raises BackendUnavailableError saying why."""
-    if name not in BACKEND_NAMES:
+    if name not in ATTENTION_BACKENDS:
         raise InvalidConfigError(
-            f"unknown attention backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}"
+            f"unknown attention backend {name!r}; choose one of {', '.join(ATTENTION_BACKENDS)}"
         )
     on_cuda = device.startswith("cuda")
     if name == "auto":

@@ -125,7 +125,6 @@ class BlockPool:
         self.blocks = [KVCacheBlock(block_id=i) for i in range(num_blocks)]
         self.null_block = self.blocks[0]
         self.null_block.is_null = True
-        self.eviction_policy = eviction_policy
         self.free_block_queue = create_free_block_policy(
             eviction_policy, self.blocks[1:], num_blocks
         )

@@ -8,9 +8,9 @@ scheduling decisions: `allocate_slots` answers "does it fit", the scheduler deci
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, TypeAlias
 
 from blockserve.core.block_pool import BlockPool
 from blockserve.core.events import KVEvent, KVEventRecorder
@@ -18,12 +18,15 @@ from blockserve.core.free_queue import KVCacheBlock
 from blockserve.core.hashing import BlockHash
 from blockserve.errors import InvalidRequestError
 
+RequestId: TypeAlias = Hashable
+"""A request's key: any hashable value its owner chooses (the engine uses structured ids)."""
+
 
 class KVCacheRequest(Protocol):
     """What the manager reads from a request (sched.Request satisfies it)."""
 
     @property
-    def request_id(self) -> str: ...
+    def request_id(self) -> RequestId: ...
 
     @property
     def block_hashes(self) -> Sequence[BlockHash]: ...
@@ -96,8 +99,8 @@ class KVCacheManager:
         self.block_pool = BlockPool(num_blocks, block_size, enable_caching, events, eviction_policy)
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        self.num_cached_blocks: dict[str, int] = {}
+        self.req_to_blocks: dict[RequestId, list[KVCacheBlock]] = {}
+        self.num_cached_blocks: dict[RequestId, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
 
     @property
@@ -210,7 +213,7 @@ class KVCacheManager:
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
 
-    def get_block_ids(self, request_id: str) -> list[int]:
+    def get_block_ids(self, request_id: RequestId) -> list[int]:
         """The request's block table (block ids in token order); empty when it holds none."""
         return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
 

@@ -1,15 +1,20 @@
-"""`AsyncEngine`: an `LLMEngine` on its own thread, with per-request async streams.
+"""`AsyncEngine`: an `LLMEngine` on its own thread, with per-request async streams; the
+`EngineClient` the HTTP server uses.
 
-One background thread owns the engine: it applies queued adds and aborts between steps and
-steps while there is work, so the engine is never touched concurrently. Outputs travel to the
-asyncio loop thread-safely. A request whose stream is closed early (client gone) is aborted.
-An error that escapes a step marks the engine dead: every stream fails, health turns false.
+Requests are checked and tokenized on the caller's event loop (with the loop's own tokenizer
+copy), so a refusal costs the engine thread nothing. One background thread owns the engine: it
+applies queued adds and aborts between steps, steps while there is work, and leaves a stats
+snapshot after each step, so the engine is never touched concurrently. Outputs travel to the
+loop thread-safely. A request whose stream is closed early (client gone) is aborted. An error
+that escapes a step marks the engine dead: every stream fails, health turns false.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
+import dataclasses
 import logging
 import queue
 import threading
@@ -17,22 +22,14 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from blockserve.engine.llm_engine import EngineStats, LLMEngine, Prompt
-from blockserve.engine.outputs import RequestOutput
-from blockserve.errors import EngineDeadError, InvalidRequestError
-from blockserve.sampling_params import SamplingParams
+from blockserve.config import EngineConfig
+from blockserve.engine.client import ModelInfo
+from blockserve.engine.llm_engine import LLMEngine, build_engine
+from blockserve.engine.outputs import EngineStats, KVCacheReport, RequestOutput
+from blockserve.engine.request import RequestSpec, ValidatedRequest
+from blockserve.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class _Add:
-    request_id: str
-    prompt: Prompt
-    params: SamplingParams
-    priority: int
-    cache_salt: str | None
-    accepted: concurrent.futures.Future[None]
 
 
 @dataclass(frozen=True)
@@ -47,23 +44,34 @@ class _Call:
 
 
 _STOP = object()
+_Command = ValidatedRequest | _Abort | _Call | object
 
 
 class AsyncEngine:
-    """The `EngineClient` the HTTP server uses: generate, abort, health, stats."""
+    """Implements `EngineClient`: generate, abort, health, model info, stats, KV report."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        processor = engine.input_processor
+        # The loop's own tokenizer: a tokenizer must not be used from two threads at once.
+        self._input = dataclasses.replace(processor, tokenizer=copy.deepcopy(processor.tokenizer))
+        self._model_info = ModelInfo(
+            engine.core.info.model_name,
+            processor.max_model_len,
+            processor.vocab_size,
+            self._input.tokenizer,
+        )
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._stats = engine.stats()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self.dead_error: BaseException | None = None
 
-    @property
-    def model_name(self) -> str:
-        return self.engine.model_name
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> AsyncEngine:
+        return cls(build_engine(config))
 
     def start(self) -> None:
         """Start the engine thread; outputs are delivered to the running event loop."""
@@ -74,59 +82,41 @@ class AsyncEngine:
     def is_healthy(self) -> bool:
         return self.dead_error is None and self._thread is not None and self._thread.is_alive()
 
-    def stats(self) -> EngineStats:
-        return self.engine.get_stats()
+    def model_info(self) -> ModelInfo:
+        return self._model_info
 
-    async def generate(
-        self,
-        prompt: Prompt,
-        params: SamplingParams,
-        request_id: str,
-        priority: int = 0,
-        cache_salt: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    def stats(self) -> EngineStats:
+        """The snapshot the engine thread took after its last step."""
+        return self._stats
+
+    async def debug_kv_cache(self) -> KVCacheReport:
+        result: KVCacheReport = await self._call(lambda engine: engine.kv_cache_report())
+        return result
+
+    async def generate(self, spec: RequestSpec) -> AsyncIterator[RequestOutput]:
         """Yield a snapshot of the request after every step that changed it, last one finished.
 
-        Raises the engine's typed error (e.g. InvalidRequestError) if the request is refused.
-        Closing the iterator early aborts the request.
+        Raises InvalidRequestError (before any output) if the spec is refused. Closing the
+        iterator early aborts the request.
         """
-        if not self.is_healthy():
-            raise EngineDeadError("the engine is not running") from self.dead_error
-        if request_id in self._streams:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        self._check_alive()
+        request = self._input.process(spec, self._streams)
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         # Registered before the add is sent, so no output can arrive before its stream.
-        self._streams[request_id] = stream
-        accepted: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._commands.put(_Add(request_id, prompt, params, priority, cache_salt, accepted))
-        try:
-            await asyncio.wrap_future(accepted)  # validation errors raise here
-        except BaseException:
-            self._streams.pop(request_id, None)
-            self.abort(request_id)  # cancelled while being added: a no-op if it was refused
-            raise
+        self._streams[spec.request_id] = stream
+        self._commands.put(request)
         finished = False
         try:
-            while True:
+            while not finished:
                 item = await stream.get()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
                 yield item
-                if finished:
-                    return
         finally:
-            self._streams.pop(request_id, None)
+            self._streams.pop(spec.request_id, None)
             if not finished:
-                self.abort(request_id)
-
-    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
-        """Run `fn(engine)` on the engine thread between two steps and return its result."""
-        if not self.is_healthy():
-            raise EngineDeadError("the engine is not running") from self.dead_error
-        result: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._commands.put(_Call(fn, result))
-        return await asyncio.wrap_future(result)
+                self.abort(spec.request_id)
 
     def abort(self, request_id: str) -> None:
         """Abort a request; its blocks are freed before the engine's next step."""
@@ -140,6 +130,17 @@ class AsyncEngine:
             self._thread.join(timeout)
         self.engine.shutdown()
 
+    def _check_alive(self) -> None:
+        if not self.is_healthy():
+            raise EngineDeadError("the engine is not running") from self.dead_error
+
+    async def _call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run `fn(engine)` on the engine thread between two steps and return its result."""
+        self._check_alive()
+        result: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._commands.put(_Call(fn, result))
+        return await asyncio.wrap_future(result)
+
     # -- the engine thread ----------------------------------------------------------------
 
     def _run(self) -> None:
@@ -150,6 +151,7 @@ class AsyncEngine:
                     break
                 if self.engine.has_unfinished_requests():
                     self._deliver(self.engine.step())
+                self._stats = self.engine.stats()
         except BaseException as exc:  # the loop cannot go on: fail everyone, loudly
             logger.exception("engine loop died")
             self.dead_error = exc
@@ -167,30 +169,22 @@ class AsyncEngine:
             if command is _STOP:
                 self._stopping.set()
                 return
-            if isinstance(command, _Add):
-                try:
-                    self.engine.add_request(
-                        command.request_id,
-                        command.prompt,
-                        command.params,
-                        command.priority,
-                        command.cache_salt,
-                    )
-                except Exception as exc:  # refused: the caller gets the typed error
-                    command.accepted.set_exception(exc)
-                else:
-                    command.accepted.set_result(None)
-            elif isinstance(command, _Abort):
-                self.engine.abort_request([command.request_id])
-            elif isinstance(command, _Call):
-                try:
-                    command.result.set_result(command.fn(self.engine))
-                except Exception as exc:  # the caller gets it; the engine is unaffected
-                    command.result.set_exception(exc)
+            self._apply(command)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _apply(self, command: _Command) -> None:
+        if isinstance(command, ValidatedRequest):
+            self.engine.add_validated(command)
+        elif isinstance(command, _Abort):
+            self.engine.abort_request([command.request_id])
+        elif isinstance(command, _Call):
+            try:
+                command.result.set_result(command.fn(self.engine))
+            except Exception as exc:  # the caller gets it; the engine is unaffected
+                command.result.set_exception(exc)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         if outputs and self._loop is not None:

@@ -1,4 +1,5 @@
-"""What the engine hands back per request: `RequestOutput`, shaped like vLLM's."""
+"""What the engine hands back: `RequestOutput` per request (shaped like vLLM's), `EngineStats`
+and `KVCacheReport` for whoever watches it. Plain frozen data."""
 
 from __future__ import annotations
 
@@ -53,3 +54,29 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot of the engine's counters and gauges, taken between two steps."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_prompt_tokens: int
+    num_generation_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheReport:
+    """The block pool's occupancy and its integrity check (an empty list when sound)."""
+
+    num_blocks: int
+    num_free_blocks: int
+    usage: float
+    num_cached_hashes: int
+    num_requests_holding_blocks: int
+    integrity_errors: tuple[str, ...]

@@ -50,11 +50,16 @@ class KVEventsConfig:
         try:
             data: Any = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise InvalidConfigError(f"--kv-events-config is not valid JSON: {exc}") from None
+            raise InvalidConfigError(f"not valid JSON: {exc}") from None
         if not isinstance(data, dict):
-            raise InvalidConfigError("--kv-events-config must be a JSON object")
+            raise InvalidConfigError("must be a JSON object")
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> KVEventsConfig:
+        """The config from vLLM's keys; unknown keys raise InvalidConfigError."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise InvalidConfigError(f"unknown --kv-events-config keys: {', '.join(unknown)}")
+            raise InvalidConfigError(f"unknown keys: {', '.join(unknown)}")
         return cls(**data)

@@ -15,6 +15,7 @@ import torch
 from blockserve.attention.metadata import AttentionMetadata
 from blockserve.attention.selector import get_attention_backend
 from blockserve.config import CacheConfig, ModelConfig
+from blockserve.core.kv_cache_manager import RequestId
 from blockserve.model.loader import LoadedModel, load_model, resolve_dtype
 from blockserve.model.sampler import Sampler, SamplerOutput, SamplingBatch, SamplingRow
 from blockserve.runner.kv_cache import allocate_kv_caches, num_blocks_for
@@ -68,7 +69,7 @@ class ModelRunner:
         generator = torch.Generator(device=self.device)
         generator.manual_seed(model_config.seed)
         self.sampler = Sampler(generator)
-        self.requests: dict[str, RequestState] = {}
+        self.requests: dict[RequestId, RequestState] = {}
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -174,12 +175,12 @@ class ModelRunner:
         result = self.sampler(logits, batch)
         return self._to_output(sampled_ids, result)
 
-    def _to_output(self, request_ids: list[str], result: SamplerOutput) -> ModelRunnerOutput:
+    def _to_output(self, request_ids: list[RequestId], result: SamplerOutput) -> ModelRunnerOutput:
         token_ids = result.token_ids.tolist()
         sampled = dict(zip(request_ids, token_ids, strict=True))
         for request_id, token_id in sampled.items():
             self.requests[request_id].output_token_ids.append(token_id)
-        logprobs: dict[str, TokenLogprobs] = {}
+        logprobs: dict[RequestId, TokenLogprobs] = {}
         if result.logprobs is not None:
             assert result.ranks is not None
             assert result.top_ids is not None and result.top_logprobs is not None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from blockserve.core.kv_cache_manager import RequestId
 from blockserve.sampling_params import SamplingParams
 
 
@@ -31,7 +32,7 @@ class ScheduledRequest:
     True when the step reaches the request's last known token, so a new token is sampled.
     """
 
-    request_id: str
+    request_id: RequestId
     token_ids: tuple[int, ...]
     num_computed_tokens: int
     block_ids: tuple[int, ...]
@@ -48,7 +49,7 @@ class SchedulerOutput:
     """Everything the runner needs for one step, in batch order."""
 
     scheduled: tuple[ScheduledRequest, ...]
-    finished_request_ids: frozenset[str] = frozenset()
+    finished_request_ids: frozenset[RequestId] = frozenset()
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -73,5 +74,5 @@ class TokenLogprobs:
 class ModelRunnerOutput:
     """The tokens sampled in one step, by request id (only requests whose `sample` was True)."""
 
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    sampled_token_ids: dict[RequestId, int] = field(default_factory=dict)
+    logprobs: dict[RequestId, TokenLogprobs] = field(default_factory=dict)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from collections.abc import Iterator
-from typing import Protocol
+from typing import Any, Protocol
 
 from blockserve.errors import InvalidConfigError
 from blockserve.sched.request import Request
@@ -64,7 +64,7 @@ class FcfsQueue:
         return iter(self._queue)
 
 
-def priority_key(request: Request) -> tuple[int, float, str]:
+def priority_key(request: Request) -> tuple[int, float, Any]:
     """Lower is served first: priority, then arrival, then id (a total order)."""
     return (request.priority, request.arrival_time, request.request_id)
 
@@ -73,7 +73,7 @@ class PriorityQueue:
     """A heap on `priority_key`."""
 
     def __init__(self) -> None:
-        self._heap: list[tuple[tuple[int, float, str], Request]] = []
+        self._heap: list[tuple[tuple[int, float, Any], Request]] = []
 
     def add(self, request: Request) -> None:
         heapq.heappush(self._heap, (priority_key(request), request))

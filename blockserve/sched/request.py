@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterable, Sequence
 
 from blockserve.core.hashing import BlockHash, BlockKeyInputs, RequestBlockHasher
-from blockserve.errors import InvalidRequestError
+from blockserve.core.kv_cache_manager import RequestId
 from blockserve.sampling_params import SamplingParams
 
 
@@ -76,18 +76,15 @@ class Request:
 
     def __init__(
         self,
-        request_id: str,
+        request_id: RequestId,
         prompt_token_ids: Sequence[int],
         sampling_params: SamplingParams | None = None,
         block_hasher: RequestBlockHasher | None = None,
         hash_keys: BlockKeyInputs | None = None,
         priority: int = 0,
     ) -> None:
-        if not prompt_token_ids:
-            raise InvalidRequestError(f"request {request_id!r} has an empty prompt")
+        assert prompt_token_ids, "an empty prompt is refused before it reaches the scheduler"
         keys = hash_keys or BlockKeyInputs()
-        if keys.cache_salt is not None and not keys.cache_salt:
-            raise InvalidRequestError("cache_salt must be a non-empty string")
         self.request_id = request_id
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.all_token_ids)

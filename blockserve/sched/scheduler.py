@@ -15,8 +15,7 @@ from dataclasses import dataclass
 
 from blockserve.config import SchedulerConfig
 from blockserve.core.events import KVEventBatch
-from blockserve.core.kv_cache_manager import KVCacheManager
-from blockserve.errors import InvalidRequestError
+from blockserve.core.kv_cache_manager import KVCacheManager, RequestId
 from blockserve.sched.output import (
     ModelRunnerOutput,
     NewRequestData,
@@ -32,7 +31,7 @@ from blockserve.sched.request import Request, RequestStatus
 class RequestUpdate:
     """What one step did to one request: its new token (if any) and whether it finished."""
 
-    request_id: str
+    request_id: RequestId
     new_token_ids: tuple[int, ...]
     status: RequestStatus
     logprobs: TokenLogprobs | None = None
@@ -40,7 +39,7 @@ class RequestUpdate:
 
 
 class Scheduler:
-    """Decides each step's batch. See REFERENCE.md §4 for the rules it implements.
+    """Decides each step's batch (docs/behaviour.md §4 states the rules it implements).
 
     Step order: running requests first, in admission order, each taking `min(remaining,
     budget)` tokens; if one cannot get blocks, a victim is preempted (FCFS: the most recently
@@ -60,29 +59,20 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting = create_request_queue(config.policy)
         self.running: list[Request] = []
-        self.requests: dict[str, Request] = {}
-        self.finished_request_ids: set[str] = set()
+        self.requests: dict[RequestId, Request] = {}
+        self.finished_request_ids: set[RequestId] = set()
         self.num_preemptions = 0
 
     # -- requests in and out ------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        """Queue a request; InvalidRequestError (nothing changed) if it can never run."""
-        if request.request_id in self.requests:
-            raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
-        if request.priority != 0 and self.config.policy == "fcfs":
-            raise InvalidRequestError(
-                "priority is only supported with --scheduling-policy priority"
-            )
-        if request.num_tokens >= self.config.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {request.num_tokens} tokens, but the context is "
-                f"{self.config.max_model_len} tokens and one must be left to generate"
-            )
+        """Queue a request. It was validated above (engine/input_processor.py): its id is
+        unused, its priority allowed by the policy and its prompt within the context."""
+        assert request.request_id not in self.requests, request.request_id
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
-    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
+    def finish_requests(self, request_ids: list[RequestId], status: RequestStatus) -> list[Request]:
         """End requests from outside (abort, stop string): free their blocks now."""
         assert status.is_finished
         finished = []
@@ -120,7 +110,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Choose this step's batch and allocate its KV blocks."""
         budget = self.config.max_num_batched_tokens
-        num_scheduled: dict[str, int] = {}
+        num_scheduled: dict[RequestId, int] = {}
         preempted_any = False
 
         index = 0
@@ -143,7 +133,7 @@ class Scheduler:
                 budget -= num_new
                 index += 1
 
-        new_request_ids: set[str] = set()
+        new_request_ids: set[RequestId] = set()
         # No admission after a preemption: the freed blocks go to the preempted first.
         while (
             not preempted_any
@@ -183,7 +173,9 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.prepend(request)
 
-    def _build_output(self, num_scheduled: dict[str, int], new_ids: set[str]) -> SchedulerOutput:
+    def _build_output(
+        self, num_scheduled: dict[RequestId, int], new_ids: set[RequestId]
+    ) -> SchedulerOutput:
         scheduled = []
         for request in self.running:
             num_new = num_scheduled.get(request.request_id)

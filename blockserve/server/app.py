@@ -1,13 +1,14 @@
 """The FastAPI app factory: routes, auth, errors, metrics, and the engine's lifetime.
 
-The app talks to the engine only through `AsyncEngine` (generate, abort, health, stats).
+The app talks to the engine only through an `EngineClient` (engine/client.py): it reads no
+engine internals and imports nothing below the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
+import dataclasses
 import hmac
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -16,8 +17,7 @@ from fastapi.responses import JSONResponse
 
 from blockserve import __version__
 from blockserve.config import ServerConfig
-from blockserve.engine.async_engine import AsyncEngine
-from blockserve.engine.llm_engine import LLMEngine
+from blockserve.engine.client import EngineClient
 from blockserve.errors import InvalidRequestError
 from blockserve.server.errors import error_response, install_error_handlers
 from blockserve.server.metrics import ServerMetrics, log_stats_periodically
@@ -49,13 +49,14 @@ def _auth_middleware(api_key: str) -> Callable[[Request, Callable], Awaitable[Re
     return check
 
 
-def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
-    """An app serving `engine`; the engine thread starts and stops with the app."""
-    model_name = config.served_model_name or engine.model_name
+def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
+    """An app serving `engine`; the engine starts and stops with the app."""
+    info = engine.model_info()
+    model_name = config.served_model_name or info.name
     ctx = ServingContext(
         engine=engine,
         model_name=model_name,
-        tokenizer=copy.deepcopy(engine.engine.tokenizer),
+        tokenizer=info.tokenizer,
         metrics=ServerMetrics(engine, model_name),
     )
 
@@ -92,7 +93,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
                     "object": "model",
                     "created": 0,
                     "owned_by": "blockserve",
-                    "max_model_len": engine.engine.max_model_len,
+                    "max_model_len": info.max_model_len,
                 }
             ],
         }
@@ -122,14 +123,14 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             )
         return {
             "count": len(tokens),
-            "max_model_len": engine.engine.max_model_len,
+            "max_model_len": info.max_model_len,
             "tokens": tokens,
         }
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
         ctx.check_model(body.model)
-        vocab_size = engine.engine.vocab_size
+        vocab_size = info.vocab_size
         if any(not 0 <= t < vocab_size for t in body.tokens):
             raise InvalidRequestError(f"token ids must be in [0, {vocab_size})")
         return {"prompt": ctx.tokenizer.decode(body.tokens)}
@@ -137,19 +138,6 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     @app.get("/debug/kv_cache")
     async def kv_cache() -> JSONResponse:
         """Pool occupancy and its integrity check, computed between two engine steps."""
-        return JSONResponse(await engine.call(kv_cache_report))
+        return JSONResponse(dataclasses.asdict(await engine.debug_kv_cache()))
 
     return app
-
-
-def kv_cache_report(engine: LLMEngine) -> dict:
-    manager = engine.kv_cache_manager
-    pool = manager.block_pool
-    return {
-        "num_blocks": pool.num_blocks,
-        "num_free_blocks": pool.num_free_blocks,
-        "usage": pool.usage,
-        "num_cached_hashes": len(pool.cached_block_hash_to_block),
-        "num_requests_holding_blocks": len(manager.req_to_blocks),
-        "integrity_errors": manager.integrity_errors(),
-    }

@@ -61,7 +61,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(BlockserveError)
     async def blockserve_error(request: Request, exc: BlockserveError) -> JSONResponse:
-        return error_response(exc.http_status, str(exc))
+        return error_response(exc.http_status, str(exc), getattr(exc, "param", None))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

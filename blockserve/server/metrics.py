@@ -17,8 +17,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from blockserve.engine.async_engine import AsyncEngine
-from blockserve.engine.llm_engine import EngineStats
+from blockserve.engine.client import EngineClient
+from blockserve.engine.outputs import EngineStats
 
 logger = logging.getLogger("blockserve.stats")
 
@@ -48,7 +48,7 @@ LATENCY_BUCKETS = (
 class EngineCollector(Collector):
     """Reads the engine's counters and gauges when Prometheus scrapes."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, engine: EngineClient, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
 
@@ -90,7 +90,7 @@ class EngineCollector(Collector):
 
 
 class ServerMetrics:
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, engine: EngineClient, model_name: str) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(engine, model_name))
@@ -171,7 +171,7 @@ def format_stats_line(previous: EngineStats, current: EngineStats, seconds: floa
     )
 
 
-async def log_stats_periodically(engine: AsyncEngine, interval: float) -> None:
+async def log_stats_periodically(engine: EngineClient, interval: float) -> None:
     """Log the stats line every `interval` seconds while anything happened in it."""
     previous, last_time = engine.stats(), time.monotonic()
     while True:

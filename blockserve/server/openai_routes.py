@@ -17,12 +17,13 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from blockserve.engine.async_engine import AsyncEngine
+from blockserve.engine.client import EngineClient
 from blockserve.engine.outputs import CompletionOutput, RequestOutput
+from blockserve.engine.request import Prompt, RequestSpec
 from blockserve.errors import InvalidRequestError, ModelNotFoundError, RequestFailedError
 from blockserve.sampling_params import SamplingParams
 from blockserve.server.metrics import RequestTimer, ServerMetrics
-from blockserve.server.protocol import ChatCompletionRequest, CompletionRequest, Prompt
+from blockserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from blockserve.server.responses import (
     ChoiceTracker,
     TokenText,
@@ -37,9 +38,9 @@ DISCONNECT_POLL_S = 0.1
 
 @dataclass(frozen=True)
 class ServingContext:
-    engine: AsyncEngine
+    engine: EngineClient
     model_name: str
-    tokenizer: Any  # the server's own copy: never shared with the engine thread
+    tokenizer: Any  # the event loop's copy: never shared with the engine thread
     metrics: ServerMetrics
 
     def check_model(self, model: str | None) -> None:
@@ -61,12 +62,14 @@ class _Run:
     async def start(self, params: SamplingParams, priority: int, salt: str | None) -> None:
         """Submit every prompt and wait for its first output: refusals raise here."""
         self.streams = [
-            self.ctx.engine.generate(prompt, params, f"{self.request_id}-{i}", priority, salt)
+            self.ctx.engine.generate(
+                RequestSpec(f"{self.request_id}-{i}", prompt, params, priority, salt)
+            )
             for i, prompt in enumerate(self.prompts)
         ]
         # All prompts are submitted together (so they share steps), then their first outputs.
         firsts = await asyncio.gather(
-            *(anext(stream) for stream in self.streams),  # type: ignore[arg-type]
+            *(anext(stream) for stream in self.streams),
             return_exceptions=True,
         )
         errors = [f for f in firsts if isinstance(f, BaseException)]
@@ -280,7 +283,9 @@ async def create_chat_completion(
     ctx.check_model(body.model)
     params = body.sampling_params(body.effective_max_tokens(), body.num_logprobs())
     run = _Run(
-        ctx, body.request_id or f"chatcmpl-{uuid.uuid4().hex}", [render_chat_prompt(ctx, body)]
+        ctx,
+        body.request_id or f"chatcmpl-{uuid.uuid4().hex}",
+        [tuple(render_chat_prompt(ctx, body))],
     )
     await run.start(params, body.priority, body.cache_salt)
     created = int(time.time())

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from blockserve.engine.request import Prompt, as_prompt_list
 from blockserve.errors import InvalidRequestError
 from blockserve.sampling_params import SamplingParams
 
@@ -56,8 +57,6 @@ class _SamplingFields(BaseModel):
     def _check(self) -> _SamplingFields:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be set when stream is true")
-        if self.cache_salt is not None and not self.cache_salt:
-            raise ValueError("cache_salt must be a non-empty string")
         return self
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -84,9 +83,6 @@ class _SamplingFields(BaseModel):
         )
 
 
-Prompt = str | list[int]
-
-
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
@@ -94,15 +90,8 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
 
     def prompts(self) -> list[Prompt]:
-        """One entry per prompt: a string or a list of token ids."""
-        prompt = self.prompt
-        if isinstance(prompt, str):
-            return [prompt]
-        if not prompt:
-            raise InvalidRequestError("prompt must not be empty")
-        if all(isinstance(p, int) for p in prompt):
-            return [list(prompt)]  # type: ignore[arg-type]
-        return list(prompt)  # type: ignore[arg-type]
+        """One entry per prompt: a string or a tuple of token ids."""
+        return as_prompt_list(self.prompt)
 
 
 class ChatMessage(BaseModel):

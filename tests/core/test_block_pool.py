@@ -1,4 +1,4 @@
-"""The block pool: null block, ref counts, free order, lazy eviction, reset (REFERENCE.md §3)."""
+"""The block pool: null block, ref counts, free order, lazy eviction, reset (behaviour §3)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""KV event structs on vLLM's wire format (REFERENCE.md §5 items 23-24)."""
+"""KV event structs on vLLM's wire format (docs/behaviour.md §5 items 23-24)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Block hashing: byte-identical to vLLM's definitions (REFERENCE.md §1)."""
+"""Block hashing: byte-identical to vLLM's definitions (docs/behaviour.md §1)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from blockserve.core.hashing import (
 from blockserve.errors import InvalidConfigError, UnknownHashAlgorithmError
 from blockserve.sched.request import Request
 
-# Independent spellings of the four algorithms, straight from REFERENCE.md item 3.
+# Independent spellings of the four algorithms, straight from docs/behaviour.md item 3.
 DEFINITIONS = {
     "sha256": lambda obj: hashlib.sha256(pickle.dumps(obj, protocol=5)).digest(),
     "sha256_cbor": lambda obj: hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest(),

@@ -1,4 +1,4 @@
-"""The KV cache manager: lookup, allocation, chunking, stats and events (REFERENCE.md §2, §5)."""
+"""The KV cache manager: lookup, allocation, chunking, stats, events (behaviour §2, §5)."""
 
 from __future__ import annotations
 

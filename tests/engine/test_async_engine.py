@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from blockserve.config import CacheConfig, ModelConfig
+from blockserve.engine.args import EngineArgs
 from blockserve.engine.async_engine import AsyncEngine
-from blockserve.engine.llm_engine import LLMEngine
 from blockserve.engine.outputs import RequestOutput
+from blockserve.engine.request import RequestSpec
 from blockserve.errors import EngineDeadError, InvalidRequestError
 from blockserve.sampling_params import SamplingParams
 
@@ -19,16 +19,12 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
 def make_engine(model_dir: Path) -> AsyncEngine:
-    return AsyncEngine(
-        LLMEngine(
-            ModelConfig(model=str(model_dir), dtype="float32"),
-            CacheConfig(num_gpu_blocks_override=128),
-        )
-    )
+    args = EngineArgs(model=str(model_dir), dtype="float32", num_gpu_blocks_override=128)
+    return AsyncEngine.from_config(args.create_configs())
 
 
 async def collect(engine: AsyncEngine, request_id: str, prompt: list[int]) -> list[RequestOutput]:
-    return [out async for out in engine.generate(prompt, GREEDY, request_id)]
+    return [out async for out in engine.generate(RequestSpec(request_id, tuple(prompt), GREEDY))]
 
 
 def test_concurrent_streams_finish_with_their_own_tokens(tiny_llama_dir: Path) -> None:
@@ -60,16 +56,18 @@ def test_closing_a_stream_aborts_the_request(tiny_llama_dir: Path) -> None:
     async def main() -> None:
         engine.start()
         try:
-            stream = engine.generate(list(range(40)), long, "long")
+            stream = engine.generate(RequestSpec("long", tuple(range(40)), long))
             async for output in stream:
                 if len(output.outputs[0].token_ids) >= 2:
                     break
             await stream.aclose()
             deadline = time.monotonic() + 5
-            while engine.engine.has_unfinished_requests() and time.monotonic() < deadline:
+            while engine.stats().num_running and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
-            assert not engine.engine.has_unfinished_requests()
-            assert engine.stats().kv_cache_usage == 0.0
+            stats = engine.stats()
+            assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 0, 0.0)
+            report = await engine.debug_kv_cache()
+            assert (report.num_requests_holding_blocks, report.integrity_errors) == (0, ())
             assert engine.is_healthy()
         finally:
             engine.shutdown()

@@ -32,7 +32,7 @@ def test_config_parsing() -> None:
     assert not KVEventsConfig.from_json('{"enable_kv_cache_events": true}').enabled
     for text, message in [
         ("{", "not valid JSON"),
-        ('{"endpont": "x"}', "unknown --kv-events-config keys: endpont"),
+        ('{"endpont": "x"}', "unknown keys: endpont"),
         ('{"publisher": "kafka"}', "publisher"),
         ('{"buffer_steps": 0}', "buffer_steps"),
     ]:

@@ -50,7 +50,7 @@ def test_different_cache_salts_do_not_share(server: ServerProcess) -> None:
 
 
 def test_metrics_names_and_prefix_counters(server: ServerProcess) -> None:
-    """Every metric of REFERENCE item 33 is exposed; the prefix counters rise as predicted."""
+    """Every metric of docs/behaviour.md item 33 is exposed; prefix counters rise as predicted."""
     text = httpx.get(f"{server.url}/metrics").text
     for name in METRIC_NAMES:
         assert f"blockserve:{name}" in text, name

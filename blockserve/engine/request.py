@@ -1,0 +1,83 @@
+"""The request types that cross the engine: what a caller asks for, what passed validation,
+and what the engine core runs.
+
+`RequestSpec` is built by the HTTP layer and by `LLM`; `InputProcessor` turns it into a
+`ValidatedRequest` (the one place requests are checked); the output processor fans that out
+into one `EngineCoreRequest` per sample, keyed by a structured `SampleId`. All three are
+frozen plain data: they can cross a thread or a process as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, cast
+
+from blockserve.errors import InvalidRequestError
+from blockserve.sampling_params import SamplingParams
+
+Prompt = str | tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSpec:
+    """One generation request as a caller states it. `prompt` is text or token ids."""
+
+    request_id: str
+    prompt: Prompt
+    params: SamplingParams = field(default_factory=SamplingParams)
+    priority: int = 0
+    cache_salt: str | None = None
+    lora_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.prompt, str):
+            object.__setattr__(self, "prompt", tuple(self.prompt))
+
+
+@dataclass(frozen=True, slots=True)
+class ValidatedRequest:
+    """A spec that passed every check, with its prompt tokenized; below here it is trusted."""
+
+    spec: RequestSpec
+    prompt_token_ids: tuple[int, ...]
+
+    @property
+    def request_id(self) -> str:
+        return self.spec.request_id
+
+    @property
+    def prompt_text(self) -> str | None:
+        return self.spec.prompt if isinstance(self.spec.prompt, str) else None
+
+
+class SampleId(NamedTuple):
+    """The engine core's id of one sample: its request's id and its index among the `n`.
+    A tuple, not a string, so no caller's id can collide with another's sample."""
+
+    request_id: str
+    sample_index: int
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCoreRequest:
+    """One sample as the engine core runs it: token ids in, token ids out."""
+
+    request_id: SampleId
+    prompt_token_ids: tuple[int, ...]
+    sampling_params: SamplingParams
+    priority: int = 0
+    cache_salt: str | None = None
+    lora_name: str | None = None
+
+
+def as_prompt_list(prompts: str | Sequence[int] | Sequence[str | Sequence[int]]) -> list[Prompt]:
+    """One prompt per entry from the shapes callers accept: a string, a list of token ids, or
+    a list of either. An empty list is refused."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if not prompts:
+        raise InvalidRequestError("prompt must not be empty", "prompt")
+    if all(isinstance(t, int) for t in prompts):
+        return [tuple(cast(Sequence[int], prompts))]
+    return [p if isinstance(p, str) else tuple(p) for p in cast(Sequence[Any], prompts)]

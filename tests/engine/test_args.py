@@ -1,0 +1,147 @@
+"""EngineArgs: every engine option once; the CLI flags and `LLM(**kwargs)` agree on each."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from blockserve import LLM
+from blockserve.cli import build_parser
+from blockserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from blockserve.engine.args import EngineArgs
+from blockserve.errors import InvalidConfigError
+from blockserve.events.config import KVEventsConfig
+
+# One good non-default value per field: (keyword value, the same as serve flags).
+GOOD: dict[str, tuple[object, list[str]]] = {
+    "model": ("/models/m", ["--model", "/models/m"]),
+    "enable_prefix_caching": (False, ["--no-enable-prefix-caching"]),
+    "block_size": (32, ["--block-size", "32"]),
+    "prefix_caching_hash_algo": ("xxhash", ["--prefix-caching-hash-algo", "xxhash"]),
+    "eviction_policy": ("lfu", ["--eviction-policy", "lfu"]),
+    "scheduling_policy": ("priority", ["--scheduling-policy", "priority"]),
+    "max_num_seqs": (8, ["--max-num-seqs", "8"]),
+    "max_num_batched_tokens": (512, ["--max-num-batched-tokens", "512"]),
+    "max_model_len": (1024, ["--max-model-len", "1024"]),
+    "kv_cache_memory_bytes": (1 << 20, ["--kv-cache-memory-bytes", str(1 << 20)]),
+    "num_gpu_blocks_override": (64, ["--num-gpu-blocks-override", "64"]),
+    "dtype": ("float32", ["--dtype", "float32"]),
+    "attention_backend": ("torch", ["--attention-backend", "torch"]),
+    "device": ("cuda:1", ["--device", "cuda:1"]),
+    "seed": (7, ["--seed", "7"]),
+    "kv_events_config": (
+        '{"enable_kv_cache_events": true, "publisher": "zmq"}',
+        ["--kv-events-config", '{"enable_kv_cache_events": true, "publisher": "zmq"}'],
+    ),
+}
+
+# Bad values per field: (keyword value, the same as flags, or None where a flag cannot say it).
+BAD: dict[str, list[tuple[object, list[str] | None]]] = {
+    "model": [(3, None)],
+    "enable_prefix_caching": [("yes", None)],
+    "block_size": [(0, ["--block-size", "0"]), (16.0, None)],
+    "prefix_caching_hash_algo": [("md5", ["--prefix-caching-hash-algo", "md5"])],
+    "eviction_policy": [("mru", ["--eviction-policy", "mru"])],
+    "scheduling_policy": [("lifo", ["--scheduling-policy", "lifo"])],
+    "max_num_seqs": [(0, ["--max-num-seqs", "0"]), (True, None)],
+    "max_num_batched_tokens": [(-1, ["--max-num-batched-tokens", "-1"])],
+    "max_model_len": [(0, ["--max-model-len", "0"])],
+    "kv_cache_memory_bytes": [(0, ["--kv-cache-memory-bytes", "0"])],
+    "num_gpu_blocks_override": [(1, ["--num-gpu-blocks-override", "1"])],
+    "dtype": [("float16", ["--dtype", "float16"])],
+    "attention_backend": [("flash", ["--attention-backend", "flash"])],
+    "device": [("tpu", ["--device", "tpu"])],
+    "seed": [("x", ["--seed", "x"])],
+    "kv_events_config": [
+        ('{"publisher": "kafka"}', ["--kv-events-config", '{"publisher": "kafka"}']),
+        ("{not json", ["--kv-events-config", "{not json"]),
+        ({"endpointt": "tcp://*:1"}, None),
+    ],
+}
+
+
+def configs_from_flags(flags: list[str]) -> EngineConfig:
+    args = build_parser().parse_args(["serve", *flags])
+    return EngineArgs.from_cli_args(args).create_configs()
+
+
+def test_the_tables_cover_every_field() -> None:
+    """Adding an engine option without a row here fails: every field is walked below."""
+    assert set(GOOD) == set(BAD) == set(EngineArgs.field_names())
+
+
+@pytest.mark.parametrize("name", sorted(GOOD))
+def test_flag_and_keyword_build_the_same_config(name: str) -> None:
+    """The serve flag and the EngineArgs keyword (what LLM takes) give equal configs."""
+    value, flags = GOOD[name]
+    from_keyword = EngineArgs(**{name: value}).create_configs()  # type: ignore[arg-type]
+    assert configs_from_flags(flags) == from_keyword
+    assert from_keyword != EngineArgs().create_configs()
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "flags"),
+    [(name, value, flags) for name, rows in sorted(BAD.items()) for value, flags in rows],
+)
+def test_flag_and_keyword_refuse_the_same_value(
+    name: str, value: object, flags: list[str] | None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A bad value raises InvalidConfigError naming the field, from LLM before any model
+    loads; the same value as a flag is refused too (by argparse, or the same check)."""
+    with pytest.raises(InvalidConfigError) as refused:
+        LLM(**{name: value})
+    assert str(refused.value).startswith(f"{name} (--")
+    if flags is None:
+        return
+    try:
+        configs_from_flags(flags)
+    except SystemExit as exc:  # argparse: a choice or a type it cannot convert
+        assert exc.code == 2 and "invalid" in capsys.readouterr().err
+    except InvalidConfigError as exc:  # the same check as the keyword's, word for word
+        assert str(exc) == str(refused.value)
+    else:
+        pytest.fail(f"{flags} was accepted")
+
+
+def test_refusal_names_field_and_flag() -> None:
+    """The message says which field and which flag, and what was wrong."""
+    with pytest.raises(InvalidConfigError) as refused:
+        EngineArgs(max_num_seqs=0).create_configs()
+    assert str(refused.value) == "max_num_seqs (--max-num-seqs) must be positive, got 0"
+
+
+def test_both_cache_sizes_are_refused_by_both() -> None:
+    """kv_cache_memory_bytes and num_gpu_blocks_override cannot both be given."""
+    with pytest.raises(InvalidConfigError, match="cannot both be set"):
+        EngineArgs(kv_cache_memory_bytes=1000, num_gpu_blocks_override=10).create_configs()
+    with pytest.raises(SystemExit):
+        configs_from_flags(["--kv-cache-memory-bytes", "1000", "--num-gpu-blocks-override", "10"])
+
+
+def test_llm_takes_exactly_the_engine_args() -> None:
+    """An unknown keyword is a TypeError, as for any Python call."""
+    with pytest.raises(TypeError, match="max_num_sequences"):
+        LLM(max_num_sequences=4)
+
+
+def test_defaults_are_vllms() -> None:
+    """Block size 16, prefix caching on, sha256, FCFS, 64 sequences, 2048 tokens a step."""
+    config = EngineArgs().create_configs()
+    assert config == EngineConfig(
+        model=ModelConfig(model=None, dtype="auto", device="auto", attention_backend="auto"),
+        cache=CacheConfig(block_size=16, enable_prefix_caching=True),
+        scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048, policy="fcfs"),
+        kv_events=None,
+    )
+    assert config.cache.prefix_caching_hash_algo == "sha256"
+
+
+def test_kv_events_config_accepts_json_dict_or_config() -> None:
+    """The three forms of kv_events_config build the same KVEventsConfig."""
+    text = '{"enable_kv_cache_events": true, "publisher": "zmq", "topic": "kv"}'
+    expected = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", topic="kv")
+    for value in (text, {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv"}):
+        assert EngineArgs(kv_events_config=value).create_configs().kv_events == expected
+    config = EngineArgs(kv_events_config=expected).create_configs()
+    assert dataclasses.asdict(config)["kv_events"] == dataclasses.asdict(expected)
