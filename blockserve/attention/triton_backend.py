@@ -239,18 +239,26 @@ def unified_attention(
         num_stages=config.num_stages,
     )
     if splits > 1:
-        merge_splits_kernel[(num_tokens, num_heads)](
-            out,
-            partial,
-            partial_max,
-            partial_sum,
-            num_tokens,
-            num_heads,
-            out.stride(0),
-            out.stride(1),
-            HEAD_DIM=head_dim,
-            NUM_SPLITS=splits,
-        )
+        _merge_splits(out, (partial, partial_max, partial_sum), splits)
+
+
+def _merge_splits(
+    out: torch.Tensor,  # [num_tokens, heads, head_dim], written in place
+    scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor],  # per-split outputs, max, sum
+    num_splits: int,
+) -> None:
+    """Combine the per-split partial softmaxes into `out`."""
+    num_tokens, num_heads, head_dim = out.shape
+    merge_splits_kernel[(num_tokens, num_heads)](
+        out,
+        *scratch,
+        num_tokens,
+        num_heads,
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=head_dim,
+        NUM_SPLITS=num_splits,
+    )
 
 
 class TritonAttentionBackend:

@@ -17,12 +17,11 @@ from fastapi.responses import JSONResponse
 
 from blockserve import __version__
 from blockserve.config import ServerConfig
-from blockserve.engine.client import EngineClient
+from blockserve.engine.client import EngineClient, ModelInfo
 from blockserve.errors import InvalidRequestError
 from blockserve.server.errors import error_response, install_error_handlers
 from blockserve.server.metrics import ServerMetrics, log_stats_periodically
 from blockserve.server.openai_routes import (
-    ServingContext,
     create_chat_completion,
     create_completion,
     render_chat_prompt,
@@ -33,6 +32,7 @@ from blockserve.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from blockserve.server.runs import ServingContext
 
 
 def _auth_middleware(api_key: str) -> Callable[[Request, Callable], Awaitable[Response]]:
@@ -74,7 +74,13 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     install_error_handlers(app)
     if config.api_key:
         app.middleware("http")(_auth_middleware(config.api_key))
+    _add_openai_routes(app, ctx, info)
+    _add_token_routes(app, ctx, info)
+    _add_status_routes(app, ctx)
+    return app
 
+
+def _add_openai_routes(app: FastAPI, ctx: ServingContext, info: ModelInfo) -> None:
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await create_completion(ctx, body, request)
@@ -85,22 +91,40 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": model_name,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "blockserve",
-                    "max_model_len": info.max_model_len,
-                }
-            ],
+        model = {
+            "id": ctx.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "blockserve",
+            "max_model_len": info.max_model_len,
         }
+        return {"object": "list", "data": [model]}
 
+
+def _add_token_routes(app: FastAPI, ctx: ServingContext, info: ModelInfo) -> None:
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        ctx.check_model(body.model)
+        if body.messages is not None:
+            tokens = render_chat_prompt(ctx, ChatCompletionRequest(messages=body.messages))
+        else:
+            assert body.prompt is not None
+            encoded = ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            tokens = list(encoded)
+        return {"count": len(tokens), "max_model_len": info.max_model_len, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        ctx.check_model(body.model)
+        if any(not 0 <= t < info.vocab_size for t in body.tokens):
+            raise InvalidRequestError(f"token ids must be in [0, {info.vocab_size})", "tokens")
+        return {"prompt": ctx.tokenizer.decode(body.tokens)}
+
+
+def _add_status_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if engine.is_healthy() else 503)
+        return Response(status_code=200 if ctx.engine.is_healthy() else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -110,34 +134,7 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     async def version() -> dict:
         return {"version": __version__}
 
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict:
-        ctx.check_model(body.model)
-        if body.messages is not None:
-            chat = ChatCompletionRequest(messages=body.messages)
-            tokens = render_chat_prompt(ctx, chat)
-        else:
-            assert body.prompt is not None
-            tokens = list(
-                ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-            )
-        return {
-            "count": len(tokens),
-            "max_model_len": info.max_model_len,
-            "tokens": tokens,
-        }
-
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict:
-        ctx.check_model(body.model)
-        vocab_size = info.vocab_size
-        if any(not 0 <= t < vocab_size for t in body.tokens):
-            raise InvalidRequestError(f"token ids must be in [0, {vocab_size})")
-        return {"prompt": ctx.tokenizer.decode(body.tokens)}
-
     @app.get("/debug/kv_cache")
     async def kv_cache() -> JSONResponse:
         """Pool occupancy and its integrity check, computed between two engine steps."""
-        return JSONResponse(dataclasses.asdict(await engine.debug_kv_cache()))
-
-    return app
+        return JSONResponse(dataclasses.asdict(await ctx.engine.debug_kv_cache()))

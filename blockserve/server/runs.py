@@ -1,0 +1,184 @@
+"""One HTTP request's engine requests, driven as one: submitted together, merged into one
+stream of outputs, aborted together when the client leaves, and rendered as SSE.
+
+`Run` fans a request's prompts out to the engine client and back in; `final_outputs` drives it
+to the end for a JSON answer (watching for a disconnect); `stream_response` turns it into an
+event stream whose closing aborts what still runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from blockserve.engine.client import EngineClient
+from blockserve.engine.outputs import CompletionOutput, RequestOutput
+from blockserve.engine.request import Prompt, RequestSpec
+from blockserve.errors import ModelNotFoundError, RequestFailedError
+from blockserve.sampling_params import SamplingParams
+from blockserve.server.metrics import RequestTimer, ServerMetrics
+from blockserve.server.responses import ChoiceTracker, sse, usage
+
+DISCONNECT_POLL_S = 0.1
+
+
+@dataclass(frozen=True)
+class ServingContext:
+    engine: EngineClient
+    model_name: str
+    tokenizer: Any  # the event loop's copy: never shared with the engine thread
+    metrics: ServerMetrics
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ModelNotFoundError(f"The model `{model}` does not exist.")
+
+
+class Run:
+    """One HTTP request's engine requests, merged into one stream of (prompt index, output)."""
+
+    def __init__(self, ctx: ServingContext, request_id: str, prompts: list[Prompt]) -> None:
+        self.ctx = ctx
+        self.request_id = request_id
+        self.prompts = prompts
+        self.streams: list[AsyncIterator[RequestOutput]] = []
+        self.first: list[RequestOutput] = []
+        self.timers = [RequestTimer(ctx.metrics, time.monotonic()) for _ in prompts]
+
+    async def start(self, params: SamplingParams, priority: int, salt: str | None) -> None:
+        """Submit every prompt and wait for its first output: refusals raise here."""
+        self.streams = [
+            self.ctx.engine.generate(
+                RequestSpec(f"{self.request_id}-{i}", prompt, params, priority, salt)
+            )
+            for i, prompt in enumerate(self.prompts)
+        ]
+        # All prompts are submitted together (so they share steps), then their first outputs.
+        firsts = await asyncio.gather(
+            *(anext(stream) for stream in self.streams),
+            return_exceptions=True,
+        )
+        errors = [f for f in firsts if isinstance(f, BaseException)]
+        if errors:
+            await self.close()
+            raise errors[0]
+        self.first = list(firsts)  # type: ignore[arg-type]
+
+    def _observe(self, index: int, output: RequestOutput) -> None:
+        timer = self.timers[index]
+        timer.on_output(sum(len(c.token_ids) for c in output.outputs))
+        if output.finished:
+            timer.on_finish([c.finish_reason or "abort" for c in output.outputs])
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
+
+        async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
+            try:
+                async for output in stream:
+                    await queue.put((index, output))
+            except BaseException as exc:  # forwarded to the consumer below
+                await queue.put(exc)
+            finally:
+                await queue.put(None)
+
+        for index, output in enumerate(self.first):
+            self._observe(index, output)
+            yield index, output
+        pending = [i for i, output in enumerate(self.first) if not output.finished]
+        tasks = [asyncio.create_task(pump(i, self.streams[i])) for i in pending]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    self._observe(*item)
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def close(self) -> None:
+        for stream in self.streams:
+            await stream.aclose()  # type: ignore[attr-defined]
+
+
+async def final_outputs(run: Run, request: Request) -> list[RequestOutput]:
+    """Drive the run to completion; abort everything if the client goes away."""
+    finals: dict[int, RequestOutput] = {}
+
+    async def consume() -> None:
+        async for index, output in run.outputs():
+            finals[index] = output
+
+    task = asyncio.create_task(consume())
+    try:
+        while not task.done():
+            await asyncio.wait([task], timeout=DISCONNECT_POLL_S)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+                break
+        await task
+    finally:
+        if not task.done():
+            task.cancel()
+        await run.close()
+    outputs = [finals[i] for i in range(len(run.prompts))]
+    errors = [o.error for o in outputs if o.error]
+    if errors:
+        raise RequestFailedError(errors[0])
+    return outputs
+
+
+def stream_response(
+    run: Run,
+    n: int,
+    make_chunk: Callable[[int, CompletionOutput, tuple[str, int, int, bool]], dict[str, Any]],
+    usage_base: Callable[[list[dict[str, Any]]], dict[str, Any]] | None,
+    first_chunks: Callable[[int], list[dict[str, Any]]] | None = None,
+    every_token: bool = False,
+) -> StreamingResponse:
+    async def events() -> AsyncIterator[str]:
+        tracker = ChoiceTracker(every_token)
+        finals: dict[int, RequestOutput] = {}
+        try:
+            async for prompt_index, output in run.outputs():
+                finals[prompt_index] = output
+                if output.error:
+                    yield sse(
+                        {
+                            "error": {
+                                "message": output.error,
+                                "type": "InternalServerError",
+                                "param": None,
+                                "code": 500,
+                            }
+                        }
+                    )
+                    break
+                for choice in output.outputs:
+                    index = prompt_index * n + choice.index
+                    if first_chunks is not None and tracker.take_role(index):
+                        for extra in first_chunks(index):
+                            yield sse(extra)
+                    delta = tracker.delta(index, choice)
+                    if delta is not None:
+                        yield sse(make_chunk(index, choice, delta))
+            if usage_base is not None and len(finals) == len(run.prompts):
+                yield sse({**usage_base([]), "usage": usage([finals[i] for i in sorted(finals)])})
+            yield sse("[DONE]")
+        finally:
+            await run.close()  # a closed stream (client gone) aborts what is still running
+
+    return StreamingResponse(events(), media_type="text/event-stream")

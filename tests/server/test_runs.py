@@ -1,0 +1,125 @@
+"""A Run over a scripted engine client: prompts submitted together, outputs merged by prompt,
+a refusal closes every stream, a failed request is a 500, a stream ends with [DONE]."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+import pytest
+
+from blockserve.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
+from blockserve.engine.request import RequestSpec
+from blockserve.errors import InvalidRequestError, RequestFailedError
+from blockserve.sampling_params import SamplingParams
+from blockserve.server.metrics import ServerMetrics
+from blockserve.server.runs import Run, ServingContext, final_outputs, stream_response
+
+
+def snapshot(request_id: str, text: str, finished: bool, error: str | None = None) -> RequestOutput:
+    reason = ("error" if error else "length") if finished else None
+    choice = CompletionOutput(0, text, tuple(range(len(text))), finish_reason=reason)
+    return RequestOutput(
+        request_id, None, (1, 2), 0, (choice,), finished, RequestMetrics(0.0), error=error
+    )
+
+
+class ScriptedClient:
+    """Yields scripted snapshots per prompt (by its first token id); records specs and the
+    streams closed before they finished."""
+
+    def __init__(self, scripts: dict[int, list[str] | Exception], error: str | None = None) -> None:
+        self.scripts = scripts
+        self.error = error
+        self.specs: list[RequestSpec] = []
+        self.closed_early: list[str] = []
+
+    async def generate(self, spec: RequestSpec) -> AsyncIterator[RequestOutput]:
+        self.specs.append(spec)
+        script = self.scripts[spec.prompt[0]]  # type: ignore[index]
+        if isinstance(script, Exception):
+            raise script
+        finished = False
+        try:
+            for i, text in enumerate(script):
+                finished = i == len(script) - 1
+                error = self.error if finished else None
+                await asyncio.sleep(0)
+                yield snapshot(spec.request_id, text, finished, error)
+        finally:
+            if not finished:
+                self.closed_early.append(spec.request_id)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(0, 0, 0.0, 0, 0, 0, 0, 0)
+
+
+class StaysConnected:
+    async def is_disconnected(self) -> bool:
+        return False
+
+
+def make_run(client: ScriptedClient, prompts: list[tuple[int, ...]]) -> Run:
+    metrics = ServerMetrics(client, "m")  # type: ignore[arg-type]
+    ctx = ServingContext(client, "m", None, metrics)  # type: ignore[arg-type]
+    return Run(ctx, "cmpl-1", prompts)  # type: ignore[arg-type]
+
+
+def test_every_prompt_runs_and_finals_come_in_prompt_order() -> None:
+    """Two prompts get ids cmpl-1-0 and cmpl-1-1; the final snapshots come back in order."""
+    client = ScriptedClient({1: ["a", "ab", "abc"], 2: ["x", "xy"]})
+    run = make_run(client, [(1,), (2,)])
+
+    async def main() -> list[RequestOutput]:
+        await run.start(SamplingParams(), 0, None)
+        return await final_outputs(run, StaysConnected())  # type: ignore[arg-type]
+
+    finals = asyncio.run(main())
+    assert [s.request_id for s in client.specs] == ["cmpl-1-0", "cmpl-1-1"]
+    assert [f.outputs[0].text for f in finals] == ["abc", "xy"]
+    assert client.closed_early == []
+
+
+def test_a_refused_prompt_refuses_the_batch_and_closes_the_others() -> None:
+    """When one prompt is refused the error is raised and the accepted one is aborted."""
+    client = ScriptedClient({1: ["a", "ab"], 2: InvalidRequestError("bad prompt", "prompt")})
+    run = make_run(client, [(1,), (2,)])
+    with pytest.raises(InvalidRequestError, match="bad prompt"):
+        asyncio.run(run.start(SamplingParams(), 0, None))
+    assert client.closed_early == ["cmpl-1-0"]
+
+
+def test_a_request_that_failed_in_the_engine_is_a_request_failed_error() -> None:
+    """A final snapshot carrying an error becomes RequestFailedError (HTTP 500)."""
+    client = ScriptedClient({1: ["a", "ab"]}, error="RuntimeError: boom")
+    run = make_run(client, [(1,)])
+
+    async def main() -> None:
+        await run.start(SamplingParams(), 0, None)
+        await final_outputs(run, StaysConnected())  # type: ignore[arg-type]
+
+    with pytest.raises(RequestFailedError, match="RuntimeError: boom"):
+        asyncio.run(main())
+
+
+def test_a_stream_sends_each_delta_then_done() -> None:
+    """The SSE body carries one chunk per new text and ends with [DONE]."""
+    client = ScriptedClient({1: ["a", "ab", "abc"]})
+    run = make_run(client, [(1,)])
+
+    def chunk(index: int, choice: CompletionOutput, delta: tuple[str, int, int, bool]) -> dict:
+        return {"index": index, "text": delta[0], "done": delta[3]}
+
+    async def main() -> list[str]:
+        await run.start(SamplingParams(), 0, None)
+        response = stream_response(run, 1, chunk, None)
+        return [part async for part in response.body_iterator]  # type: ignore[misc]
+
+    parts = asyncio.run(main())
+    assert [json.loads(p[6:]) for p in parts[:-1]] == [
+        {"index": 0, "text": "a", "done": False},
+        {"index": 0, "text": "b", "done": False},
+        {"index": 0, "text": "c", "done": True},
+    ]
+    assert parts[-1] == "data: [DONE]\n\n"
