@@ -34,8 +34,8 @@ echo "== tests (tests/gpu; the triton tests, on the device now; the sm_90 compil
 # test_selector is left out: it starts `blockserve serve`, whose web packages such a machine
 # lacks, and it tests nothing device-specific.
 "$PY" -m pytest -q -p no:cacheprovider tests/gpu tests/attention/test_triton_backend.py \
-    tests/attention/test_torch_backend.py tests/attention/test_csrc.py \
-    tests/attention/test_triton_compile.py 2>&1 | tee "$OUT/gpu_tests.txt" || true
+    tests/attention/test_torch_backend.py tests/attention/test_shared_prefix.py \
+    tests/attention/test_csrc.py tests/attention/test_triton_kernels.py 2>&1 | tee "$OUT/gpu_tests.txt" || true
 
 echo "== compute-sanitizer memcheck: the kernels against the torch backend, bf16 (at most 120 s)"
 # Without torch's caching allocator every tensor is its own allocation, so an out-of-bounds

@@ -9,7 +9,6 @@ Imports no torch: the CLI builds its parser from this module.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,10 +111,6 @@ class EngineArgs:
     @classmethod
     def from_cli_args(cls, namespace: argparse.Namespace) -> EngineArgs:
         return from_namespace(cls, namespace)
-
-    @classmethod
-    def field_names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in dataclasses.fields(cls))
 
     def create_configs(self) -> EngineConfig:
         """Validate every field, then build the frozen configs; InvalidConfigError names the

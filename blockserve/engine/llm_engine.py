@@ -8,6 +8,7 @@ Speaks no HTTP.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable
 
@@ -66,14 +67,9 @@ class LLMEngine:
         return outputs + processed.request_outputs
 
     def stats(self) -> EngineStats:
-        core = self.core.stats()
+        """The core's gauges and counters, with the token counts of the output processor."""
         return EngineStats(
-            num_running=core.num_running,
-            num_waiting=core.num_waiting,
-            kv_cache_usage=core.kv_cache_usage,
-            prefix_cache_queries=core.prefix_cache_queries,
-            prefix_cache_hits=core.prefix_cache_hits,
-            num_preemptions=core.num_preemptions,
+            **dataclasses.asdict(self.core.stats()),
             num_prompt_tokens=self.output_processor.num_prompt_tokens,
             num_generation_tokens=self.output_processor.num_generation_tokens,
         )

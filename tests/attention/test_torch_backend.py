@@ -51,33 +51,3 @@ def test_decode_only_batch_with_different_lengths() -> None:
     assert plan.decode.common_block_ids is None
     out = backend.forward(case.query, case.key, case.value, case.kv_cache, plan)
     assert (out.double() - reference_attention(case)).abs().max().item() < 1e-5
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decodes_sharing_prefix_blocks_read_them_once(dtype: torch.dtype) -> None:
-    """Decodes over 4 common blocks use the shared-prefix path and equal dense attention."""
-    specs = [(64, 1), (64, 1), (70, 1), (99, 1), (65, 1)]
-    case = make_case(specs, 6, 2, head_dim=64, dtype=dtype, shared_blocks=4, seed=3)
-    backend = TorchAttentionBackend()
-    plan = backend.prepare(case.metadata)
-    assert plan.decode is not None and plan.decode.common_block_ids is not None
-    assert plan.decode.common_block_ids.tolist() == case.metadata.block_tables[0, :4].tolist()
-    out = backend.forward(case.query, case.key, case.value, case.kv_cache, plan)
-    assert (out.double() - reference_attention(case)).abs().max().item() < TOLERANCE[dtype]
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prefill_chunks_on_a_shared_prefix_read_it_once(dtype: torch.dtype) -> None:
-    """Chunks of 32, 5 and 17 tokens on 3 shared blocks use the shared-prefix path, exactly."""
-    specs = [(48, 32), (50, 5), (70, 17), (0, 20), (60, 1)]
-    case = make_case(specs, 6, 2, head_dim=64, dtype=dtype, shared_blocks=3, seed=9)
-    backend = TorchAttentionBackend()
-    plan = backend.prepare(case.metadata)
-    assert plan.shared_prefix is not None
-    assert (
-        plan.shared_prefix.common_block_ids.tolist() == case.metadata.block_tables[0, :3].tolist()
-    )
-    assert plan.shared_prefix.valid.sum().item() == 32 + 5 + 17
-    assert len(plan.prefills) == 1  # only the fresh prefill goes one by one
-    out = backend.forward(case.query, case.key, case.value, case.kv_cache, plan)
-    assert (out.double() - reference_attention(case)).abs().max().item() < TOLERANCE[dtype]

@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 
 from blockserve import LLM, SamplingParams
-from blockserve.engine.request import RequestSpec, SampleId
 from blockserve.errors import InvalidRequestError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -122,29 +121,6 @@ def test_bad_requests_raise_and_leave_the_engine_clean(tiny_llama_dir: Path) -> 
     assert llm.generate("hi", GREEDY, use_tqdm=False)[0].finished
 
 
-def test_failing_step_fails_only_its_requests(
-    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A request that raises inside the step fails alone; the next request succeeds."""
-    llm = make_llm(tiny_llama_dir)
-    engine = llm.engine
-    real_execute = engine.core.runner.execute
-
-    def execute(output):  # type: ignore[no-untyped-def]
-        if any(s.request_id == SampleId("bad", 0) for s in output.scheduled):
-            raise RuntimeError("injected fault")
-        return real_execute(output)
-
-    monkeypatch.setattr(engine.core.runner, "execute", execute)
-    engine.add_request(RequestSpec("bad", PROMPT_33, GREEDY))
-    (failed,) = engine.step()
-    assert failed.finished and failed.outputs[0].finish_reason == "error"
-    assert failed.error == "RuntimeError: injected fault"
-    assert engine.stats().kv_cache_usage == 0.0
-    good = llm.generate(PROMPT_33, GREEDY, use_tqdm=False)[0]
-    assert good.outputs[0].finish_reason == "length" and len(good.outputs[0].token_ids) == 12
-
-
 def test_chat_applies_the_template(tiny_llama_dir: Path) -> None:
     """chat() renders the chat template and generates from it."""
     llm = make_llm(tiny_llama_dir)
@@ -153,36 +129,6 @@ def test_chat_applies_the_template(tiny_llama_dir: Path) -> None:
     expected = tokenizer.encode("<|user|>hello<eos><|assistant|>", add_special_tokens=False)
     assert list(out.prompt_token_ids) == expected
     assert len(out.outputs[0].token_ids) == 12
-
-
-def test_sample_ids_are_structured_and_cannot_collide(tiny_llama_dir: Path) -> None:
-    """n=2 on id "y" runs samples ("y", 0) and ("y", 1), beside a live request named "1_y"."""
-    llm = make_llm(tiny_llama_dir)
-    engine = llm.engine
-    engine.add_request(RequestSpec("1_y", tuple(PROMPT_33), GREEDY))
-    engine.add_request(RequestSpec("y", tuple(PROMPT_33), SamplingParams(n=2, max_tokens=2)))
-    assert [r.request_id for r in engine.core.scheduler.waiting] == [
-        SampleId("1_y", 0),
-        SampleId("y", 0),
-        SampleId("y", 1),
-    ]
-    finished = {}
-    for _ in range(20):  # 12 tokens at most per request: a bounded loop
-        finished.update({o.request_id: o for o in engine.step() if o.finished})
-        if not engine.has_unfinished_requests():
-            break
-    assert sorted(finished) == ["1_y", "y"]
-    assert [len(c.token_ids) for c in finished["y"].outputs] == [2, 2]
-    assert engine.stats().kv_cache_usage == 0.0
-
-
-def test_duplicate_request_id_is_refused(tiny_llama_dir: Path) -> None:
-    """A live request's id cannot be reused; the refusal leaves the first request alone."""
-    engine = make_llm(tiny_llama_dir).engine
-    engine.add_request(RequestSpec("x", tuple(PROMPT_33), GREEDY))
-    with pytest.raises(InvalidRequestError, match="'x' is already in use"):
-        engine.add_request(RequestSpec("x", "hello", GREEDY))
-    assert [r.request_id for r in engine.core.scheduler.waiting] == [SampleId("x", 0)]
 
 
 def test_context_is_capped_by_the_kv_cache(tiny_llama_dir: Path) -> None:

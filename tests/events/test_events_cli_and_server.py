@@ -11,33 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from blockserve.errors import InvalidConfigError
-from blockserve.events.config import KVEventsConfig
 from tests.server.conftest import TINY_ARGS
 from tests.server.server_process import ServerProcess, free_port
-
-
-def test_config_parsing() -> None:
-    """vLLM's keys parse; unknown keys, bad JSON and bad values are typed errors."""
-    config = KVEventsConfig.from_json(
-        '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
-        '"replay_endpoint": "tcp://*:5558", "topic": "kv-events"}'
-    )
-    assert (config.enabled, config.topic, config.buffer_steps, config.hwm) == (
-        True,
-        "kv-events",
-        10_000,
-        100_000,
-    )
-    assert not KVEventsConfig.from_json('{"enable_kv_cache_events": true}').enabled
-    for text, message in [
-        ("{", "not valid JSON"),
-        ('{"endpont": "x"}', "unknown keys: endpont"),
-        ('{"publisher": "kafka"}', "publisher"),
-        ('{"buffer_steps": 0}', "buffer_steps"),
-    ]:
-        with pytest.raises(InvalidConfigError, match=message):
-            KVEventsConfig.from_json(text)
 
 
 @pytest.mark.slow

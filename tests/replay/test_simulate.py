@@ -1,20 +1,15 @@
-"""Trace replay through the real pool, the bounds, and the `blockserve replay` command."""
+"""Trace replay through the real pool, beside the infinite-cache and Belady bounds."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from collections import OrderedDict
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from blockserve.errors import InvalidRequestError
 from blockserve.replay.simulate import replay_belady, replay_infinite, replay_policy
-from blockserve.replay.trace import TraceRequest, block_layouts, load_trace
+from blockserve.replay.trace import TraceRequest, block_layouts
 
 B = 4  # tokens per trace block in these tiny worlds
 
@@ -142,58 +137,3 @@ def test_belady_bounds_every_policy_and_infinite_bounds_belady(
         result, manager = replay_policy(trace, layouts, capacity, policy, B)
         assert result.hit_blocks <= belady.hit_blocks, policy
         assert manager.integrity_errors() == []
-
-
-def test_load_trace_rejects_malformed_lines(tmp_path: Path) -> None:
-    """A line that is not a trace record names its file and line."""
-    path = tmp_path / "bad.jsonl"
-    path.write_text(
-        '{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1, 2]}\n'
-        '{"timestamp": 0}\n'
-    )
-    with pytest.raises(InvalidRequestError, match=r"bad\.jsonl:2"):
-        load_trace(path)
-
-
-def test_replay_command_writes_table_json_and_plot(tmp_path: Path) -> None:
-    """`blockserve replay` prints the table and writes replay.json and replay.png."""
-    path = tmp_path / "trace.jsonl"
-    path.write_text(
-        "".join(
-            json.dumps(
-                {
-                    "timestamp": 0,
-                    "input_length": r.input_length,
-                    "output_length": 0,
-                    "hash_ids": list(r.hash_ids),
-                }
-            )
-            + "\n"
-            for r in HAND_TRACE
-        )
-    )
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "blockserve.cli",
-            "replay",
-            str(path),
-            "--trace-block-size",
-            "4",
-            "--capacities",
-            "4,8",
-            "--out-dir",
-            str(tmp_path / "out"),
-            "--no-progress",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    assert "lru hit%" in out and "belady hit%" in out
-    report = json.loads((tmp_path / "out" / "replay.json").read_text())
-    rows = {(r["policy"], r["capacity_blocks"]): r for r in report["results"]}
-    assert rows[("lru", 4)]["hit_blocks"] == 2 and rows[("belady", 4)]["hit_blocks"] == 4
-    assert len(report["results"]) == 2 * 6
-    assert (tmp_path / "out" / "replay.png").read_bytes()[:4] == b"\x89PNG"

@@ -1,0 +1,64 @@
+"""Shared-prefix attention: decodes and prefill chunks over common cached blocks read them
+once (cascade), and equal dense attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from blockserve.attention.shared_prefix import merge, num_common_blocks
+from blockserve.attention.torch_backend import TorchAttentionBackend
+from tests.attention.cases import make_case, reference_attention
+from tests.attention.test_torch_backend import TOLERANCE
+
+
+def test_common_blocks_are_the_equal_leading_columns_within_the_cap() -> None:
+    """Rows agree on blocks 0-1, differ at 2; the token cap can shorten that further."""
+    tables = torch.tensor([[4, 5, 6, 7], [4, 5, 9, 7], [4, 5, 6, 1]])
+    assert num_common_blocks(tables, 64, 16) == 2
+    assert num_common_blocks(tables, 31, 16) == 1
+    assert num_common_blocks(tables[:1], 64, 16) == 0  # one row shares with nobody
+
+
+def test_merging_two_partial_softmaxes_equals_one_softmax() -> None:
+    """Attention over keys A then B, merged by log-sum-exp, equals attention over A and B."""
+    generator = torch.Generator().manual_seed(0)
+    scores = torch.randn(3, 10, generator=generator, dtype=torch.float64)
+    values = torch.randn(10, 4, generator=generator, dtype=torch.float64)
+
+    def attend(columns: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        part = scores[:, columns]
+        return torch.softmax(part, -1) @ values[columns], torch.logsumexp(part, -1)
+
+    merged = merge(*attend(slice(0, 6)), *attend(slice(6, 10)))
+    assert torch.allclose(merged, torch.softmax(scores, -1) @ values, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decodes_sharing_prefix_blocks_read_them_once(dtype: torch.dtype) -> None:
+    """Decodes over 4 common blocks use the shared-prefix path and equal dense attention."""
+    specs = [(64, 1), (64, 1), (70, 1), (99, 1), (65, 1)]
+    case = make_case(specs, 6, 2, head_dim=64, dtype=dtype, shared_blocks=4, seed=3)
+    backend = TorchAttentionBackend()
+    plan = backend.prepare(case.metadata)
+    assert plan.decode is not None and plan.decode.common_block_ids is not None
+    assert plan.decode.common_block_ids.tolist() == case.metadata.block_tables[0, :4].tolist()
+    out = backend.forward(case.query, case.key, case.value, case.kv_cache, plan)
+    assert (out.double() - reference_attention(case)).abs().max().item() < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_chunks_on_a_shared_prefix_read_it_once(dtype: torch.dtype) -> None:
+    """Chunks of 32, 5 and 17 tokens on 3 shared blocks use the shared-prefix path, exactly."""
+    specs = [(48, 32), (50, 5), (70, 17), (0, 20), (60, 1)]
+    case = make_case(specs, 6, 2, head_dim=64, dtype=dtype, shared_blocks=3, seed=9)
+    backend = TorchAttentionBackend()
+    plan = backend.prepare(case.metadata)
+    assert plan.shared_prefix is not None
+    assert (
+        plan.shared_prefix.common_block_ids.tolist() == case.metadata.block_tables[0, :3].tolist()
+    )
+    assert plan.shared_prefix.valid.sum().item() == 32 + 5 + 17
+    assert len(plan.prefills) == 1  # only the fresh prefill goes one by one
+    out = backend.forward(case.query, case.key, case.value, case.kv_cache, plan)
+    assert (out.double() - reference_attention(case)).abs().max().item() < TOLERANCE[dtype]

@@ -1,0 +1,85 @@
+"""The engine core on a tiny model: token ids in, token ids out, as plain picklable data."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import pytest
+
+from blockserve.engine.args import EngineArgs
+from blockserve.engine.core import EngineCore, EngineCoreOutputs
+from blockserve.engine.request import EngineCoreRequest, SampleId
+from blockserve.sampling_params import SamplingParams
+from blockserve.sched.request import RequestStatus
+
+PROMPT_33 = tuple(range(10, 43))
+TWO_TOKENS = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def core(tiny_llama_dir: Path) -> EngineCore:
+    args = EngineArgs(model=str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=32)
+    return EngineCore(args.create_configs())
+
+
+def run_to_end(core: EngineCore) -> list[EngineCoreOutputs]:
+    steps = []
+    for _ in range(10):  # two tokens per request: a few steps at most
+        steps.append(core.step())
+        if not core.has_unfinished_requests():
+            return steps
+    raise AssertionError("the core did not finish in 10 steps")
+
+
+def test_token_ids_in_token_ids_out_with_hits(core: EngineCore) -> None:
+    """A 33-token prompt is admitted with 0 cached tokens and yields 2 tokens; the same prompt
+    again is admitted with 32 cached and yields the same tokens."""
+    outputs = []
+    for name in ("a", "b"):
+        core.add_request(EngineCoreRequest(SampleId(name, 0), PROMPT_33, TWO_TOKENS))
+        outputs.append(run_to_end(core))
+    (first_a, second_a), (first_b, second_b) = outputs
+    assert (first_a.started, first_b.started) == (
+        ((SampleId("a", 0), 0),),
+        ((SampleId("b", 0), 32),),
+    )
+    tokens_a = [u.new_token_ids[0] for u in (*first_a.updates, *second_a.updates)]
+    tokens_b = [u.new_token_ids[0] for u in (*first_b.updates, *second_b.updates)]
+    assert tokens_a == tokens_b and len(tokens_a) == 2
+    assert second_b.updates[0].status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert core.kv_cache_report().integrity_errors == ()
+
+
+def test_outputs_survive_pickling(core: EngineCore) -> None:
+    """What a step returns is plain data: it could cross a process boundary unchanged."""
+    core.add_request(EngineCoreRequest(SampleId("p", 1), PROMPT_33, TWO_TOKENS))
+    for outputs in run_to_end(core):
+        assert pickle.loads(pickle.dumps(outputs)) == outputs
+
+
+def test_abort_frees_every_block(core: EngineCore) -> None:
+    """An aborted sample holds no block afterwards; its blocks stay cached."""
+    long = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+    core.add_request(EngineCoreRequest(SampleId("x", 0), tuple(range(100, 140)), long))
+    core.step()
+    assert core.kv_cache_report().num_requests_holding_blocks == 1
+    core.abort_requests([SampleId("x", 0)])
+    report = core.kv_cache_report()
+    assert (report.num_requests_holding_blocks, report.usage) == (0, 0.0)
+    assert report.num_cached_hashes >= 2 and not core.has_unfinished_requests()
+
+
+def test_a_failing_model_step_fails_its_samples_only(
+    core: EngineCore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The step's samples come back in `errors` and are freed; the core serves the next one."""
+    real_execute = core.runner.execute
+    monkeypatch.setattr(core.runner, "execute", lambda output: 1 / 0)
+    core.add_request(EngineCoreRequest(SampleId("bad", 0), PROMPT_33, TWO_TOKENS))
+    failed = core.step()
+    assert dict(failed.errors) == {SampleId("bad", 0): "ZeroDivisionError: division by zero"}
+    assert failed.updates == () and core.kv_cache_report().usage == 0.0
+    monkeypatch.setattr(core.runner, "execute", real_execute)
+    core.add_request(EngineCoreRequest(SampleId("good", 0), PROMPT_33, TWO_TOKENS))
+    assert run_to_end(core)[-1].updates[0].status == RequestStatus.FINISHED_LENGTH_CAPPED

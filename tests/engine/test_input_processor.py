@@ -1,0 +1,88 @@
+"""The input processor: every request rule in one place, one typed error per bad field."""
+
+from __future__ import annotations
+
+import pytest
+
+from blockserve.engine.input_processor import InputProcessor
+from blockserve.engine.request import RequestSpec, ValidatedRequest
+from blockserve.errors import InvalidRequestError
+from blockserve.sampling_params import SamplingParams
+
+
+class CharTokenizer:
+    """One token per character: its code point."""
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+
+def make_processor(policy: str = "fcfs") -> InputProcessor:
+    return InputProcessor(
+        CharTokenizer(), vocab_size=1000, max_model_len=16, scheduling_policy=policy
+    )
+
+
+def test_a_good_spec_is_tokenized() -> None:
+    """Text is encoded, token ids pass through; the spec rides along unchanged."""
+    spec = RequestSpec("a", "hi!")
+    assert make_processor().process(spec, set()) == ValidatedRequest(spec, (104, 105, 33))
+    ids = RequestSpec("b", [5, 6, 7])  # type: ignore[arg-type]
+    assert make_processor().process(ids, set()).prompt_token_ids == (5, 6, 7)
+
+
+@pytest.mark.parametrize(
+    ("spec", "param", "message"),
+    [
+        (RequestSpec("live", "hi"), "request_id", "request id 'live' is already in use"),
+        (
+            RequestSpec("a", "hi", cache_salt=""),
+            "cache_salt",
+            "cache_salt must be a non-empty string",
+        ),
+        (
+            RequestSpec("a", "hi", lora_name="sql"),
+            "lora_name",
+            "LoRA adapters are not supported yet",
+        ),
+        (
+            RequestSpec("a", "hi", SamplingParams(prompt_logprobs=1)),
+            "prompt_logprobs",
+            "prompt_logprobs are not supported yet",
+        ),
+        (
+            RequestSpec("a", "hi", priority=1),
+            "priority",
+            "priority is only supported with the priority scheduling policy",
+        ),
+        (RequestSpec("a", ""), "prompt", "the prompt is empty"),
+        (RequestSpec("a", ()), "prompt", "the prompt is empty"),
+        (
+            RequestSpec("a", (1, 1000)),
+            "prompt",
+            "token id 1000 is out of range for a vocabulary of 1000",
+        ),
+        (
+            RequestSpec("a", "x" * 16),
+            "prompt",
+            "the prompt has 16 tokens, but the context is 16 tokens and one must be left to "
+            "generate",
+        ),
+    ],
+)
+def test_each_bad_field_gets_one_error(spec: RequestSpec, param: str, message: str) -> None:
+    """A spec bad in one field raises InvalidRequestError naming that field, with the reason."""
+    with pytest.raises(InvalidRequestError) as refused:
+        make_processor().process(spec, {"live"})
+    assert (refused.value.param, str(refused.value)) == (param, message)
+
+
+def test_priority_is_allowed_under_the_priority_policy() -> None:
+    """A non-zero priority passes when the engine schedules by priority."""
+    spec = RequestSpec("a", "hi", priority=-3)
+    assert make_processor("priority").process(spec, set()).spec.priority == -3
+
+
+def test_fifteen_tokens_fit_a_sixteen_token_context() -> None:
+    """The longest prompt that fits leaves exactly one token to generate."""
+    assert len(make_processor().process(RequestSpec("a", "x" * 15), set()).prompt_token_ids) == 15

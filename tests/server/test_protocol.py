@@ -1,0 +1,80 @@
+"""Request models: OpenAI's fields and vLLM's extras map onto SamplingParams exactly."""
+
+from __future__ import annotations
+
+import pydantic
+import pytest
+
+from blockserve.errors import InvalidRequestError
+from blockserve.sampling_params import SamplingParams
+from blockserve.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    TokenizeRequest,
+)
+
+
+def test_completion_fields_become_sampling_params() -> None:
+    """Unset OpenAI fields take vLLM's defaults; the extras pass through."""
+    body = CompletionRequest(
+        prompt="hi", stop="END", top_k=5, min_p=0.1, seed=3, ignore_eos=True, stop_token_ids=[9]
+    )
+    assert body.sampling_params(body.max_tokens, body.logprobs) == SamplingParams(
+        max_tokens=16,
+        stop=("END",),
+        top_k=5,
+        min_p=0.1,
+        seed=3,
+        ignore_eos=True,
+        stop_token_ids=(9,),
+    )
+
+
+def test_prompts_take_every_openai_shape() -> None:
+    """Text, token ids, and lists of either; token ids arrive as tuples."""
+    assert CompletionRequest(prompt="a").prompts() == ["a"]
+    assert CompletionRequest(prompt=[1, 2]).prompts() == [(1, 2)]
+    assert CompletionRequest(prompt=["a", "b"]).prompts() == ["a", "b"]
+    assert CompletionRequest(prompt=[[1], [2, 3]]).prompts() == [(1,), (2, 3)]
+
+
+def test_stream_options_need_stream() -> None:
+    """stream_options without stream is a validation error (a 400 at the server)."""
+    with pytest.raises(pydantic.ValidationError, match="stream_options"):
+        CompletionRequest(prompt="a", stream_options={"include_usage": True})  # type: ignore[arg-type]
+
+
+def test_chat_token_limits_and_logprobs() -> None:
+    """max_completion_tokens wins over max_tokens; top_logprobs needs logprobs."""
+    chat = ChatCompletionRequest(
+        messages=[ChatMessage(role="user", content="x")], max_tokens=5, max_completion_tokens=7
+    )
+    assert (chat.effective_max_tokens(), chat.num_logprobs()) == (7, None)
+    with_logprobs = ChatCompletionRequest(
+        messages=[ChatMessage(role="user", content="x")], logprobs=True, top_logprobs=2
+    )
+    assert with_logprobs.num_logprobs() == 2
+    refused = ChatCompletionRequest(
+        messages=[ChatMessage(role="user", content="x")], top_logprobs=2
+    )
+    with pytest.raises(InvalidRequestError, match="top_logprobs requires logprobs"):
+        refused.num_logprobs()
+
+
+def test_message_text_joins_text_parts_and_refuses_others() -> None:
+    """Text parts are joined; an image part is refused with its type named."""
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    assert ChatMessage(role="user", content=parts).text() == "ab"
+    assert ChatMessage(role="assistant", content=None).text() == ""
+    image = ChatMessage(role="user", content=[{"type": "image_url", "image_url": {}}])
+    with pytest.raises(InvalidRequestError, match="'image_url' is not supported"):
+        image.text()
+
+
+def test_tokenize_takes_exactly_one_input() -> None:
+    """Either a prompt or messages, never both, never neither."""
+    assert TokenizeRequest(prompt="x").prompt == "x"
+    for fields in ({}, {"prompt": "x", "messages": [{"role": "user", "content": "y"}]}):
+        with pytest.raises(pydantic.ValidationError, match="exactly one"):
+            TokenizeRequest(**fields)  # type: ignore[arg-type]

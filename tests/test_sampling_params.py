@@ -1,0 +1,44 @@
+"""SamplingParams: vLLM's defaults, normalised stops, and one typed error per bad field."""
+
+from __future__ import annotations
+
+import pytest
+
+from blockserve.errors import InvalidRequestError
+from blockserve.sampling_params import SamplingParams
+
+
+def test_defaults_and_normalised_stops() -> None:
+    """n=1, temperature 1, 16 tokens; a single stop string becomes a tuple."""
+    params = SamplingParams(stop="END", stop_token_ids=[7])  # type: ignore[arg-type]
+    assert (params.n, params.temperature, params.max_tokens) == (1, 1.0, 16)
+    assert (params.stop, params.stop_token_ids) == (("END",), (7,))
+    assert not params.is_greedy and not params.uses_penalties
+    assert SamplingParams(temperature=0).is_greedy
+    assert SamplingParams(presence_penalty=0.5).uses_penalties
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"n": 0}, "n must be at least 1, got 0"),
+        ({"temperature": -0.1}, "temperature must be non-negative, got -0.1"),
+        ({"top_p": 0.0}, "top_p must be in (0, 1], got 0.0"),
+        ({"top_k": -2}, "top_k must be -1 (disable), 0 (disable) or positive, got -2"),
+        ({"min_p": 1.5}, "min_p must be in [0, 1], got 1.5"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty must be positive, got 0.0"),
+        ({"presence_penalty": 3.0}, "presence_penalty must be in [-2, 2], got 3.0"),
+        ({"frequency_penalty": -3.0}, "frequency_penalty must be in [-2, 2], got -3.0"),
+        ({"max_tokens": 0}, "max_tokens must be at least 1, got 0"),
+        ({"min_tokens": -1}, "min_tokens must be non-negative, got -1"),
+        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens (5) must not exceed max_tokens (4)"),
+        ({"logprobs": 21}, "logprobs must be in [0, 20], got 21"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs must be in [0, 20], got -1"),
+        ({"stop": ["ok", ""]}, "stop strings must be non-empty"),
+    ],
+)
+def test_each_bad_value_is_a_request_error(kwargs: dict[str, object], message: str) -> None:
+    """Out-of-range values raise InvalidRequestError with the exact reason."""
+    with pytest.raises(InvalidRequestError) as refused:
+        SamplingParams(**kwargs)  # type: ignore[arg-type]
+    assert str(refused.value) == message
