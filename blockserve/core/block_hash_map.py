@@ -1,6 +1,7 @@
-"""The prefix-cache index: block hash → the physical block(s) holding that content.
+"""`BlockHashToBlockMap`, the prefix cache's index.
 
-Owns only the mapping; the block pool decides when entries come and go (and emits events).
+Owns only the mapping from hash to block(s); the block pool decides when entries come and go
+and emits the events. Must not touch reference counts or the free queue.
 """
 
 from __future__ import annotations

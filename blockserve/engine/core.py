@@ -19,7 +19,7 @@ from blockserve.config import EngineConfig
 from blockserve.core.events import KVEventRecorder
 from blockserve.core.hashing import BlockHasher, BlockKeyInputs, RequestBlockHasher
 from blockserve.core.kv_cache_manager import KVCacheManager, RequestId
-from blockserve.engine.outputs import KVCacheReport
+from blockserve.engine.outputs import CoreStats, KVCacheReport
 from blockserve.engine.request import EngineCoreRequest, SampleId
 from blockserve.errors import InvalidConfigError
 from blockserve.events.publisher import create_event_publisher
@@ -53,16 +53,6 @@ class CoreInfo:
     vocab_size: int
     num_blocks: int
     block_size: int
-
-
-@dataclass(frozen=True, slots=True)
-class CoreStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
 
 
 class EngineCore:

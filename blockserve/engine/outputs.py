@@ -57,8 +57,8 @@ class RequestOutput:
 
 
 @dataclass(frozen=True, slots=True)
-class EngineStats:
-    """A snapshot of the engine's counters and gauges, taken between two steps."""
+class CoreStats:
+    """The engine core's gauges and counters, taken between two steps."""
 
     num_running: int
     num_waiting: int
@@ -66,6 +66,13 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats(CoreStats):
+    """The core's stats and the output processor's token counts: what metrics and the stats
+    log line read."""
+
     num_prompt_tokens: int
     num_generation_tokens: int
 
