@@ -43,8 +43,12 @@ class _Call:
     result: concurrent.futures.Future[Any]
 
 
-_STOP = object()
-_Command = ValidatedRequest | _Abort | _Call | object
+@dataclass(frozen=True)
+class _Stop:
+    pass
+
+
+_Command = ValidatedRequest | _Abort | _Call | _Stop
 
 
 class AsyncEngine:
@@ -125,7 +129,7 @@ class AsyncEngine:
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine thread (in-flight requests are aborted) and release resources."""
         self._stopping.set()
-        self._commands.put(_STOP)
+        self._commands.put(_Stop())
         if self._thread is not None:
             self._thread.join(timeout)
         self.engine.shutdown()
@@ -166,7 +170,7 @@ class AsyncEngine:
         except queue.Empty:
             return
         while True:
-            if command is _STOP:
+            if isinstance(command, _Stop):
                 self._stopping.set()
                 return
             self._apply(command)
