@@ -9,7 +9,7 @@ Also times the scheduler (schedule + update_from_output) and the rest of the eng
 bookkeeping against the model runner, to show what the control plane costs per step.
 
     .venv/bin/python benchmarks/bench_offline.py [--workload shared-prefix random]
-        [--caching on off] [--requests 64] [--out FILE]
+        [--caching on off] [--requests 64] [--dtype auto|float32] [--out FILE]
 """
 
 from __future__ import annotations
@@ -71,8 +71,8 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
 
 
-def run(workload: str, caching: bool, num_requests: int) -> dict:
-    llm = LLM(enable_prefix_caching=caching, max_num_seqs=num_requests)
+def run(workload: str, caching: bool, num_requests: int, dtype: str) -> dict:
+    llm = LLM(enable_prefix_caching=caching, max_num_seqs=num_requests, dtype=dtype)
     engine = llm.engine
     prompts = make_prompts(workload, num_requests, engine.core.info.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_LEN, ignore_eos=True)
@@ -110,6 +110,7 @@ def run(workload: str, caching: bool, num_requests: int) -> dict:
         "runner_ms_per_step": round(execute.total / steps.calls * 1e3, 2),
         "scheduler_share_of_runner": round(scheduler_s / execute.total, 4),
         "engine_overhead_share_of_step": round((steps.total - execute.total) / steps.total, 4),
+        "engine_overhead_ms_per_step": round((steps.total - execute.total) / steps.calls * 1e3, 3),
     }
 
 
@@ -118,16 +119,18 @@ def main() -> None:
     parser.add_argument("--workload", nargs="+", default=["shared-prefix", "random"])
     parser.add_argument("--caching", nargs="+", default=["on", "off"])
     parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--dtype", default="auto", help="auto (bf16) or float32 (AVX2 hosts)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     runs = [
-        run(workload, caching == "on", args.requests)
+        run(workload, caching == "on", args.requests, args.dtype)
         for workload in args.workload
         for caching in args.caching
     ]
     results = {
         "benchmark": "offline",
         "model": "SmolLM2-135M-Instruct",
+        "dtype": args.dtype,
         "machine": platform.machine(),
         "runs": runs,
     }

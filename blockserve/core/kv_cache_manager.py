@@ -76,6 +76,10 @@ class PrefixCacheStats:
     preempted_queries: int = 0
     preempted_hits: int = 0
 
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
 
 class KVCacheManager:
     """Allocates KV blocks to requests and finds their cached prefixes.

@@ -48,7 +48,10 @@ BAD: dict[str, list[tuple[object, list[str] | None]]] = {
     "max_num_batched_tokens": [(-1, ["--max-num-batched-tokens", "-1"])],
     "max_model_len": [(0, ["--max-model-len", "0"])],
     "kv_cache_memory_bytes": [(0, ["--kv-cache-memory-bytes", "0"])],
-    "num_gpu_blocks_override": [(1, ["--num-gpu-blocks-override", "1"])],
+    "num_gpu_blocks_override": [
+        (1, ["--num-gpu-blocks-override", "1"]),
+        (-3, ["--num-gpu-blocks-override", "-3"]),
+    ],
     "dtype": [("float16", ["--dtype", "float16"])],
     "attention_backend": [("flash", ["--attention-backend", "flash"])],
     "device": [("tpu", ["--device", "tpu"])],
