@@ -6,11 +6,22 @@ Torch-free: the scheduler reads the stop conditions, the sampler reads the rest.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from blockserve.errors import InvalidRequestError
 
 _MAX_LOGPROBS = 20
+# What torch.Generator.manual_seed takes: the seeds of all `n` samples (seed + index) must fit.
+_MIN_SEED, _MAX_SEED = -(2**63), 2**64 - 1
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +68,14 @@ class SamplingParams:
 
         if self.n < 1:
             fail(f"n must be at least 1, got {self.n}")
+        for name in _FLOAT_FIELDS:  # NaN passes every comparison below: refuse it first
+            if not math.isfinite(getattr(self, name)):
+                fail(f"{name} must be a finite number, got {getattr(self, name)}")
+        if self.seed is not None and not _MIN_SEED <= self.seed <= _MAX_SEED - (self.n - 1):
+            fail(
+                f"seed must be in [{_MIN_SEED}, {_MAX_SEED - (self.n - 1)}] for n={self.n} "
+                f"(each sample draws with seed + its index), got {self.seed}"
+            )
         if self.temperature < 0:
             fail(f"temperature must be non-negative, got {self.temperature}")
         if not 0 < self.top_p <= 1:

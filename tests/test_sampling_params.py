@@ -35,6 +35,22 @@ def test_defaults_and_normalised_stops() -> None:
         ({"logprobs": 21}, "logprobs must be in [0, 20], got 21"),
         ({"prompt_logprobs": -1}, "prompt_logprobs must be in [0, 20], got -1"),
         ({"stop": ["ok", ""]}, "stop strings must be non-empty"),
+        ({"temperature": float("nan")}, "temperature must be a finite number, got nan"),
+        ({"temperature": float("inf")}, "temperature must be a finite number, got inf"),
+        (
+            {"repetition_penalty": float("nan")},
+            "repetition_penalty must be a finite number, got nan",
+        ),
+        (
+            {"seed": 2**64},
+            f"seed must be in [{-(2**63)}, {2**64 - 1}] for n=1 (each sample draws with seed + "
+            f"its index), got {2**64}",
+        ),
+        (
+            {"seed": 2**64 - 1, "n": 2},
+            f"seed must be in [{-(2**63)}, {2**64 - 2}] for n=2 (each sample draws with seed + "
+            f"its index), got {2**64 - 1}",
+        ),
     ],
 )
 def test_each_bad_value_is_a_request_error(kwargs: dict[str, object], message: str) -> None:
@@ -42,3 +58,17 @@ def test_each_bad_value_is_a_request_error(kwargs: dict[str, object], message: s
     with pytest.raises(InvalidRequestError) as refused:
         SamplingParams(**kwargs)  # type: ignore[arg-type]
     assert str(refused.value) == message
+
+
+def test_every_accepted_seed_is_one_the_generator_takes() -> None:
+    """At both ends of the range, every sample's seed (seed + index) seeds a torch generator."""
+    import torch
+
+    for params in (
+        SamplingParams(seed=2**64 - 3, n=3),
+        SamplingParams(seed=-(2**63), n=2),
+    ):
+        assert params.seed is not None
+        for index in range(params.n):
+            generator = torch.Generator().manual_seed(params.seed + index)
+            assert generator.initial_seed() == (params.seed + index) % 2**64

@@ -135,11 +135,15 @@ class EngineCore:
             )
             failed = [s.request_id for s in scheduler_output.scheduled]
             self.scheduler.finish_requests(failed, RequestStatus.FINISHED_ERROR)
-            error = f"{type(exc).__name__}: {exc}"
+            # The error is the batch's, not any one request's: its text (which may quote
+            # another request's input) stays in the log.
+            error = f"the model step failed ({type(exc).__name__}); the server log has details"
             return EngineCoreOutputs(now, started=started, errors=dict.fromkeys(failed, error))
+        # Requests whose own sampling failed end here; their neighbours got their tokens.
+        self.scheduler.finish_requests(list(runner_output.failed), RequestStatus.FINISHED_ERROR)
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
         self._publish_kv_events()
-        return EngineCoreOutputs(now, tuple(updates), started)
+        return EngineCoreOutputs(now, tuple(updates), started, runner_output.failed)
 
     def stats(self) -> CoreStats:
         prefix = self.kv_cache_manager.prefix_cache_stats

@@ -32,6 +32,7 @@ class InputProcessor:
                 f"request id {spec.request_id!r} is already in use", "request_id"
             )
         self._check_options(spec)
+        self._check_vocabulary_bounds(spec)
         token_ids = self._token_ids(spec.prompt)
         if len(token_ids) >= self.max_model_len:
             raise InvalidRequestError(
@@ -54,6 +55,23 @@ class InputProcessor:
         if spec.priority != 0 and self.scheduling_policy == "fcfs":
             raise InvalidRequestError(
                 "priority is only supported with the priority scheduling policy", "priority"
+            )
+
+    def _check_vocabulary_bounds(self, spec: RequestSpec) -> None:
+        """Sampling options that index the vocabulary must stay inside it: out of range, they
+        would fail the sampler's whole batch, neighbours included."""
+        params = spec.params
+        if params.top_k > self.vocab_size:
+            raise InvalidRequestError(
+                f"top_k must be -1, 0 or at most the vocabulary size {self.vocab_size}, "
+                f"got {params.top_k}",
+                "top_k",
+            )
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"stop token id {bad[0]} is out of range for a vocabulary of {self.vocab_size}",
+                "stop_token_ids",
             )
 
     def _token_ids(self, prompt: str | tuple[int, ...]) -> tuple[int, ...]:

@@ -169,11 +169,35 @@ class ModelRunner:
         if not sampled_ids:
             return ModelRunnerOutput()
         logits = self.model.compute_logits(hidden[inputs.sample_indices])  # [sampled, vocab]
-        batch = SamplingBatch.build(
-            self._sampling_rows(scheduler_output), logits.shape[-1], logits.device
-        )
-        result = self.sampler(logits, batch)
+        rows = self._sampling_rows(scheduler_output)
+        try:
+            result = self.sampler(
+                logits, SamplingBatch.build(rows, logits.shape[-1], logits.device)
+            )
+        except Exception:  # one row's inputs broke the batch: find it, spare the others
+            return self._sample_rows_alone(logits, sampled_ids, rows)
         return self._to_output(sampled_ids, result)
+
+    def _sample_rows_alone(
+        self, logits: torch.Tensor, request_ids: list[RequestId], rows: list[SamplingRow]
+    ) -> ModelRunnerOutput:
+        """Sample each row in a batch of its own; a row that raises fails its request alone,
+        with its own error. (Rows drawing from the shared generator may draw other noise than
+        in the failed batch; seeded rows have generators of their own.)"""
+        sampled: dict[RequestId, int] = {}
+        logprobs: dict[RequestId, TokenLogprobs] = {}
+        failed: dict[RequestId, str] = {}
+        for index, (request_id, row) in enumerate(zip(request_ids, rows, strict=True)):
+            row_logits = logits[index : index + 1]
+            try:
+                batch = SamplingBatch.build([row], row_logits.shape[-1], row_logits.device)
+                output = self._to_output([request_id], self.sampler(row_logits, batch))
+            except Exception as exc:
+                failed[request_id] = f"{type(exc).__name__}: {exc}"
+                continue
+            sampled.update(output.sampled_token_ids)
+            logprobs.update(output.logprobs)
+        return ModelRunnerOutput(sampled, logprobs, failed)
 
     def _to_output(self, request_ids: list[RequestId], result: SamplerOutput) -> ModelRunnerOutput:
         token_ids = result.token_ids.tolist()

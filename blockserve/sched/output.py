@@ -72,7 +72,9 @@ class TokenLogprobs:
 
 @dataclass(frozen=True, slots=True)
 class ModelRunnerOutput:
-    """The tokens sampled in one step, by request id (only requests whose `sample` was True)."""
+    """The tokens sampled in one step, by request id (only requests whose `sample` was True),
+    and the requests whose own sampling failed, with the error (their neighbours unharmed)."""
 
     sampled_token_ids: dict[RequestId, int] = field(default_factory=dict)
     logprobs: dict[RequestId, TokenLogprobs] = field(default_factory=dict)
+    failed: dict[RequestId, str] = field(default_factory=dict)

@@ -73,13 +73,31 @@ def test_abort_frees_every_block(core: EngineCore) -> None:
 def test_a_failing_model_step_fails_its_samples_only(
     core: EngineCore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The step's samples come back in `errors` and are freed; the core serves the next one."""
+    """The step's samples come back in `errors` (the exception's type, not its text) and are
+    freed; the core serves the next one."""
     real_execute = core.runner.execute
     monkeypatch.setattr(core.runner, "execute", lambda output: 1 / 0)
     core.add_request(EngineCoreRequest(SampleId("bad", 0), PROMPT_33, TWO_TOKENS))
     failed = core.step()
-    assert dict(failed.errors) == {SampleId("bad", 0): "ZeroDivisionError: division by zero"}
+    assert dict(failed.errors) == {
+        SampleId("bad", 0): "the model step failed (ZeroDivisionError); the server log has details"
+    }
     assert failed.updates == () and core.kv_cache_report().usage == 0.0
     monkeypatch.setattr(core.runner, "execute", real_execute)
     core.add_request(EngineCoreRequest(SampleId("good", 0), PROMPT_33, TWO_TOKENS))
     assert run_to_end(core)[-1].updates[0].status == RequestStatus.FINISHED_LENGTH_CAPPED
+
+
+def test_a_sample_whose_sampling_fails_fails_alone(core: EngineCore) -> None:
+    """A stop token id outside the vocabulary (banned while min_tokens holds) breaks sampling;
+    that sample fails with its own error, the one batched with it gets its tokens."""
+    poisoned = SamplingParams(max_tokens=2, min_tokens=1, stop_token_ids=(10**9,))
+    core.add_request(EngineCoreRequest(SampleId("bad", 0), PROMPT_33, poisoned))
+    core.add_request(EngineCoreRequest(SampleId("good", 0), tuple(range(60, 80)), TWO_TOKENS))
+    first = core.step()
+    (error,) = first.errors.values()
+    assert list(first.errors) == [SampleId("bad", 0)] and error.startswith("IndexError")
+    assert [u.request_id for u in first.updates] == [SampleId("good", 0)]
+    steps = run_to_end(core)
+    assert steps[-1].updates[0].status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert core.kv_cache_report().num_requests_holding_blocks == 0

@@ -55,6 +55,16 @@ def test_a_good_spec_is_tokenized() -> None:
             "priority",
             "priority is only supported with the priority scheduling policy",
         ),
+        (
+            RequestSpec("a", "hi", SamplingParams(top_k=1001)),
+            "top_k",
+            "top_k must be -1, 0 or at most the vocabulary size 1000, got 1001",
+        ),
+        (
+            RequestSpec("a", "hi", SamplingParams(stop_token_ids=(3, 1000))),
+            "stop_token_ids",
+            "stop token id 1000 is out of range for a vocabulary of 1000",
+        ),
         (RequestSpec("a", ""), "prompt", "the prompt is empty"),
         (RequestSpec("a", ()), "prompt", "the prompt is empty"),
         (

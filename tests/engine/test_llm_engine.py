@@ -49,7 +49,7 @@ def test_failing_step_fails_only_its_requests(
     engine.add_request(RequestSpec("bad", PROMPT_33, GREEDY))
     (failed,) = engine.step()
     assert failed.finished and failed.outputs[0].finish_reason == "error"
-    assert failed.error == "RuntimeError: injected fault"
+    assert failed.error == "the model step failed (RuntimeError); the server log has details"
     assert engine.stats().kv_cache_usage == 0.0
     engine.add_request(RequestSpec("good", PROMPT_33, GREEDY))
     good = run_to_completion(engine)["good"]

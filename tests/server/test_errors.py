@@ -42,6 +42,42 @@ CASES = [
     ),
     ("priority under fcfs", "/v1/completions", {"prompt": "hi", "priority": 3}, 400, "priority"),
     ("token id out of range", "/v1/completions", {"prompt": [1, 99999]}, 400, "out of range"),
+    ("seed past the generator", "/v1/completions", {"prompt": "hi", "seed": 2**64}, 400, "seed"),
+    (
+        "seed + sample index past the generator",
+        "/v1/completions",
+        {"prompt": "hi", "seed": 2**64 - 1, "n": 2},
+        400,
+        "for n=2",
+    ),
+    (
+        "top_k past the vocabulary",
+        "/v1/completions",
+        {"prompt": "hi", "top_k": 2**63},
+        400,
+        "top_k",
+    ),
+    (
+        "stop token id past the vocabulary",
+        "/v1/completions",
+        {"prompt": "hi", "stop_token_ids": [10**9], "min_tokens": 1},
+        400,
+        "stop token id 1000000000 is out of range",
+    ),
+    (
+        "NaN temperature",
+        "/v1/completions",
+        b'{"prompt": "hi", "temperature": NaN}',  # Python's JSON reader takes NaN
+        400,
+        "temperature must be a finite number",
+    ),
+    (
+        "infinite repetition penalty",
+        "/v1/completions",
+        b'{"prompt": "hi", "repetition_penalty": Infinity}',
+        400,
+        "repetition_penalty must be a finite number",
+    ),
     ("empty messages", "/v1/chat/completions", {"messages": []}, 400, "messages"),
     (
         "bad role",
