@@ -63,6 +63,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 8192
     policy: str = "fcfs"
+    max_n: int = 128  # most samples one request may ask for: each is a scheduler request
 
 
 @dataclass(frozen=True, slots=True)

@@ -69,6 +69,9 @@ class EngineArgs:
     )
     max_num_seqs: int = option(64, "most requests per step", check=positive)
     max_num_batched_tokens: int = option(2048, "token budget per step", check=positive)
+    max_n: int = option(
+        128, "most samples (`n`) one request may ask for (the OpenAI API's limit)", check=positive
+    )
     max_model_len: int | None = option(
         None, "context length (default: the model's, capped by the KV cache)", check=positive
     )
@@ -137,6 +140,7 @@ class EngineArgs:
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 policy=self.scheduling_policy,
+                max_n=self.max_n,
             ),
             kv_events=self._kv_events_config(),
         )

@@ -24,6 +24,7 @@ class InputProcessor:
     vocab_size: int
     max_model_len: int
     scheduling_policy: str
+    max_n: int = 128
 
     def process(self, spec: RequestSpec, live_request_ids: Container[str]) -> ValidatedRequest:
         """The spec, checked and tokenized; InvalidRequestError for the first field at fault."""
@@ -40,6 +41,15 @@ class InputProcessor:
                 f"{self.max_model_len} tokens and one must be left to generate",
                 "prompt",
             )
+        max_tokens = spec.params.max_tokens
+        if max_tokens is not None and len(token_ids) + max_tokens > self.max_model_len:
+            # Refused rather than silently cut short at the context's end (vLLM does the same).
+            raise InvalidRequestError(
+                f"the context is {self.max_model_len} tokens, but {len(token_ids)} prompt "
+                f"tokens and max_tokens {max_tokens} ask for {len(token_ids) + max_tokens}; "
+                "shorten the prompt or lower max_tokens",
+                "max_tokens",
+            )
         return ValidatedRequest(spec, token_ids)
 
     def _check_options(self, spec: RequestSpec) -> None:
@@ -52,6 +62,8 @@ class InputProcessor:
             # The scheduler keeps such requests off the cache (they need every position's
             # logits), but the runner does not compute prompt logprobs yet.
             raise InvalidRequestError("prompt_logprobs are not supported yet", "prompt_logprobs")
+        if spec.params.n > self.max_n:
+            raise InvalidRequestError(f"n must be at most {self.max_n}, got {spec.params.n}", "n")
         if spec.priority != 0 and self.scheduling_policy == "fcfs":
             raise InvalidRequestError(
                 "priority is only supported with the priority scheduling policy", "priority"

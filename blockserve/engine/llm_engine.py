@@ -105,6 +105,10 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         config.cache.prefix_caching_hash_algo,
     )
     processor = InputProcessor(
-        core.tokenizer, info.vocab_size, info.max_model_len, config.scheduler.policy
+        core.tokenizer,
+        info.vocab_size,
+        info.max_model_len,
+        config.scheduler.policy,
+        config.scheduler.max_n,
     )
     return LLMEngine(core, processor)

@@ -19,7 +19,7 @@ from blockserve import __version__
 from blockserve.config import ServerConfig
 from blockserve.engine.client import EngineClient, ModelInfo
 from blockserve.errors import InvalidRequestError
-from blockserve.server.errors import error_response, install_error_handlers
+from blockserve.server.errors import error_response, install_error_handlers, openapi_schema
 from blockserve.server.metrics import ServerMetrics, log_stats_periodically
 from blockserve.server.openai_routes import (
     create_chat_completion,
@@ -77,6 +77,7 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     _add_openai_routes(app, ctx, info)
     _add_token_routes(app, ctx, info)
     _add_status_routes(app, ctx)
+    app.openapi = lambda: openapi_schema(app)  # type: ignore[method-assign]
     return app
 
 
@@ -122,7 +123,14 @@ def _add_token_routes(app: FastAPI, ctx: ServingContext, info: ModelInfo) -> Non
 
 
 def _add_status_routes(app: FastAPI, ctx: ServingContext) -> None:
-    @app.get("/health")
+    @app.get(
+        "/health",
+        response_class=Response,
+        responses={
+            200: {"description": "The engine is running. Empty body.", "content": {}},
+            503: {"description": "The engine is dead. Empty body.", "content": {}},
+        },
+    )
     async def health() -> Response:
         return Response(status_code=200 if ctx.engine.is_healthy() else 503)
 

@@ -23,6 +23,7 @@ GOOD: dict[str, tuple[object, list[str]]] = {
     "scheduling_policy": ("priority", ["--scheduling-policy", "priority"]),
     "max_num_seqs": (8, ["--max-num-seqs", "8"]),
     "max_num_batched_tokens": (512, ["--max-num-batched-tokens", "512"]),
+    "max_n": (4, ["--max-n", "4"]),
     "max_model_len": (1024, ["--max-model-len", "1024"]),
     "kv_cache_memory_bytes": (1 << 20, ["--kv-cache-memory-bytes", str(1 << 20)]),
     "num_gpu_blocks_override": (64, ["--num-gpu-blocks-override", "64"]),
@@ -46,6 +47,7 @@ BAD: dict[str, list[tuple[object, list[str] | None]]] = {
     "scheduling_policy": [("lifo", ["--scheduling-policy", "lifo"])],
     "max_num_seqs": [(0, ["--max-num-seqs", "0"]), (True, None)],
     "max_num_batched_tokens": [(-1, ["--max-num-batched-tokens", "-1"])],
+    "max_n": [(0, ["--max-n", "0"])],
     "max_model_len": [(0, ["--max-model-len", "0"])],
     "kv_cache_memory_bytes": [(0, ["--kv-cache-memory-bytes", "0"])],
     "num_gpu_blocks_override": [

@@ -104,3 +104,29 @@ def test_shutdown_stops_the_engine(tiny_llama_dir: Path) -> None:
             await collect(engine, "late", [1, 2, 3])
 
     asyncio.run(main())
+
+
+def test_a_dead_engine_loop_fails_streams_and_refuses_new_requests(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An error escaping the step loop kills the engine: the running stream ends with
+    EngineDeadError, health turns false, and a new request is refused at once (not a hang)."""
+    engine = make_engine(tiny_llama_dir)
+
+    def broken_step() -> list[RequestOutput]:
+        raise RuntimeError("the loop itself broke")
+
+    monkeypatch.setattr(engine.engine, "step", broken_step)
+
+    async def main() -> None:
+        engine.start()
+        try:
+            with pytest.raises(EngineDeadError, match="the loop itself broke"):
+                await asyncio.wait_for(collect(engine, "running", [1, 2, 3]), timeout=10)
+            assert not engine.is_healthy()
+            with pytest.raises(EngineDeadError, match="not running"):
+                await collect(engine, "late", [1, 2, 3])
+        finally:
+            engine.shutdown()
+
+    asyncio.run(main())

@@ -19,7 +19,7 @@ class CharTokenizer:
 
 def make_processor(policy: str = "fcfs") -> InputProcessor:
     return InputProcessor(
-        CharTokenizer(), vocab_size=1000, max_model_len=16, scheduling_policy=policy
+        CharTokenizer(), vocab_size=1000, max_model_len=32, scheduling_policy=policy, max_n=4
     )
 
 
@@ -65,6 +65,13 @@ def test_a_good_spec_is_tokenized() -> None:
             "stop_token_ids",
             "stop token id 1000 is out of range for a vocabulary of 1000",
         ),
+        (RequestSpec("a", "hi", SamplingParams(n=5)), "n", "n must be at most 4, got 5"),
+        (
+            RequestSpec("a", "x" * 20, SamplingParams(max_tokens=13)),
+            "max_tokens",
+            "the context is 32 tokens, but 20 prompt tokens and max_tokens 13 ask for 33; "
+            "shorten the prompt or lower max_tokens",
+        ),
         (RequestSpec("a", ""), "prompt", "the prompt is empty"),
         (RequestSpec("a", ()), "prompt", "the prompt is empty"),
         (
@@ -73,9 +80,9 @@ def test_a_good_spec_is_tokenized() -> None:
             "token id 1000 is out of range for a vocabulary of 1000",
         ),
         (
-            RequestSpec("a", "x" * 16),
+            RequestSpec("a", "x" * 32),
             "prompt",
-            "the prompt has 16 tokens, but the context is 16 tokens and one must be left to "
+            "the prompt has 32 tokens, but the context is 32 tokens and one must be left to "
             "generate",
         ),
     ],
@@ -93,6 +100,9 @@ def test_priority_is_allowed_under_the_priority_policy() -> None:
     assert make_processor("priority").process(spec, set()).spec.priority == -3
 
 
-def test_fifteen_tokens_fit_a_sixteen_token_context() -> None:
-    """The longest prompt that fits leaves exactly one token to generate."""
-    assert len(make_processor().process(RequestSpec("a", "x" * 15), set()).prompt_token_ids) == 15
+def test_prompt_and_max_tokens_may_fill_the_context_exactly() -> None:
+    """31 prompt tokens and 1 to generate, or 20 and 12, fill a 32-token context: accepted;
+    with no max_tokens the context's end is the limit."""
+    for prompt_len, max_tokens in ((31, 1), (20, 12), (31, None)):
+        spec = RequestSpec("a", "x" * prompt_len, SamplingParams(max_tokens=max_tokens))
+        assert len(make_processor().process(spec, set()).prompt_token_ids) == prompt_len

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -78,6 +80,20 @@ CASES = [
         400,
         "repetition_penalty must be a finite number",
     ),
+    (
+        "n above --max-n",
+        "/v1/completions",
+        {"prompt": "hi", "n": 129},
+        400,
+        "n must be at most 128",
+    ),
+    (
+        "prompt + max_tokens past the context",
+        "/v1/completions",
+        {"prompt": [5] * 500, "max_tokens": 100},
+        400,
+        "the context is 512 tokens, but 500 prompt tokens and max_tokens 100 ask for 600",
+    ),
     ("empty messages", "/v1/chat/completions", {"messages": []}, 400, "messages"),
     (
         "bad role",
@@ -127,3 +143,22 @@ def test_the_param_names_the_field_at_fault(server: ServerProcess, body: dict, p
     """A refused field is named in `param`, as OpenAI does."""
     response = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", **body})
     assert (response.status_code, response.json()["error"]["param"]) == (400, param)
+
+
+def test_a_wrong_method_is_405_with_allow(server: ServerProcess) -> None:
+    """GET on a POST route: 405 in OpenAI's shape, and the Allow header says what works."""
+    response = httpx.get(f"{server.url}/v1/completions")
+    assert (response.status_code, response.headers["allow"]) == (405, "POST")
+    assert response.json()["error"]["code"] == 405
+
+
+def test_the_schema_documents_400_not_422(server: ServerProcess) -> None:
+    """The OpenAPI document promises what the server does: 400 for a malformed body (never
+    422) with the error shape, and an empty body from /health."""
+    schema = httpx.get(f"{server.url}/openapi.json").json()
+    assert '"422"' not in json.dumps(schema) and "HTTPValidationError" not in json.dumps(schema)
+    completions = schema["paths"]["/v1/completions"]["post"]["responses"]
+    error = completions["400"]["content"]["application/json"]["schema"]
+    assert error["properties"]["error"]["required"] == ["message", "type", "param", "code"]
+    health = schema["paths"]["/health"]["get"]["responses"]
+    assert (health["200"].get("content"), health["503"].get("content")) == ({}, {})
