@@ -7,7 +7,6 @@ holds no logic a library user would need.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 from collections.abc import Sequence
@@ -160,13 +159,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Build the configs from the flags and serve (imports torch only now)."""
+    from blockserve.server.auth import resolve_api_keys
     from blockserve.server.serve import serve
 
     engine_config = EngineArgs.from_cli_args(args).create_configs()
-    server_config: ServerConfig = from_namespace(ServerConfig, args)
-    env_api_key = os.environ.get("BLOCKSERVE_API_KEY")
-    if server_config.api_key is None and env_api_key:
-        server_config = dataclasses.replace(server_config, api_key=env_api_key)
+    server_config = resolve_api_keys(from_namespace(ServerConfig, args), os.environ)
     return serve(engine_config, server_config)
 
 

@@ -80,22 +80,41 @@ def _port(value: int) -> str | None:
     return None if 0 <= value <= 65535 else f"must be in 0..65535, got {value!r}"
 
 
-def _non_empty(value: str | None) -> str | None:
-    return "must be a non-empty string" if value == "" else None
+def _non_empty_strings(values: tuple[str, ...]) -> str | None:
+    if not isinstance(values, tuple) or not all(isinstance(v, str) and v for v in values):
+        return f"must be a tuple of non-empty strings, got {values!r}"
+    return None
 
 
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
-    """The HTTP front end's options (`blockserve serve` flags). `api_key` None leaves /v1/*
-    open; the CLI falls back to the BLOCKSERVE_API_KEY environment variable."""
+    """The HTTP front end's options (`blockserve serve` flags).
+
+    With no `api_key` every route is open. With keys, every route but `/health` needs one
+    (`/metrics` too, unless `metrics_without_auth`). The CLI adds the keys of `api_keys_file`
+    and, when no key is given at all, falls back to the BLOCKSERVE_API_KEY variable.
+    """
 
     host: str = option("127.0.0.1", "address to listen on")
     port: int = option(8000, "port to listen on", check=_port)
     served_model_name: str | None = option(None, "model name reported by the API")
-    api_key: str | None = option(
-        None,
-        "require `Authorization: Bearer KEY` on /v1/* (or BLOCKSERVE_API_KEY)",
-        check=_non_empty,
+    api_key: tuple[str, ...] = option(
+        (),
+        "require `Authorization: Bearer KEY` on every route but /health; repeat the flag for "
+        "several keys (default: BLOCKSERVE_API_KEY, if set)",
+        check=_non_empty_strings,
+    )
+    api_keys_file: str | None = option(
+        None, "a file of API keys, one per line (blank lines and # comments are skipped)"
+    )
+    metrics_without_auth: bool = option(False, "serve /metrics without an API key")
+    enable_debug_endpoints: bool = option(
+        False, "serve /debug/kv_cache (pool occupancy, which shows other tenants' activity)"
+    )
+    cache_salt_per_key: bool = option(
+        False,
+        "derive each request's cache_salt from its API key (a client's own salt is kept "
+        "under it), so tenants never share cached blocks",
     )
     stats_interval_s: float = 10.0
 

@@ -69,6 +69,11 @@ def _options(cls: type) -> list[tuple[dataclasses.Field, Option, Any]]:
     ]
 
 
+def _is_list(hint: Any) -> bool:
+    """A `tuple[X, ...]` field: a flag that may be repeated."""
+    return typing.get_origin(hint) is tuple
+
+
 def _scalar_type(hint: Any) -> type | None:
     """The one non-None type of a field's annotation (`int | None` → int); None when the
     field takes several types (its check decides)."""
@@ -90,7 +95,9 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         kind = _scalar_type(hint)
         default_text = "" if f.default is None else f" (default: {f.default})"
         kwargs: dict[str, Any] = {"dest": f.name, "default": f.default}
-        if kind is bool:
+        if _is_list(hint):  # repeatable; argparse appends to a list it makes itself
+            kwargs.update(action="append", default=None, type=str, help=opt.help)
+        elif kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
             kwargs["help"] = opt.help + default_text
         else:
@@ -103,7 +110,13 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
 
 def from_namespace(cls: type, namespace: argparse.Namespace) -> Any:
     """An instance of `cls` from the flags `add_arguments` declared (other attributes ignored)."""
-    return cls(**{f.name: getattr(namespace, f.name) for f, _, _ in _options(cls)})
+    values = {}
+    for f, _, hint in _options(cls):
+        value = getattr(namespace, f.name)
+        if _is_list(hint):
+            value = f.default if value is None else tuple(value)
+        values[f.name] = value
+    return cls(**values)
 
 
 def validate(instance: Any) -> None:

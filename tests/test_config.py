@@ -9,14 +9,15 @@ from blockserve.errors import InvalidConfigError
 
 
 def test_server_defaults() -> None:
-    """127.0.0.1:8000, the model's own name, no API key."""
+    """127.0.0.1:8000, the model's own name, no API key, no open metrics or debug routes."""
     config = ServerConfig()
     assert (config.host, config.port, config.served_model_name, config.api_key) == (
         "127.0.0.1",
         8000,
         None,
-        None,
+        (),
     )
+    assert not (config.metrics_without_auth or config.enable_debug_endpoints)
 
 
 @pytest.mark.parametrize(
@@ -24,7 +25,8 @@ def test_server_defaults() -> None:
     [
         ({"port": 70000}, "port (--port) must be in 0..65535, got 70000"),
         ({"port": "80"}, "port (--port) must be of type int, got '80'"),
-        ({"api_key": ""}, "api_key (--api-key) must be a non-empty string"),
+        ({"api_key": ("",)}, "api_key (--api-key) must be a tuple of non-empty strings, got ('',)"),
+        ({"api_key": "k"}, "api_key (--api-key) must be a tuple of non-empty strings, got 'k'"),
     ],
 )
 def test_bad_server_options_raise(kwargs: dict[str, object], message: str) -> None:

@@ -19,6 +19,7 @@ class Sample:
     verbose: bool = option(False, "talk more")
     limit: int | None = option(None, "an optional cap", check=at_least(2), exclusive_group="cap")
     budget: int | None = option(None, "another cap", exclusive_group="cap")
+    tags: tuple[str, ...] = option((), "repeatable")
     internal: int = 0  # no option: no flag
 
 
@@ -35,6 +36,7 @@ def test_flags_are_kebab_case_with_the_fields_defaults() -> None:
         Sample(size=9, mode="b", ratio=2.0, verbose=True, limit=3)
     )
     assert parse("--no-verbose").verbose is False
+    assert parse("--tags", "a", "--tags", "b").tags == ("a", "b")
 
 
 def test_argparse_refuses_choices_types_and_exclusive_pairs() -> None:

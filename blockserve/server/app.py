@@ -9,8 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hmac
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
@@ -19,7 +18,8 @@ from blockserve import __version__
 from blockserve.config import ServerConfig
 from blockserve.engine.client import EngineClient, ModelInfo
 from blockserve.errors import InvalidRequestError
-from blockserve.server.errors import error_response, install_error_handlers, openapi_schema
+from blockserve.server.auth import auth_middleware
+from blockserve.server.errors import install_error_handlers, openapi_schema
 from blockserve.server.metrics import ServerMetrics, log_stats_periodically
 from blockserve.server.openai_routes import (
     create_chat_completion,
@@ -35,20 +35,6 @@ from blockserve.server.protocol import (
 from blockserve.server.runs import ServingContext
 
 
-def _auth_middleware(api_key: str) -> Callable[[Request, Callable], Awaitable[Response]]:
-    expected = f"Bearer {api_key}".encode()
-
-    async def check(request: Request, call_next: Callable) -> Response:
-        if request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(given, expected):  # constant time
-                return error_response(401, "invalid or missing API key")
-        response: Response = await call_next(request)
-        return response
-
-    return check
-
-
 def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     """An app serving `engine`; the engine starts and stops with the app."""
     info = engine.model_info()
@@ -58,6 +44,7 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
         model_name=model_name,
         tokenizer=info.tokenizer,
         metrics=ServerMetrics(engine, model_name),
+        salt_per_key=config.cache_salt_per_key,
     )
 
     @contextlib.asynccontextmanager
@@ -73,10 +60,13 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="blockserve", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
     if config.api_key:
-        app.middleware("http")(_auth_middleware(config.api_key))
+        open_paths = {"/health"} | ({"/metrics"} if config.metrics_without_auth else set())
+        app.middleware("http")(auth_middleware(config.api_key, frozenset(open_paths)))
     _add_openai_routes(app, ctx, info)
     _add_token_routes(app, ctx, info)
     _add_status_routes(app, ctx)
+    if config.enable_debug_endpoints:
+        _add_debug_routes(app, ctx)
     app.openapi = lambda: openapi_schema(app)  # type: ignore[method-assign]
     return app
 
@@ -142,6 +132,8 @@ def _add_status_routes(app: FastAPI, ctx: ServingContext) -> None:
     async def version() -> dict:
         return {"version": __version__}
 
+
+def _add_debug_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.get("/debug/kv_cache")
     async def kv_cache() -> JSONResponse:
         """Pool occupancy and its integrity check, computed between two engine steps."""

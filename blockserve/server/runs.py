@@ -22,6 +22,7 @@ from blockserve.engine.outputs import CompletionOutput, RequestOutput
 from blockserve.engine.request import Prompt, RequestSpec
 from blockserve.errors import ModelNotFoundError, RequestFailedError
 from blockserve.sampling_params import SamplingParams
+from blockserve.server.auth import salt_for_key
 from blockserve.server.metrics import RequestTimer, ServerMetrics
 from blockserve.server.responses import ChoiceTracker, sse, usage
 
@@ -34,6 +35,14 @@ class ServingContext:
     model_name: str
     tokenizer: Any  # the event loop's copy: never shared with the engine thread
     metrics: ServerMetrics
+    salt_per_key: bool = False  # --cache-salt-per-key
+
+    def cache_salt(self, request: Request, client_salt: str | None) -> str | None:
+        """The salt a request runs under: the client's, or with per-key salts one derived
+        from the API key the request showed."""
+        if not self.salt_per_key:
+            return client_salt
+        return salt_for_key(request.state.api_key, client_salt)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:

@@ -10,7 +10,7 @@ import pytest
 
 from tests.server.server_process import ServerProcess
 
-TINY_ARGS = ["--dtype", "float32", "--num-gpu-blocks-override", "256"]
+TINY_ARGS = ["--dtype", "float32", "--num-gpu-blocks-override", "256", "--enable-debug-endpoints"]
 
 
 def tiny_server(

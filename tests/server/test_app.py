@@ -9,7 +9,11 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from fastapi.testclient import TestClient
 
+from blockserve.config import ServerConfig
+from blockserve.engine.client import ModelInfo
+from blockserve.server.app import build_app
 from tests.server.conftest import tiny_server
 from tests.server.server_process import ServerProcess
 
@@ -54,25 +58,73 @@ def test_debug_kv_cache_reports_a_sound_idle_pool(server: ServerProcess) -> None
 
 
 @pytest.fixture(scope="module")
-def server_with_key(
+def server_with_keys(
     tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
-    yield from tiny_server(tiny_llama_dir, tmp_path_factory, env={"BLOCKSERVE_API_KEY": "sekret"})
-
-
-def test_api_key_guards_v1_only(server_with_key: ServerProcess) -> None:
-    """Without the key /v1/* is 401; /health and /metrics stay open; the key works."""
-    url = server_with_key.url
-    denied = httpx.post(
-        f"{url}/v1/completions",
-        json={"prompt": "hi", "max_tokens": 1},
-        headers={"Authorization": "Bearer wrong"},
+    """Two API keys (one from BLOCKSERVE_API_KEY would be ignored: flags win), per-key salts."""
+    yield from tiny_server(
+        tiny_llama_dir,
+        tmp_path_factory,
+        ["--api-key", "sekret", "--api-key", "second", "--cache-salt-per-key"],
+        env={"BLOCKSERVE_API_KEY": "ignored"},
     )
-    assert denied.status_code == 401 and denied.json()["error"]["code"] == 401
-    assert httpx.get(f"{url}/v1/models").status_code == 401
+
+
+def test_with_keys_only_health_answers_without_one(server_with_keys: ServerProcess) -> None:
+    """Every route but /health is 401 without a key (metrics, docs and schema included); a
+    wrong key is 401 too; each configured key works."""
+    url = server_with_keys.url
+    for method, path in [
+        ("POST", "/v1/completions"),
+        ("GET", "/v1/models"),
+        ("POST", "/tokenize"),
+        ("POST", "/detokenize"),
+        ("GET", "/metrics"),
+        ("GET", "/version"),
+        ("GET", "/openapi.json"),
+        ("GET", "/docs"),
+        ("GET", "/redoc"),
+        ("GET", "/debug/kv_cache"),
+    ]:
+        response = httpx.request(method, f"{url}{path}", json={})
+        assert (path, response.status_code) == (path, 401)
     assert httpx.get(f"{url}/health").status_code == 200
-    assert httpx.get(f"{url}/metrics").status_code == 200
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="sekret", max_retries=0)
-    assert client.completions.create(model=None, prompt="hi", max_tokens=1).choices  # type: ignore[arg-type]
-    with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=f"{url}/v1", api_key="nope", max_retries=0).models.list()
+    for key in ("sekret", "second"):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
+        assert client.completions.create(model=None, prompt="hi", max_tokens=1).choices  # type: ignore[arg-type]
+    for key in ("nope", "ignored"):
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0).models.list()
+
+
+def test_per_key_salts_keep_tenants_apart(server_with_keys: ServerProcess) -> None:
+    """The same 40-token prompt: a tenant's second request hits 32 tokens, the other
+    tenant's first hits none."""
+    url, prompt = server_with_keys.url, list(range(200, 240))
+
+    def cached(key: str) -> int:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
+        usage = client.completions.create(model=None, prompt=prompt, max_tokens=1).usage  # type: ignore[arg-type]
+        assert usage is not None and usage.prompt_tokens_details is not None
+        return int(usage.prompt_tokens_details.cached_tokens or 0)
+
+    assert [cached("sekret"), cached("sekret"), cached("second")] == [0, 32, 0]
+
+
+class IdleClient:
+    """An engine client that is never started: enough to build the app and list its routes."""
+
+    def model_info(self) -> ModelInfo:
+        return ModelInfo("m", 64, 100, None)
+
+    def is_healthy(self) -> bool:
+        return True
+
+
+def test_debug_routes_exist_only_when_enabled() -> None:
+    """/debug/kv_cache is 404 unless --enable-debug-endpoints (it shows every tenant's load)."""
+    closed = build_app(IdleClient(), ServerConfig())  # type: ignore[arg-type]
+    missing = TestClient(closed).get("/debug/kv_cache")
+    assert (missing.status_code, missing.json()["error"]["code"]) == (404, 404)
+    opened = build_app(IdleClient(), ServerConfig(enable_debug_endpoints=True))  # type: ignore[arg-type]
+    assert "/debug/kv_cache" in {route.path for route in opened.routes}  # type: ignore[attr-defined]

@@ -1,0 +1,79 @@
+"""API keys: which requests must show one, which key a request showed, and the cache salt a
+key implies.
+
+With keys configured every route but `/health` needs `Authorization: Bearer <key>` (and
+`/metrics` too unless it is opened explicitly). Keys are compared in constant time, every key
+every time, so the answer's timing says nothing about which key nearly matched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
+
+from fastapi import Request, Response
+
+from blockserve.config import ServerConfig
+from blockserve.errors import InvalidConfigError
+from blockserve.server.errors import error_response
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def read_api_keys(path: str) -> tuple[str, ...]:
+    """The keys in a file, one per line; blank lines and lines starting with # are skipped."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as exc:
+        raise InvalidConfigError(f"api_keys_file (--api-keys-file): {exc}") from None
+    keys = tuple(line.strip() for line in lines if line.strip() and not line.startswith("#"))
+    if not keys:
+        raise InvalidConfigError(f"api_keys_file (--api-keys-file): no key in {path}")
+    return keys
+
+
+def resolve_api_keys(config: ServerConfig, environ: Mapping[str, str]) -> ServerConfig:
+    """The config with every key it names: the flags', the keys file's, or, when neither gives
+    one, BLOCKSERVE_API_KEY. A per-key cache salt without any key is a config error."""
+    keys = config.api_key
+    if config.api_keys_file is not None:
+        keys += read_api_keys(config.api_keys_file)
+    if not keys and environ.get("BLOCKSERVE_API_KEY"):
+        keys = (environ["BLOCKSERVE_API_KEY"],)
+    if config.cache_salt_per_key and not keys:
+        raise InvalidConfigError(
+            "cache_salt_per_key (--cache-salt-per-key) needs an API key (--api-key)"
+        )
+    return dataclasses.replace(config, api_key=keys)
+
+
+def auth_middleware(
+    keys: Sequence[str], open_paths: frozenset[str]
+) -> Callable[[Request, Handler], Awaitable[Response]]:
+    """A middleware refusing (401) requests without a valid key outside `open_paths`; the key
+    a request showed is left in `request.state.api_key`."""
+    expected = [(key, f"Bearer {key}".encode()) for key in keys]
+
+    async def check(request: Request, call_next: Handler) -> Response:
+        if request.url.path not in open_paths:
+            given = request.headers.get("authorization", "").encode()
+            # Every key is compared (no early exit), each in constant time.
+            matches = [key for key, value in expected if hmac.compare_digest(given, value)]
+            if not matches:
+                return error_response(401, "invalid or missing API key")
+            request.state.api_key = matches[0]
+        return await call_next(request)
+
+    return check
+
+
+def salt_for_key(api_key: str, client_salt: str | None) -> str:
+    """The cache salt of a request made with `api_key`: a digest of the key, with the
+    client's own salt (if any) namespaced under it. Tenants never share cached blocks."""
+    if client_salt == "":
+        return client_salt  # left for the request check to refuse, as without keys
+    tenant = hashlib.sha256(api_key.encode()).hexdigest()[:32]
+    return tenant if client_salt is None else f"{tenant}:{client_salt}"
