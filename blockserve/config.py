@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from blockserve.events.config import KVEventsConfig
-from blockserve.options import option, validate
+from blockserve.options import option, positive, validate
 
 DTYPES = ("auto", "float32", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cuda")
@@ -115,6 +115,11 @@ class ServerConfig:
         False,
         "derive each request's cache_salt from its API key (a client's own salt is kept "
         "under it), so tenants never share cached blocks",
+    )
+    max_request_body_bytes: int = option(
+        8 << 20,
+        "largest request body accepted; a larger one is a 413 before it is read",
+        check=positive,
     )
     stats_interval_s: float = 10.0
 

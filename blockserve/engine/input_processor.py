@@ -25,6 +25,9 @@ class InputProcessor:
     max_model_len: int
     scheduling_policy: str
     max_n: int = 128
+    # Characters in the longest token's text: a prompt of c characters has at least
+    # ceil(c / max_chars_per_token) tokens, which bounds it before any tokenizing.
+    max_chars_per_token: int | None = None
 
     def process(self, spec: RequestSpec, live_request_ids: Container[str]) -> ValidatedRequest:
         """The spec, checked and tokenized; InvalidRequestError for the first field at fault."""
@@ -87,10 +90,12 @@ class InputProcessor:
             )
 
     def _token_ids(self, prompt: str | tuple[int, ...]) -> tuple[int, ...]:
-        """Token ids of a prompt; token-id prompts are checked against the vocabulary."""
+        """Token ids of a prompt; token-id prompts are checked against the vocabulary, text
+        too long for the context is refused before it is tokenized."""
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("the prompt is empty", "prompt")
+            self._check_characters(prompt)
             return tuple(self.tokenizer.encode(prompt))
         if not prompt:
             raise InvalidRequestError("the prompt is empty", "prompt")
@@ -101,3 +106,25 @@ class InputProcessor:
                 "prompt",
             )
         return prompt
+
+    def _check_characters(self, prompt: str) -> None:
+        """Tokenizing costs time in proportion to the text: a text that cannot fit the
+        context whatever its tokens are is refused without paying it."""
+        if self.max_chars_per_token is None:
+            return
+        min_tokens = -(-len(prompt) // self.max_chars_per_token)
+        if min_tokens >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt)} characters, so at least {min_tokens} tokens "
+                f"(no token is longer than {self.max_chars_per_token} characters), but the "
+                f"context is {self.max_model_len} tokens",
+                "prompt",
+            )
+
+
+def longest_token_chars(tokenizer: Any, vocab_size: int) -> int:
+    """The length of the longest token's text in the vocabulary. Token strings spell bytes
+    (byte-level BPE) or characters (sentencepiece), never fewer than the characters they
+    decode to, so this bounds the characters one token covers."""
+    tokens = tokenizer.convert_ids_to_tokens(list(range(vocab_size)))
+    return max((len(t) for t in tokens if t is not None), default=1)

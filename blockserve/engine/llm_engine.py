@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 from blockserve.config import EngineConfig
 from blockserve.engine.core import EngineCore
-from blockserve.engine.input_processor import InputProcessor
+from blockserve.engine.input_processor import InputProcessor, longest_token_chars
 from blockserve.engine.output_processor import OutputProcessor
 from blockserve.engine.outputs import EngineStats, KVCacheReport, RequestOutput
 from blockserve.engine.request import RequestSpec, ValidatedRequest
@@ -110,5 +110,6 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         info.max_model_len,
         config.scheduler.policy,
         config.scheduler.max_n,
+        longest_token_chars(core.tokenizer, info.vocab_size),
     )
     return LLMEngine(core, processor)

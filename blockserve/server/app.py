@@ -20,6 +20,7 @@ from blockserve.engine.client import EngineClient, ModelInfo
 from blockserve.errors import InvalidRequestError
 from blockserve.server.auth import auth_middleware
 from blockserve.server.errors import install_error_handlers, openapi_schema
+from blockserve.server.limits import BodySizeLimit
 from blockserve.server.metrics import ServerMetrics, log_stats_periodically
 from blockserve.server.openai_routes import (
     create_chat_completion,
@@ -59,6 +60,7 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="blockserve", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
+    app.add_middleware(BodySizeLimit, max_bytes=config.max_request_body_bytes)
     if config.api_key:
         open_paths = {"/health"} | ({"/metrics"} if config.metrics_without_auth else set())
         app.middleware("http")(auth_middleware(config.api_key, frozenset(open_paths)))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from blockserve.engine.input_processor import InputProcessor
+from blockserve.engine.input_processor import InputProcessor, longest_token_chars
 from blockserve.engine.request import RequestSpec, ValidatedRequest
 from blockserve.errors import InvalidRequestError
 from blockserve.sampling_params import SamplingParams
@@ -106,3 +106,34 @@ def test_prompt_and_max_tokens_may_fill_the_context_exactly() -> None:
     for prompt_len, max_tokens in ((31, 1), (20, 12), (31, None)):
         spec = RequestSpec("a", "x" * prompt_len, SamplingParams(max_tokens=max_tokens))
         assert len(make_processor().process(spec, set()).prompt_token_ids) == prompt_len
+
+
+class RefusingTokenizer:
+    """Fails the test if anything is tokenized."""
+
+    def encode(self, text: str) -> list[int]:
+        raise AssertionError("tokenized")
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str | None]:
+        return ["ab", "abcd", None, "x"][: len(ids)]
+
+
+def test_text_that_cannot_fit_is_refused_before_tokenizing() -> None:
+    """With tokens of at most 4 characters, 125 characters are at least 32 tokens: refused
+    without tokenizing; 124 characters might fit, so they are tokenized."""
+    processor = InputProcessor(
+        RefusingTokenizer(), 1000, max_model_len=32, scheduling_policy="fcfs", max_chars_per_token=4
+    )
+    with pytest.raises(InvalidRequestError) as refused:
+        processor.process(RequestSpec("a", "x" * 125), set())
+    assert str(refused.value) == (
+        "the prompt has 125 characters, so at least 32 tokens (no token is longer than 4 "
+        "characters), but the context is 32 tokens"
+    )
+    with pytest.raises(AssertionError, match="tokenized"):
+        processor.process(RequestSpec("a", "x" * 124), set())
+
+
+def test_longest_token_chars_reads_the_vocabulary() -> None:
+    """The bound is the longest token string; ids without a token are skipped."""
+    assert longest_token_chars(RefusingTokenizer(), 4) == 4

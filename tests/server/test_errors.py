@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -162,3 +163,34 @@ def test_the_schema_documents_400_not_422(server: ServerProcess) -> None:
     assert error["properties"]["error"]["required"] == ["message", "type", "param", "code"]
     health = schema["paths"]["/health"]["get"]["responses"]
     assert (health["200"].get("content"), health["503"].get("content")) == ({}, {})
+
+
+def test_a_body_over_the_limit_is_413_before_it_is_read(server: ServerProcess) -> None:
+    """9 MiB against the 8 MiB default: 413 in OpenAI's shape, whether the length is declared
+    or the body streams in chunks; the server then serves the next request."""
+    big = b'{"prompt": "' + b"x" * (9 << 20) + b'"}'
+
+    def chunks() -> Iterator[bytes]:
+        for start in range(0, len(big), 1 << 20):
+            yield big[start : start + (1 << 20)]
+
+    for content in (big, chunks()):
+        response = httpx.post(
+            f"{server.url}/v1/completions",
+            content=content,
+            headers={"content-type": "application/json"},
+        )
+        assert response.status_code == 413
+        assert response.json()["error"]["message"] == (
+            f"the request body exceeds {8 << 20} bytes (--max-request-body-bytes)"
+        )
+    ok = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+    assert ok.status_code == 200
+
+
+def test_text_too_long_for_the_context_is_refused_before_tokenizing(server: ServerProcess) -> None:
+    """A 1 MiB text prompt (under the body limit) cannot fit 512 tokens: a 400 that counts
+    characters, not tokens."""
+    response = httpx.post(f"{server.url}/v1/completions", json={"prompt": "y" * (1 << 20)})
+    assert response.status_code == 400
+    assert "characters, so at least" in response.json()["error"]["message"]

@@ -1,0 +1,59 @@
+"""Request-body limit: a body larger than `--max-request-body-bytes` is refused with 413
+before it is read, whether it declares its length or streams it in chunks.
+
+A pure ASGI middleware, so nothing buffers the body before the count: a declared length is
+checked first, a chunked body is counted as it arrives and abandoned at the limit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from starlette.exceptions import HTTPException
+
+from blockserve.server.errors import error_response
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+class BodySizeLimit:
+    """Wraps an ASGI app; `max_bytes` bounds every HTTP request body."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._refuse(scope, receive, send)
+            return
+        received = 0
+
+        async def counted() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    # Raised inside the app's body read, as an HTTPException: FastAPI passes
+                    # those through its body parsing (others become a 400) to the handlers.
+                    raise HTTPException(413, self._message())
+            return message
+
+        await self.app(scope, counted, send)
+
+    def _message(self) -> str:
+        return f"the request body exceeds {self.max_bytes} bytes (--max-request-body-bytes)"
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = error_response(413, self._message())
+        await response(scope, receive, send)
