@@ -46,7 +46,7 @@ async def create_completion(
         raise InvalidRequestError("echo is not supported")
     params = body.sampling_params(body.max_tokens, body.logprobs)
     run = Run(ctx, body.request_id or f"cmpl-{uuid.uuid4().hex}", body.prompts())
-    await run.start(params, body.priority, ctx.cache_salt(request, body.cache_salt))
+    await run.start(params, body.priority, ctx.cache_salt(request, body.cache_salt), request)
     created = int(time.time())
     token_text = TokenText(ctx.tokenizer)
     want_logprobs = body.logprobs is not None
@@ -133,7 +133,7 @@ async def create_chat_completion(
         body.request_id or f"chatcmpl-{uuid.uuid4().hex}",
         [tuple(render_chat_prompt(ctx, body))],
     )
-    await run.start(params, body.priority, ctx.cache_salt(request, body.cache_salt))
+    await run.start(params, body.priority, ctx.cache_salt(request, body.cache_salt), request)
     created = int(time.time())
     token_text = TokenText(ctx.tokenizer)
 

@@ -12,7 +12,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -27,6 +27,7 @@ from blockserve.server.metrics import RequestTimer, ServerMetrics
 from blockserve.server.responses import ChoiceTracker, sse, usage
 
 DISCONNECT_POLL_S = 0.1
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -60,8 +61,12 @@ class Run:
         self.first: list[RequestOutput] = []
         self.timers = [RequestTimer(ctx.metrics, time.monotonic()) for _ in prompts]
 
-    async def start(self, params: SamplingParams, priority: int, salt: str | None) -> None:
-        """Submit every prompt and wait for its first output: refusals raise here."""
+    async def start(
+        self, params: SamplingParams, priority: int, salt: str | None, request: Request
+    ) -> None:
+        """Submit every prompt and wait for its first output: refusals raise here. A client
+        that leaves while its prompts wait in the queue aborts them before they are scheduled
+        (CancelledError ends the handler)."""
         self.streams = [
             self.ctx.engine.generate(
                 RequestSpec(f"{self.request_id}-{i}", prompt, params, priority, salt)
@@ -69,10 +74,15 @@ class Run:
             for i, prompt in enumerate(self.prompts)
         ]
         # All prompts are submitted together (so they share steps), then their first outputs.
-        firsts = await asyncio.gather(
+        gathering = asyncio.gather(
             *(anext(stream) for stream in self.streams),
             return_exceptions=True,
         )
+        try:
+            firsts = await until_disconnected(asyncio.ensure_future(gathering), request)
+        except asyncio.CancelledError:
+            await self.close()
+            raise
         errors = [f for f in firsts if isinstance(f, BaseException)]
         if errors:
             await self.close()
@@ -123,6 +133,21 @@ class Run:
             await stream.aclose()  # type: ignore[attr-defined]
 
 
+async def until_disconnected(task: asyncio.Future[T], request: Request) -> T:
+    """`task`'s result; if the client goes away first, `task` is cancelled and
+    CancelledError raised."""
+    try:
+        while not task.done():
+            await asyncio.wait([task], timeout=DISCONNECT_POLL_S)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+                break
+        return await task
+    finally:
+        if not task.done():
+            task.cancel()
+
+
 async def final_outputs(run: Run, request: Request) -> list[RequestOutput]:
     """Drive the run to completion; abort everything if the client goes away."""
     finals: dict[int, RequestOutput] = {}
@@ -131,17 +156,9 @@ async def final_outputs(run: Run, request: Request) -> list[RequestOutput]:
         async for index, output in run.outputs():
             finals[index] = output
 
-    task = asyncio.create_task(consume())
     try:
-        while not task.done():
-            await asyncio.wait([task], timeout=DISCONNECT_POLL_S)
-            if not task.done() and await request.is_disconnected():
-                task.cancel()
-                break
-        await task
+        await until_disconnected(asyncio.create_task(consume()), request)
     finally:
-        if not task.done():
-            task.cancel()
         await run.close()
     outputs = [finals[i] for i in range(len(run.prompts))]
     errors = [o.error for o in outputs if o.error]

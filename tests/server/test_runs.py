@@ -26,8 +26,9 @@ def snapshot(request_id: str, text: str, finished: bool, error: str | None = Non
 
 
 class ScriptedClient:
-    """Yields scripted snapshots per prompt (by its first token id); records specs and the
-    streams closed before they finished."""
+    """Yields scripted snapshots per prompt (by its first token id), or none ever for an empty
+    script (a request that stays queued); records specs and the streams closed before they
+    finished."""
 
     def __init__(self, scripts: dict[int, list[str] | Exception], error: str | None = None) -> None:
         self.scripts = scripts
@@ -42,6 +43,8 @@ class ScriptedClient:
             raise script
         finished = False
         try:
+            if not script:
+                await asyncio.Event().wait()  # queued for ever: only a close ends it
             for i, text in enumerate(script):
                 finished = i == len(script) - 1
                 error = self.error if finished else None
@@ -60,6 +63,17 @@ class StaysConnected:
         return False
 
 
+class LeavesAfter:
+    """A client that is connected for `polls` polls, then gone."""
+
+    def __init__(self, polls: int) -> None:
+        self.polls = polls
+
+    async def is_disconnected(self) -> bool:
+        self.polls -= 1
+        return self.polls < 0
+
+
 def make_run(client: ScriptedClient, prompts: list[tuple[int, ...]]) -> Run:
     metrics = ServerMetrics(client, "m")  # type: ignore[arg-type]
     ctx = ServingContext(client, "m", None, metrics)  # type: ignore[arg-type]
@@ -72,7 +86,7 @@ def test_every_prompt_runs_and_finals_come_in_prompt_order() -> None:
     run = make_run(client, [(1,), (2,)])
 
     async def main() -> list[RequestOutput]:
-        await run.start(SamplingParams(), 0, None)
+        await run.start(SamplingParams(), 0, None, StaysConnected())  # type: ignore[arg-type]
         return await final_outputs(run, StaysConnected())  # type: ignore[arg-type]
 
     finals = asyncio.run(main())
@@ -86,7 +100,7 @@ def test_a_refused_prompt_refuses_the_batch_and_closes_the_others() -> None:
     client = ScriptedClient({1: ["a", "ab"], 2: InvalidRequestError("bad prompt", "prompt")})
     run = make_run(client, [(1,), (2,)])
     with pytest.raises(InvalidRequestError, match="bad prompt"):
-        asyncio.run(run.start(SamplingParams(), 0, None))
+        asyncio.run(run.start(SamplingParams(), 0, None, StaysConnected()))  # type: ignore[arg-type]
     assert client.closed_early == ["cmpl-1-0"]
 
 
@@ -96,7 +110,7 @@ def test_a_request_that_failed_in_the_engine_is_a_request_failed_error() -> None
     run = make_run(client, [(1,)])
 
     async def main() -> None:
-        await run.start(SamplingParams(), 0, None)
+        await run.start(SamplingParams(), 0, None, StaysConnected())  # type: ignore[arg-type]
         await final_outputs(run, StaysConnected())  # type: ignore[arg-type]
 
     with pytest.raises(RequestFailedError, match="RuntimeError: boom"):
@@ -112,7 +126,7 @@ def test_a_stream_sends_each_delta_then_done() -> None:
         return {"index": index, "text": delta[0], "done": delta[3]}
 
     async def main() -> list[str]:
-        await run.start(SamplingParams(), 0, None)
+        await run.start(SamplingParams(), 0, None, StaysConnected())  # type: ignore[arg-type]
         response = stream_response(run, 1, chunk, None)
         return [part async for part in response.body_iterator]  # type: ignore[misc]
 
@@ -123,3 +137,15 @@ def test_a_stream_sends_each_delta_then_done() -> None:
         {"index": 0, "text": "c", "done": True},
     ]
     assert parts[-1] == "data: [DONE]\n\n"
+
+
+def test_a_client_that_leaves_while_queued_aborts_before_any_output() -> None:
+    """Both prompts still wait for their first output when the client goes: the wait ends
+    with CancelledError and both streams are closed (the engine aborts them unscheduled)."""
+    client = ScriptedClient({1: [], 2: []})
+    run = make_run(client, [(1,), (2,)])
+    with pytest.raises(asyncio.CancelledError):
+        # Bounded: were the disconnect missed, this would end in TimeoutError, not hang.
+        start = run.start(SamplingParams(), 0, None, LeavesAfter(2))  # type: ignore[arg-type]
+        asyncio.run(asyncio.wait_for(start, timeout=5))
+    assert sorted(client.closed_early) == ["cmpl-1-0", "cmpl-1-1"]
