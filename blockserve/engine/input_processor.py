@@ -96,6 +96,13 @@ class InputProcessor:
             if not prompt:
                 raise InvalidRequestError("the prompt is empty", "prompt")
             self._check_characters(prompt)
+            if not prompt.isascii():
+                try:
+                    prompt.encode("utf-8")
+                except UnicodeEncodeError as exc:  # a lone surrogate: no tokenizer takes it
+                    raise InvalidRequestError(
+                        f"the prompt is not valid Unicode: {exc.reason} at {exc.start}", "prompt"
+                    ) from None
             return tuple(self.tokenizer.encode(prompt))
         if not prompt:
             raise InvalidRequestError("the prompt is empty", "prompt")

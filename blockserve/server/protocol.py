@@ -9,13 +9,25 @@ ignored, as OpenAI does.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from blockserve.engine.request import Prompt, as_prompt_list
 from blockserve.errors import InvalidRequestError
 from blockserve.sampling_params import SamplingParams
+
+
+def _encodable(text: str) -> str:
+    """JSON may spell lone surrogates ("\\ud800"); no tokenizer takes them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"text is not valid Unicode: {exc.reason} at {exc.start}") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_encodable)]
 
 
 class StreamOptions(BaseModel):
@@ -84,7 +96,7 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Text | list[Text] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
@@ -98,7 +110,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+    content: Text | list[dict[str, Any]] | None = None
 
     def text(self) -> str:
         """The message's text; content parts other than text are refused."""
@@ -110,7 +122,10 @@ class ChatMessage(BaseModel):
                 raise InvalidRequestError(
                     f"content part type {part.get('type')!r} is not supported"
                 )
-            parts.append(str(part.get("text", "")))
+            try:
+                parts.append(_encodable(str(part.get("text", ""))))
+            except ValueError as exc:
+                raise InvalidRequestError(str(exc), "messages") from None
         return "".join(parts)
 
 
@@ -138,8 +153,8 @@ class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool = True
 
     @model_validator(mode="after")

@@ -73,6 +73,11 @@ def test_a_good_spec_is_tokenized() -> None:
             "shorten the prompt or lower max_tokens",
         ),
         (RequestSpec("a", ""), "prompt", "the prompt is empty"),
+        (
+            RequestSpec("a", "abc \ud800"),
+            "prompt",
+            "the prompt is not valid Unicode: surrogates not allowed at 4",
+        ),
         (RequestSpec("a", ()), "prompt", "the prompt is empty"),
         (
             RequestSpec("a", (1, 1000)),
