@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from blockserve.events.config import KVEventsConfig
-from blockserve.options import option, positive, validate
+from blockserve.options import at_least, option, positive, validate
 
 DTYPES = ("auto", "float32", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cuda")
@@ -120,6 +120,11 @@ class ServerConfig:
         8 << 20,
         "largest request body accepted; a larger one is a 413 before it is read",
         check=positive,
+    )
+    shutdown_timeout: float = option(
+        30.0,
+        "seconds running requests get to finish after SIGTERM; then each ends with an error",
+        check=at_least(0),
     )
     stats_interval_s: float = 10.0
 

@@ -64,6 +64,13 @@ class EngineDeadError(BlockserveError, RuntimeError):
     http_status = 503
 
 
+class ServerShuttingDownError(BlockserveError, RuntimeError):
+    """The server is draining before it stops: no new work, and running work past the
+    deadline ends with this."""
+
+    http_status = 503
+
+
 class RequestFailedError(BlockserveError, RuntimeError):
     """The engine failed while running a request (the engine itself goes on)."""
 

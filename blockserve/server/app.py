@@ -18,7 +18,8 @@ from blockserve import __version__
 from blockserve.config import ServerConfig
 from blockserve.engine.client import EngineClient, ModelInfo
 from blockserve.errors import InvalidRequestError
-from blockserve.server.auth import auth_middleware
+from blockserve.server.auth import RequireApiKey
+from blockserve.server.drain import Drain, RefuseWhileDraining
 from blockserve.server.errors import install_error_handlers, openapi_schema
 from blockserve.server.limits import BodySizeLimit
 from blockserve.server.metrics import ServerMetrics, log_stats_periodically
@@ -46,6 +47,7 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
         tokenizer=info.tokenizer,
         metrics=ServerMetrics(engine, model_name),
         salt_per_key=config.cache_salt_per_key,
+        drain=Drain(config.shutdown_timeout),
     )
 
     @contextlib.asynccontextmanager
@@ -60,10 +62,13 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="blockserve", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
+    app.state.drain = ctx.drain
+    # Outermost last: keys first, then the drain, then the body limit.
     app.add_middleware(BodySizeLimit, max_bytes=config.max_request_body_bytes)
+    app.add_middleware(RefuseWhileDraining, drain=ctx.drain)
     if config.api_key:
         open_paths = {"/health"} | ({"/metrics"} if config.metrics_without_auth else set())
-        app.middleware("http")(auth_middleware(config.api_key, frozenset(open_paths)))
+        app.add_middleware(RequireApiKey, keys=config.api_key, open_paths=frozenset(open_paths))
     _add_openai_routes(app, ctx, info)
     _add_token_routes(app, ctx, info)
     _add_status_routes(app, ctx)
@@ -124,7 +129,8 @@ def _add_status_routes(app: FastAPI, ctx: ServingContext) -> None:
         },
     )
     async def health() -> Response:
-        return Response(status_code=200 if ctx.engine.is_healthy() else 503)
+        healthy = ctx.engine.is_healthy() and not ctx.drain.draining
+        return Response(status_code=200 if healthy else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:

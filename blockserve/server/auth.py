@@ -11,16 +11,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import hmac
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from fastapi import Request, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from blockserve.config import ServerConfig
 from blockserve.errors import InvalidConfigError
 from blockserve.server.errors import error_response
-
-Handler = Callable[[Request], Awaitable[Response]]
 
 
 def read_api_keys(path: str) -> tuple[str, ...]:
@@ -50,24 +48,26 @@ def resolve_api_keys(config: ServerConfig, environ: Mapping[str, str]) -> Server
     return dataclasses.replace(config, api_key=keys)
 
 
-def auth_middleware(
-    keys: Sequence[str], open_paths: frozenset[str]
-) -> Callable[[Request, Handler], Awaitable[Response]]:
-    """A middleware refusing (401) requests without a valid key outside `open_paths`; the key
-    a request showed is left in `request.state.api_key`."""
-    expected = [(key, f"Bearer {key}".encode()) for key in keys]
+class RequireApiKey:
+    """ASGI middleware: outside `open_paths` a request needs one of `keys` (else 401); the key
+    it showed is left in its state (`request.state.api_key`). Pure ASGI, not Starlette's
+    BaseHTTPMiddleware, which would hide a client's disconnect from the handlers."""
 
-    async def check(request: Request, call_next: Handler) -> Response:
-        if request.url.path not in open_paths:
-            given = request.headers.get("authorization", "").encode()
+    def __init__(self, app: ASGIApp, keys: Sequence[str], open_paths: frozenset[str]) -> None:
+        self.app = app
+        self.expected = [(key, f"Bearer {key}".encode()) for key in keys]
+        self.open_paths = open_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in self.open_paths:
+            given = dict(scope["headers"]).get(b"authorization", b"")
             # Every key is compared (no early exit), each in constant time.
-            matches = [key for key, value in expected if hmac.compare_digest(given, value)]
+            matches = [key for key, value in self.expected if hmac.compare_digest(given, value)]
             if not matches:
-                return error_response(401, "invalid or missing API key")
-            request.state.api_key = matches[0]
-        return await call_next(request)
-
-    return check
+                await error_response(401, "invalid or missing API key")(scope, receive, send)
+                return
+            scope.setdefault("state", {})["api_key"] = matches[0]
+        await self.app(scope, receive, send)
 
 
 def salt_for_key(api_key: str, client_salt: str | None) -> str:

@@ -32,13 +32,9 @@ ERROR_TYPES = {
 }
 
 
-def error_response(
-    status: int,
-    message: str,
-    param: str | None = None,
-    headers: Mapping[str, str] | None = None,
-) -> JSONResponse:
-    body = {
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object, as a response body or an SSE event."""
+    return {
         "error": {
             "message": message,
             "type": ERROR_TYPES.get(status, "Error"),
@@ -46,7 +42,15 @@ def error_response(
             "code": status,
         }
     }
-    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def error_response(
+    status: int,
+    message: str,
+    param: str | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:

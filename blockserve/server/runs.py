@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -20,14 +20,22 @@ from fastapi.responses import StreamingResponse
 from blockserve.engine.client import EngineClient
 from blockserve.engine.outputs import CompletionOutput, RequestOutput
 from blockserve.engine.request import Prompt, RequestSpec
-from blockserve.errors import ModelNotFoundError, RequestFailedError
+from blockserve.errors import ModelNotFoundError, RequestFailedError, ServerShuttingDownError
 from blockserve.sampling_params import SamplingParams
 from blockserve.server.auth import salt_for_key
+from blockserve.server.drain import Drain
+from blockserve.server.errors import error_body
 from blockserve.server.metrics import RequestTimer, ServerMetrics
 from blockserve.server.responses import ChoiceTracker, sse, usage
 
 DISCONNECT_POLL_S = 0.1
 T = TypeVar("T")
+
+
+def shutting_down() -> ServerShuttingDownError:
+    return ServerShuttingDownError(
+        "the server is shutting down, and this request did not finish before its drain deadline"
+    )
 
 
 @dataclass(frozen=True)
@@ -37,6 +45,7 @@ class ServingContext:
     tokenizer: Any  # the event loop's copy: never shared with the engine thread
     metrics: ServerMetrics
     salt_per_key: bool = False  # --cache-salt-per-key
+    drain: Drain = field(default_factory=lambda: Drain(0.0))
 
     def cache_salt(self, request: Request, client_salt: str | None) -> str | None:
         """The salt a request runs under: the client's, or with per-key salts one derived
@@ -60,6 +69,14 @@ class Run:
         self.streams: list[AsyncIterator[RequestOutput]] = []
         self.first: list[RequestOutput] = []
         self.timers = [RequestTimer(ctx.metrics, time.monotonic()) for _ in prompts]
+        self._queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] | None = None
+        self._closed = False
+
+    def expire(self) -> None:
+        """The drain deadline passed: the outputs (or the wait for the first) end with
+        ServerShuttingDownError."""
+        if self._queue is not None:
+            self._queue.put_nowait(shutting_down())
 
     async def start(
         self, params: SamplingParams, priority: int, salt: str | None, request: Request
@@ -67,6 +84,7 @@ class Run:
         """Submit every prompt and wait for its first output: refusals raise here. A client
         that leaves while its prompts wait in the queue aborts them before they are scheduled
         (CancelledError ends the handler)."""
+        self.ctx.drain.run_started(self)
         self.streams = [
             self.ctx.engine.generate(
                 RequestSpec(f"{self.request_id}-{i}", prompt, params, priority, salt)
@@ -79,8 +97,10 @@ class Run:
             return_exceptions=True,
         )
         try:
-            firsts = await until_disconnected(asyncio.ensure_future(gathering), request)
-        except asyncio.CancelledError:
+            firsts = await until_disconnected(
+                asyncio.ensure_future(gathering), request, self.ctx.drain
+            )
+        except BaseException:  # a client gone, or the drain deadline
             await self.close()
             raise
         errors = [f for f in firsts if isinstance(f, BaseException)]
@@ -97,6 +117,9 @@ class Run:
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
+        self._queue = queue
+        if self.ctx.drain.expired.is_set():
+            queue.put_nowait(shutting_down())
 
         async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
             try:
@@ -129,17 +152,26 @@ class Run:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def close(self) -> None:
+        """Close every stream (aborting what still runs); only the first call acts."""
+        if self._closed:
+            return
+        self._closed = True
+        self.ctx.drain.run_ended(self)
         for stream in self.streams:
             await stream.aclose()  # type: ignore[attr-defined]
 
 
-async def until_disconnected(task: asyncio.Future[T], request: Request) -> T:
+async def until_disconnected(task: asyncio.Future[T], request: Request, drain: Drain) -> T:
     """`task`'s result; if the client goes away first, `task` is cancelled and
-    CancelledError raised."""
+    CancelledError raised; if the drain deadline passes first, ServerShuttingDownError."""
     try:
         while not task.done():
             await asyncio.wait([task], timeout=DISCONNECT_POLL_S)
-            if not task.done() and await request.is_disconnected():
+            if task.done():
+                break
+            if drain.expired.is_set():
+                raise shutting_down()
+            if await request.is_disconnected():
                 task.cancel()
                 break
         return await task
@@ -157,7 +189,7 @@ async def final_outputs(run: Run, request: Request) -> list[RequestOutput]:
             finals[index] = output
 
     try:
-        await until_disconnected(asyncio.create_task(consume()), request)
+        await until_disconnected(asyncio.create_task(consume()), request, run.ctx.drain)
     finally:
         await run.close()
     outputs = [finals[i] for i in range(len(run.prompts))]
@@ -179,30 +211,25 @@ def stream_response(
         tracker = ChoiceTracker(every_token)
         finals: dict[int, RequestOutput] = {}
         try:
-            async for prompt_index, output in run.outputs():
-                finals[prompt_index] = output
-                if output.error:
-                    yield sse(
-                        {
-                            "error": {
-                                "message": output.error,
-                                "type": "InternalServerError",
-                                "param": None,
-                                "code": 500,
-                            }
-                        }
-                    )
-                    break
-                for choice in output.outputs:
-                    index = prompt_index * n + choice.index
-                    if first_chunks is not None and tracker.take_role(index):
-                        for extra in first_chunks(index):
-                            yield sse(extra)
-                    delta = tracker.delta(index, choice)
-                    if delta is not None:
-                        yield sse(make_chunk(index, choice, delta))
-            if usage_base is not None and len(finals) == len(run.prompts):
-                yield sse({**usage_base([]), "usage": usage([finals[i] for i in sorted(finals)])})
+            try:
+                async for prompt_index, output in run.outputs():
+                    finals[prompt_index] = output
+                    if output.error:
+                        yield sse(error_body(500, output.error))
+                        break
+                    for choice in output.outputs:
+                        index = prompt_index * n + choice.index
+                        if first_chunks is not None and tracker.take_role(index):
+                            for extra in first_chunks(index):
+                                yield sse(extra)
+                        delta = tracker.delta(index, choice)
+                        if delta is not None:
+                            yield sse(make_chunk(index, choice, delta))
+                if usage_base is not None and len(finals) == len(run.prompts):
+                    totals = usage([finals[i] for i in sorted(finals)])
+                    yield sse({**usage_base([]), "usage": totals})
+            except ServerShuttingDownError as exc:  # the drain deadline passed mid-stream
+                yield sse(error_body(exc.http_status, str(exc)))
             yield sse("[DONE]")
         finally:
             await run.close()  # a closed stream (client gone) aborts what is still running

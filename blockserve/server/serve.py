@@ -1,14 +1,18 @@
 """Running the server: build the engine, print where it listens, serve until a signal.
 
-uvicorn handles SIGINT/SIGTERM: it stops accepting, lets in-flight requests finish for a few
-seconds, cancels the rest (which aborts them in the engine), then the app's lifespan stops the
-engine thread and the event publisher.
+SIGTERM drains first (server/drain.py): /health and new requests answer 503 while running
+requests get up to `--shutdown-timeout` to finish, then what is left ends with an error; only
+then does uvicorn shut down. SIGINT (or a second SIGTERM) is uvicorn's own: stop accepting,
+let in-flight requests finish for a few seconds, cancel the rest (which aborts them in the
+engine). Either way the app's lifespan then stops the engine thread and the event publisher.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
+import socket
 from types import FrameType
 
 import uvicorn
@@ -16,6 +20,7 @@ import uvicorn
 from blockserve.config import EngineConfig, ServerConfig
 from blockserve.engine.async_engine import AsyncEngine
 from blockserve.server.app import build_app
+from blockserve.server.drain import Drain
 
 logger = logging.getLogger("blockserve")
 GRACEFUL_SHUTDOWN_S = 5
@@ -35,14 +40,15 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
             kv_events_config.replay_endpoint,
         )
     logger.info("listening on http://%s:%d", server_config.host, server_config.port)
-    server = uvicorn.Server(
+    server = DrainingServer(
+        app.state.drain,
         uvicorn.Config(
             app,
             host=server_config.host,
             port=server_config.port,
             log_level="info",
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-        )
+        ),
     )
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal with the
     # handler found at start: turn both into KeyboardInterrupt, which ends here, cleanly.
@@ -50,11 +56,40 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     try:
         server.run()
     except KeyboardInterrupt:
-        logger.info("stopped")
+        pass  # the signal that ended a graceful shutdown, raised again by uvicorn
     finally:
         signal.signal(signal.SIGTERM, previous)
+    logger.info("stopped")
     return 0
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, with a drain before the shutdown that the first SIGTERM starts."""
+
+    def __init__(self, drain: Drain, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.drain = drain
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task[None] | None = None
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig == signal.SIGTERM and not self.drain.draining and self._loop is not None:
+            self.drain.draining = True  # at once: /health turns 503 before the next request
+            self._loop.call_soon_threadsafe(self._start_drain)
+            return
+        super().handle_exit(sig, frame)
+
+    def _start_drain(self) -> None:
+        self._drain_task = asyncio.ensure_future(self._drain_then_exit())
+
+    async def _drain_then_exit(self) -> None:
+        await self.drain.drain()
+        self.should_exit = True

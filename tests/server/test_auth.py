@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 from blockserve.config import ServerConfig
 from blockserve.errors import InvalidConfigError
 from blockserve.server.auth import (
-    auth_middleware,
+    RequireApiKey,
     read_api_keys,
     resolve_api_keys,
     salt_for_key,
@@ -53,7 +53,7 @@ def test_per_key_salts_separate_tenants_and_keep_client_salts_apart() -> None:
 
 def app_with_keys(open_paths: frozenset[str]) -> TestClient:
     app = FastAPI()
-    app.middleware("http")(auth_middleware(("k1", "k2"), open_paths))
+    app.add_middleware(RequireApiKey, keys=("k1", "k2"), open_paths=open_paths)
 
     @app.get("/health")
     async def health() -> dict:

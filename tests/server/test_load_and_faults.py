@@ -6,10 +6,13 @@ import asyncio
 import json
 import socket
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.server.conftest import tiny_server
 from tests.server.server_process import ServerProcess, read_metric
 
 NUM_CLIENTS = 64
@@ -89,32 +92,52 @@ def test_concurrent_streams_with_disconnects_leave_a_clean_pool(server: ServerPr
     assert again.json()["choices"][0]["text"] == expected[0]
 
 
-def holding_blocks(server: ServerProcess) -> int:
-    return int(httpx.get(f"{server.url}/debug/kv_cache").json()["num_requests_holding_blocks"])
+@pytest.fixture(scope="module")
+def server_with_key(
+    tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    """A server behind an API key (metrics left open to count tokens)."""
+    yield from tiny_server(
+        tiny_llama_dir, tmp_path_factory, ["--api-key", "k", "--metrics-without-auth"]
+    )
 
 
-def wait_for_holders(server: ServerProcess, count: int, timeout: float = 10.0) -> None:
+def holding_blocks(server: ServerProcess, headers: dict[str, str]) -> int:
+    report = httpx.get(f"{server.url}/debug/kv_cache", headers=headers).json()
+    return int(report["num_requests_holding_blocks"])
+
+
+def wait_for_holders(
+    server: ServerProcess, count: int, headers: dict[str, str], timeout: float = 10.0
+) -> None:
     deadline = time.monotonic() + timeout
-    while holding_blocks(server) != count:
+    while holding_blocks(server, headers) != count:
         assert time.monotonic() < deadline, f"never {count} requests holding blocks"
         time.sleep(0.01)
 
 
-def test_non_streaming_client_that_leaves_aborts_its_request(server: ServerProcess) -> None:
+@pytest.mark.parametrize("fixture", ["server", "server_with_key"])
+def test_non_streaming_client_that_leaves_aborts_its_request(
+    fixture: str, request: pytest.FixtureRequest
+) -> None:
     """A non-streaming client that hangs up once its request runs stops it: its blocks are
-    freed and fewer tokens than asked are generated."""
+    freed and fewer tokens than asked are generated — behind an API key too (a middleware
+    must not hide the disconnect from the handler)."""
+    server: ServerProcess = request.getfixturevalue(fixture)
+    headers = {"Authorization": "Bearer k"} if fixture == "server_with_key" else {}
     before = read_metric(server.url, "generation_tokens_total")
     payload = json.dumps(
         {"prompt": [5, 6, 7], "max_tokens": 500, "temperature": 0, "ignore_eos": True}
     ).encode()
+    header_lines = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
     with socket.create_connection(("127.0.0.1", server.port)) as raw:
         raw.sendall(
             b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
             b"Content-Type: application/json\r\n"
-            + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+            + f"{header_lines}Content-Length: {len(payload)}\r\n\r\n".encode()
             + payload
         )
-        wait_for_holders(server, 1)  # running: now hang up, without reading the answer
-    wait_for_holders(server, 0)
+        wait_for_holders(server, 1, headers)  # running: now hang up, without reading the answer
+    wait_for_holders(server, 0, headers)
     generated = read_metric(server.url, "generation_tokens_total") - before
     assert 0 < generated < 500

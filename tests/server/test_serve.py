@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import signal
+import threading
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.server.conftest import TINY_ARGS
-from tests.server.server_process import ServerProcess
+from tests.server.server_process import ServerProcess, read_metric
 
 
 def test_start_up_log_and_sigterm_exit(tiny_llama_dir: Path, tmp_path: Path) -> None:
@@ -41,3 +45,43 @@ def test_a_bad_engine_flag_exits_2_before_loading(
 
     assert main(["serve", "--model", "/nonexistent", *flags]) == 2
     assert capsys.readouterr().err == f"blockserve serve: {message}\n"
+
+
+def test_sigterm_drains_running_streams_and_refuses_new_work(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """8 long streams, then SIGTERM (1 s drain): /health and a new request answer 503 at
+    once (with Retry-After); every stream ends with [DONE], after its last chunk or a 503
+    error event; the process exits 0."""
+    args = ["--model", str(tiny_llama_dir), *TINY_ARGS, "--shutdown-timeout", "1"]
+    server = ServerProcess(args, tmp_path / "log")
+    streams: list[list[str]] = [[] for _ in range(8)]
+
+    def stream(i: int) -> None:
+        body = {"prompt": [5 + i, 6, 7], "max_tokens": 500, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+            streams[i].extend(line for line in r.iter_lines() if line)
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(8)]
+    try:
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 30
+        while read_metric(server.url, "num_requests_running") < 8:
+            assert time.monotonic() < deadline, "the 8 streams never ran together"
+            time.sleep(0.02)
+        server.process.send_signal(signal.SIGTERM)
+        assert httpx.get(f"{server.url}/health").status_code == 503
+        refused = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi"})
+        assert (refused.status_code, refused.headers["retry-after"]) == (503, "5")
+        assert refused.json()["error"]["message"] == "the server is shutting down"
+        for thread in threads:
+            thread.join(30)
+        assert server.process.wait(30) == 0
+    finally:
+        server.stop()
+    for lines in streams:
+        assert lines[-1] == "data: [DONE]"
+        last = json.loads(lines[-2][len("data: ") :])
+        finished = "choices" in last and last["choices"][0]["finish_reason"] == "length"
+        assert finished or last["error"]["code"] == 503
