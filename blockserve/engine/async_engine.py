@@ -94,8 +94,8 @@ class AsyncEngine:
         return self._stats
 
     async def debug_kv_cache(self) -> KVCacheReport:
-        result: KVCacheReport = await self._call(lambda engine: engine.kv_cache_report())
-        return result
+        report: KVCacheReport = await self._call(LLMEngine.kv_cache_report)
+        return report
 
     async def generate(self, spec: RequestSpec) -> AsyncIterator[RequestOutput]:
         """Yield a snapshot of the request after every step that changed it, last one finished.

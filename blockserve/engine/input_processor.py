@@ -24,7 +24,7 @@ class InputProcessor:
     vocab_size: int
     max_model_len: int
     scheduling_policy: str
-    max_n: int = 128
+    max_n: int
     # Characters in the longest token's text: a prompt of c characters has at least
     # ceil(c / max_chars_per_token) tokens, which bounds it before any tokenizing.
     max_chars_per_token: int | None = None

@@ -59,7 +59,8 @@ class _RequestState:
 
 @dataclass(frozen=True, slots=True)
 class ProcessedOutputs:
-    """A step's outputs, and the samples a stop string ended (to abort in the core)."""
+    """A step's outputs, and the samples the core must still abort: ended by a stop string,
+    by an abort, or as siblings of a sample that failed."""
 
     request_outputs: list[RequestOutput]
     samples_to_abort: list[SampleId]

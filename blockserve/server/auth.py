@@ -27,7 +27,8 @@ def read_api_keys(path: str) -> tuple[str, ...]:
         lines = Path(path).read_text().splitlines()
     except OSError as exc:
         raise InvalidConfigError(f"api_keys_file (--api-keys-file): {exc}") from None
-    keys = tuple(line.strip() for line in lines if line.strip() and not line.startswith("#"))
+    stripped = (line.strip() for line in lines)
+    keys = tuple(line for line in stripped if line and not line.startswith("#"))
     if not keys:
         raise InvalidConfigError(f"api_keys_file (--api-keys-file): no key in {path}")
     return keys

@@ -130,16 +130,16 @@ def test_llm_takes_exactly_the_engine_args() -> None:
         LLM(max_num_sequences=4)
 
 
-def test_defaults_are_vllms() -> None:
-    """Block size 16, prefix caching on, sha256, FCFS, 64 sequences, 2048 tokens a step."""
+def test_defaults_are_vllms_and_the_configs_own() -> None:
+    """Block size 16, prefix caching on, sha256, FCFS, 64 sequences, 2048 tokens a step; and
+    the frozen configs' defaults (for code that builds them directly) say the same."""
     config = EngineArgs().create_configs()
-    assert config == EngineConfig(
-        model=ModelConfig(model=None, dtype="auto", device="auto", attention_backend="auto"),
-        cache=CacheConfig(block_size=16, enable_prefix_caching=True),
-        scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048, policy="fcfs"),
-        kv_events=None,
-    )
+    assert config == EngineConfig(ModelConfig(), CacheConfig(), SchedulerConfig(), None)
+    assert (config.cache.block_size, config.cache.enable_prefix_caching) == (16, True)
     assert config.cache.prefix_caching_hash_algo == "sha256"
+    scheduler = config.scheduler
+    assert (scheduler.max_num_seqs, scheduler.max_num_batched_tokens) == (64, 2048)
+    assert (scheduler.policy, scheduler.max_n) == ("fcfs", 128)
 
 
 def test_kv_events_config_accepts_json_dict_or_config() -> None:
@@ -149,4 +149,4 @@ def test_kv_events_config_accepts_json_dict_or_config() -> None:
     for value in (text, {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv"}):
         assert EngineArgs(kv_events_config=value).create_configs().kv_events == expected
     config = EngineArgs(kv_events_config=expected).create_configs()
-    assert dataclasses.asdict(config)["kv_events"] == dataclasses.asdict(expected)
+    assert config.kv_events is expected  # a built config passes through as it is

@@ -127,7 +127,12 @@ def test_text_that_cannot_fit_is_refused_before_tokenizing() -> None:
     """With tokens of at most 4 characters, 125 characters are at least 32 tokens: refused
     without tokenizing; 124 characters might fit, so they are tokenized."""
     processor = InputProcessor(
-        RefusingTokenizer(), 1000, max_model_len=32, scheduling_policy="fcfs", max_chars_per_token=4
+        RefusingTokenizer(),
+        1000,
+        max_model_len=32,
+        scheduling_policy="fcfs",
+        max_n=4,
+        max_chars_per_token=4,
     )
     with pytest.raises(InvalidRequestError) as refused:
         processor.process(RequestSpec("a", "x" * 125), set())

@@ -22,7 +22,7 @@ def test_keys_come_from_flags_and_file_and_else_the_environment(tmp_path: Path) 
     """Flag keys and file keys add up; the environment variable counts only when neither
     gives a key."""
     keys_file = tmp_path / "keys"
-    keys_file.write_text("# tenants\nalpha\n\n  beta  \n")
+    keys_file.write_text("# tenants\nalpha\n\n  beta  \n  # an indented comment\n")
     assert read_api_keys(str(keys_file)) == ("alpha", "beta")
     env = {"BLOCKSERVE_API_KEY": "from-env"}
     both = ServerConfig(api_key=("flag",), api_keys_file=str(keys_file))
