@@ -121,6 +121,20 @@ class ServerConfig:
         "largest request body accepted; a larger one is a 413 before it is read",
         check=positive,
     )
+    default_chat_max_tokens: int = option(
+        2048,
+        "max_tokens of a chat completion that gives neither max_tokens nor "
+        "max_completion_tokens (less if the context leaves less)",
+        check=positive,
+    )
+    trust_chat_special_tokens: bool = option(
+        False,
+        "let special-token text inside chat messages (<|im_start|>, ...) become special "
+        "tokens, as it once did; by default it is plain text, so a message cannot forge a turn",
+    )
+    tokenizer_workers: int = option(
+        2, "threads that tokenize prompts and render chat templates", check=positive
+    )
     shutdown_timeout: float = option(
         30.0,
         "seconds running requests get to finish after SIGTERM; then each ends with an error",

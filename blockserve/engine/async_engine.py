@@ -1,12 +1,14 @@
 """`AsyncEngine`: an `LLMEngine` on its own thread, with per-request async streams; the
 `EngineClient` the HTTP server uses.
 
-Requests are checked and tokenized on the caller's event loop (with the loop's own tokenizer
-copy), so a refusal costs the engine thread nothing. One background thread owns the engine: it
+Requests are checked and tokenized on a small pool of worker threads (engine/tokenizer_pool.py),
+off the event loop and off the engine thread, so a refusal costs the engine nothing and a long
+prompt costs only its own latency. One background thread owns the engine: it
 applies queued adds and aborts between steps, steps while there is work, and leaves a stats
 snapshot after each step, so the engine is never touched concurrently. Outputs travel to the
 loop thread-safely. A request whose stream is closed early (client gone) is aborted. An error
-that escapes a step marks the engine dead: every stream fails, health turns false.
+that escapes a step marks the engine dead: every stream fails (with the error's type only: its
+text may quote a request), health turns false.
 """
 
 from __future__ import annotations
@@ -14,19 +16,20 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import copy
-import dataclasses
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from blockserve.config import EngineConfig
+from blockserve.engine.chat import Message
 from blockserve.engine.client import ModelInfo
 from blockserve.engine.llm_engine import LLMEngine, build_engine
 from blockserve.engine.outputs import EngineStats, KVCacheReport, RequestOutput
 from blockserve.engine.request import RequestSpec, ValidatedRequest
+from blockserve.engine.tokenizer_pool import TokenizerPool
 from blockserve.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
@@ -52,18 +55,20 @@ _Command = ValidatedRequest | _Abort | _Call | _Stop
 
 
 class AsyncEngine:
-    """Implements `EngineClient`: generate, abort, health, model info, stats, KV report."""
+    """Implements `EngineClient`: generate, abort, tokenize, health, model info, stats, KV
+    report."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, tokenizer_workers: int = 2) -> None:
         self.engine = engine
         processor = engine.input_processor
-        # The loop's own tokenizer: a tokenizer must not be used from two threads at once.
-        self._input = dataclasses.replace(processor, tokenizer=copy.deepcopy(processor.tokenizer))
+        self._tokenizers = TokenizerPool(processor, tokenizer_workers)
+        # The loop's own tokenizer, for short decodes: a tokenizer must not be used from two
+        # threads at once.
         self._model_info = ModelInfo(
             engine.core.info.model_name,
             processor.max_model_len,
             processor.vocab_size,
-            self._input.tokenizer,
+            copy.deepcopy(processor.tokenizer),
         )
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
@@ -74,8 +79,8 @@ class AsyncEngine:
         self.dead_error: BaseException | None = None
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> AsyncEngine:
-        return cls(build_engine(config))
+    def from_config(cls, config: EngineConfig, tokenizer_workers: int = 2) -> AsyncEngine:
+        return cls(build_engine(config), tokenizer_workers)
 
     def start(self) -> None:
         """Start the engine thread; outputs are delivered to the running event loop."""
@@ -104,13 +109,15 @@ class AsyncEngine:
         iterator early aborts the request.
         """
         self._check_alive()
-        request = self._input.process(spec, self._streams)
+        self.engine.input_processor.check_request_id(spec.request_id, self._streams)
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        # Registered before the add is sent, so no output can arrive before its stream.
+        # Registered at once: it holds the id while the prompt is tokenized, and no output can
+        # arrive before its stream.
         self._streams[spec.request_id] = stream
-        self._commands.put(request)
         finished = False
         try:
+            request = await self._tokenizers.run(lambda p: p.process(spec, ()))
+            self._commands.put(request)
             while not finished:
                 item = await stream.get()
                 if isinstance(item, BaseException):
@@ -126,8 +133,28 @@ class AsyncEngine:
         """Abort a request; its blocks are freed before the engine's next step."""
         self._commands.put(_Abort(request_id))
 
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> tuple[int, ...]:
+        """`text`'s token ids, on a tokenizer worker; text that cannot fit the context is
+        refused (InvalidRequestError) before it is tokenized."""
+        return await self._tokenizers.run(lambda p: p.encode_text(text, add_special_tokens))
+
+    async def tokenize_chat(
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = True,
+        special_tokens_in_content: bool = False,
+    ) -> tuple[int, ...]:
+        """A conversation's prompt token ids under the chat template, on a tokenizer worker."""
+        return await self._tokenizers.run(
+            lambda p: p.chat_prompt(messages, add_generation_prompt, special_tokens_in_content)
+        )
+
+    async def detokenize(self, token_ids: Sequence[int]) -> str:
+        return await self._tokenizers.run(lambda p: str(p.tokenizer.decode(list(token_ids))))
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine thread (in-flight requests are aborted) and release resources."""
+        self._tokenizers.shutdown()
         self._stopping.set()
         self._commands.put(_Stop())
         if self._thread is not None:
@@ -159,7 +186,8 @@ class AsyncEngine:
         except BaseException as exc:  # the loop cannot go on: fail everyone, loudly
             logger.exception("engine loop died")
             self.dead_error = exc
-            self._fail_all(EngineDeadError(f"the engine loop died: {exc}"))
+            message = f"the engine loop died ({type(exc).__name__}); the server log has details"
+            self._fail_all(EngineDeadError(message))
             return
         self.engine.abort_all()
         self._fail_all(EngineDeadError("the engine is shutting down"))

@@ -6,18 +6,19 @@ Every value that crosses it is plain data, or a tokenizer that belongs to the ca
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from blockserve.engine.chat import Message
 from blockserve.engine.outputs import EngineStats, KVCacheReport, RequestOutput
 from blockserve.engine.request import RequestSpec
 
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """The served model as a client sees it. `tokenizer` is the client's own copy, for use
-    on the event-loop thread (the engine thread has another)."""
+    """The served model as a client sees it. `tokenizer` is the client's own copy, for short
+    decodes on the event-loop thread (a token's text); long work goes through `tokenize`."""
 
     name: str
     max_model_len: int
@@ -39,6 +40,23 @@ class EngineClient(Protocol):
 
     def abort(self, request_id: str) -> None:
         """End a request; its blocks are freed before the engine's next step."""
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> tuple[int, ...]:
+        """Token ids of `text`, off the event loop; text that cannot fit the context is
+        refused before it is tokenized."""
+
+    async def tokenize_chat(
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = True,
+        special_tokens_in_content: bool = False,
+    ) -> tuple[int, ...]:
+        """A conversation's prompt token ids under the model's chat template, off the event
+        loop; special-token text inside a message stays plain text unless
+        `special_tokens_in_content`."""
+
+    async def detokenize(self, token_ids: Sequence[int]) -> str:
+        """The text of token ids (each inside the vocabulary), off the event loop."""
 
     def is_healthy(self) -> bool: ...
 

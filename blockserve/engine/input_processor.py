@@ -8,10 +8,11 @@ field and changes nothing. Its tokenizer belongs to the thread that calls it.
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from blockserve.engine.chat import Message, chat_prompt_ids
 from blockserve.engine.request import RequestSpec, ValidatedRequest
 from blockserve.errors import InvalidRequestError
 
@@ -31,10 +32,7 @@ class InputProcessor:
 
     def process(self, spec: RequestSpec, live_request_ids: Container[str]) -> ValidatedRequest:
         """The spec, checked and tokenized; InvalidRequestError for the first field at fault."""
-        if spec.request_id in live_request_ids:
-            raise InvalidRequestError(
-                f"request id {spec.request_id!r} is already in use", "request_id"
-            )
+        self.check_request_id(spec.request_id, live_request_ids)
         self._check_options(spec)
         self._check_vocabulary_bounds(spec)
         token_ids = self._token_ids(spec.prompt)
@@ -54,6 +52,40 @@ class InputProcessor:
                 "max_tokens",
             )
         return ValidatedRequest(spec, token_ids)
+
+    def check_request_id(self, request_id: str, live_request_ids: Container[str]) -> None:
+        if request_id in live_request_ids:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+
+    def encode_text(self, text: str, add_special_tokens: bool = True) -> tuple[int, ...]:
+        """A text prompt's token ids. Text that cannot fit the context whatever its tokens
+        are, or that no tokenizer can take (a lone surrogate), is refused before any
+        tokenizing."""
+        self._check_characters(text)
+        if not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise InvalidRequestError(
+                    f"the prompt is not valid Unicode: {exc.reason} at {exc.start}", "prompt"
+                ) from None
+        return tuple(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def chat_prompt(
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = True,
+        special_tokens_in_content: bool = False,
+    ) -> tuple[int, ...]:
+        """A conversation's prompt token ids under the model's chat template (engine/chat.py:
+        special-token text in a message is plain text unless `special_tokens_in_content`).
+        A conversation too long for the context is refused before it is tokenized."""
+        self._check_characters(sum(len(m.get("content") or "") for m in messages))
+        return tuple(
+            chat_prompt_ids(
+                self.tokenizer, messages, add_generation_prompt, special_tokens_in_content
+            )
+        )
 
     def _check_options(self, spec: RequestSpec) -> None:
         if spec.cache_salt is not None and not spec.cache_salt:
@@ -95,15 +127,7 @@ class InputProcessor:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("the prompt is empty", "prompt")
-            self._check_characters(prompt)
-            if not prompt.isascii():
-                try:
-                    prompt.encode("utf-8")
-                except UnicodeEncodeError as exc:  # a lone surrogate: no tokenizer takes it
-                    raise InvalidRequestError(
-                        f"the prompt is not valid Unicode: {exc.reason} at {exc.start}", "prompt"
-                    ) from None
-            return tuple(self.tokenizer.encode(prompt))
+            return self.encode_text(prompt)
         if not prompt:
             raise InvalidRequestError("the prompt is empty", "prompt")
         bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < self.vocab_size]
@@ -114,15 +138,16 @@ class InputProcessor:
             )
         return prompt
 
-    def _check_characters(self, prompt: str) -> None:
+    def _check_characters(self, chars: int | str) -> None:
         """Tokenizing costs time in proportion to the text: a text that cannot fit the
         context whatever its tokens are is refused without paying it."""
         if self.max_chars_per_token is None:
             return
-        min_tokens = -(-len(prompt) // self.max_chars_per_token)
+        chars = chars if isinstance(chars, int) else len(chars)
+        min_tokens = -(-chars // self.max_chars_per_token)
         if min_tokens >= self.max_model_len:
             raise InvalidRequestError(
-                f"the prompt has {len(prompt)} characters, so at least {min_tokens} tokens "
+                f"the prompt has {chars} characters, so at least {min_tokens} tokens "
                 f"(no token is longer than {self.max_chars_per_token} characters), but the "
                 f"context is {self.max_model_len} tokens",
                 "prompt",

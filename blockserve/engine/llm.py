@@ -8,12 +8,11 @@ from typing import Any
 from tqdm import tqdm
 
 from blockserve.engine.args import EngineArgs
+from blockserve.engine.chat import Message
 from blockserve.engine.llm_engine import LLMEngine, build_engine
 from blockserve.engine.outputs import EngineStats, RequestOutput
 from blockserve.engine.request import RequestSpec, as_prompt_list
 from blockserve.sampling_params import SamplingParams
-
-Message = dict[str, str]
 
 
 class LLM:
@@ -72,14 +71,12 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        tokenizer = self.get_tokenizer()
-        prompts = [
-            tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
-            for conv in conversations
-        ]
-        token_prompts = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        """Apply the model's chat template to each conversation, then generate. Special-token
+        text inside a message is plain text (engine/chat.py)."""
+        one = bool(messages) and isinstance(messages[0], dict)
+        conversations = [messages] if one else messages
+        processor = self.engine.input_processor
+        token_prompts = [list(processor.chat_prompt(c)) for c in conversations]  # type: ignore[arg-type]
         return self.generate(token_prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -24,9 +24,9 @@ from blockserve.server.errors import install_error_handlers, openapi_schema
 from blockserve.server.limits import BodySizeLimit
 from blockserve.server.metrics import ServerMetrics, log_stats_periodically
 from blockserve.server.openai_routes import (
+    chat_prompt,
     create_chat_completion,
     create_completion,
-    render_chat_prompt,
 )
 from blockserve.server.protocol import (
     ChatCompletionRequest,
@@ -47,6 +47,8 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
         tokenizer=info.tokenizer,
         metrics=ServerMetrics(engine, model_name),
         salt_per_key=config.cache_salt_per_key,
+        default_chat_max_tokens=config.default_chat_max_tokens,
+        trust_chat_special_tokens=config.trust_chat_special_tokens,
         drain=Drain(config.shutdown_timeout),
     )
 
@@ -104,11 +106,10 @@ def _add_token_routes(app: FastAPI, ctx: ServingContext, info: ModelInfo) -> Non
     async def tokenize(body: TokenizeRequest) -> dict:
         ctx.check_model(body.model)
         if body.messages is not None:
-            tokens = render_chat_prompt(ctx, ChatCompletionRequest(messages=body.messages))
+            tokens = await chat_prompt(ctx, ChatCompletionRequest(messages=body.messages))
         else:
             assert body.prompt is not None
-            encoded = ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-            tokens = list(encoded)
+            tokens = await ctx.engine.tokenize(body.prompt, body.add_special_tokens)
         return {"count": len(tokens), "max_model_len": info.max_model_len, "tokens": tokens}
 
     @app.post("/detokenize")
@@ -116,7 +117,7 @@ def _add_token_routes(app: FastAPI, ctx: ServingContext, info: ModelInfo) -> Non
         ctx.check_model(body.model)
         if any(not 0 <= t < info.vocab_size for t in body.tokens):
             raise InvalidRequestError(f"token ids must be in [0, {info.vocab_size})", "tokens")
-        return {"prompt": ctx.tokenizer.decode(body.tokens)}
+        return {"prompt": await ctx.engine.detokenize(body.tokens)}
 
 
 def _add_status_routes(app: FastAPI, ctx: ServingContext) -> None:

@@ -95,15 +95,12 @@ async def create_completion(
     )
 
 
-def render_chat_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
+async def chat_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> tuple[int, ...]:
+    """The conversation's prompt token ids, rendered and tokenized off the event loop."""
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    try:
-        text = ctx.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=body.add_generation_prompt, tokenize=False
-        )
-    except Exception as exc:  # a template error is the request's fault
-        raise InvalidRequestError(f"the chat template failed: {exc}") from exc
-    return list(ctx.tokenizer.encode(text, add_special_tokens=False))
+    return await ctx.engine.tokenize_chat(
+        messages, body.add_generation_prompt, ctx.trust_chat_special_tokens
+    )
 
 
 def _chat_choice(choice: CompletionOutput, token_text: TokenText, want_logprobs: bool) -> dict:
@@ -127,12 +124,14 @@ async def create_chat_completion(
     ctx: ServingContext, body: ChatCompletionRequest, request: Request
 ) -> JSONResponse | StreamingResponse:
     ctx.check_model(body.model)
-    params = body.sampling_params(body.effective_max_tokens(), body.num_logprobs())
-    run = Run(
-        ctx,
-        body.request_id or f"chatcmpl-{uuid.uuid4().hex}",
-        [tuple(render_chat_prompt(ctx, body))],
-    )
+    num_logprobs = body.num_logprobs()
+    prompt = await chat_prompt(ctx, body)
+    max_tokens = body.effective_max_tokens()
+    if max_tokens is None:  # the server's default cap, within what the context leaves
+        room = ctx.engine.model_info().max_model_len - len(prompt)
+        max_tokens = max(1, min(ctx.default_chat_max_tokens, room))
+    params = body.sampling_params(max_tokens, num_logprobs)
+    run = Run(ctx, body.request_id or f"chatcmpl-{uuid.uuid4().hex}", [prompt])
     await run.start(params, body.priority, ctx.cache_salt(request, body.cache_salt), request)
     created = int(time.time())
     token_text = TokenText(ctx.tokenizer)

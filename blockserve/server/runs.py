@@ -45,6 +45,8 @@ class ServingContext:
     tokenizer: Any  # the event loop's copy: never shared with the engine thread
     metrics: ServerMetrics
     salt_per_key: bool = False  # --cache-salt-per-key
+    default_chat_max_tokens: int = 2048  # --default-chat-max-tokens
+    trust_chat_special_tokens: bool = False  # --trust-chat-special-tokens
     drain: Drain = field(default_factory=lambda: Drain(0.0))
 
     def cache_salt(self, request: Request, client_salt: str | None) -> str | None:

@@ -31,7 +31,8 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    app = build_app(AsyncEngine.from_config(engine_config), server_config)
+    engine = AsyncEngine.from_config(engine_config, server_config.tokenizer_workers)
+    app = build_app(engine, server_config)
     kv_events_config = engine_config.kv_events
     if kv_events_config is not None and kv_events_config.enabled:
         logger.info(
@@ -59,6 +60,9 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         pass  # the signal that ended a graceful shutdown, raised again by uvicorn
     finally:
         signal.signal(signal.SIGTERM, previous)
+    if engine.dead_error is not None:  # an orchestrator should see a failure, not a stop
+        logger.error("stopped: the engine had died")
+        return 1
     logger.info("stopped")
     return 0
 

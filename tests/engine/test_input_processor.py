@@ -13,7 +13,7 @@ from blockserve.sampling_params import SamplingParams
 class CharTokenizer:
     """One token per character: its code point."""
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(c) for c in text]
 
 
@@ -116,7 +116,7 @@ def test_prompt_and_max_tokens_may_fill_the_context_exactly() -> None:
 class RefusingTokenizer:
     """Fails the test if anything is tokenized."""
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         raise AssertionError("tokenized")
 
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str | None]:

@@ -29,15 +29,22 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """Starts the CLI in a subprocess, waits for /health, stops it with SIGINT."""
+    """Starts the CLI (`module`'s `main`) in a subprocess, waits for /health, stops it with
+    SIGINT."""
 
-    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        args: list[str],
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        module: str = "blockserve.cli",
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = log_path.open("wb")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "blockserve.cli", "serve", "--port", str(self.port), *args],
+            [sys.executable, "-m", module, "serve", "--port", str(self.port), *args],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},

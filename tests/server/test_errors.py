@@ -95,6 +95,28 @@ CASES = [
         400,
         "the context is 512 tokens, but 500 prompt tokens and max_tokens 100 ask for 600",
     ),
+    (
+        "max_tokens 10**9",
+        "/v1/completions",
+        {"prompt": "hi", "max_tokens": 10**9},
+        400,
+        "max_tokens 1000000000 ask for",
+    ),
+    ("n 1000", "/v1/completions", {"prompt": "hi", "n": 1000}, 400, "n must be at most 128"),
+    (
+        "1 MiB text to /tokenize",
+        "/tokenize",
+        {"prompt": "y" * (1 << 20)},
+        400,
+        "characters, so at least",
+    ),
+    (
+        "1 MiB chat message",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "y" * (1 << 20)}]},
+        400,
+        "characters, so at least",
+    ),
     ("empty messages", "/v1/chat/completions", {"messages": []}, 400, "messages"),
     (
         "lone surrogate in a prompt",
@@ -196,14 +218,16 @@ def test_the_schema_documents_400_not_422(server: ServerProcess) -> None:
 
 def test_a_body_over_the_limit_is_413_before_it_is_read(server: ServerProcess) -> None:
     """9 MiB against the 8 MiB default: 413 in OpenAI's shape, whether the length is declared
-    or the body streams in chunks; the server then serves the next request."""
+    or the body streams in chunks, in a prompt or in a field nobody reads; the server then
+    serves the next request."""
     big = b'{"prompt": "' + b"x" * (9 << 20) + b'"}'
+    unknown_field = b'{"prompt": "hi", "junk": "' + b"x" * (9 << 20) + b'"}'
 
     def chunks() -> Iterator[bytes]:
         for start in range(0, len(big), 1 << 20):
             yield big[start : start + (1 << 20)]
 
-    for content in (big, chunks()):
+    for content in (big, chunks(), unknown_field):
         response = httpx.post(
             f"{server.url}/v1/completions",
             content=content,

@@ -85,3 +85,28 @@ def test_sigterm_drains_running_streams_and_refuses_new_work(
         last = json.loads(lines[-2][len("data: ") :])
         finished = "choices" in last and last["choices"][0]["finish_reason"] == "length"
         assert finished or last["error"]["code"] == 503
+
+
+def test_a_dead_engine_means_503s_and_exit_code_1(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """The engine loop dies at its first step: that request gets a 503 naming only the
+    error's type, /health and the next request answer 503, and after SIGTERM the process
+    exits 1 so an orchestrator sees a failure, not a clean stop."""
+    args = ["--model", str(tiny_llama_dir), *TINY_ARGS]
+    server = ServerProcess(args, tmp_path / "log", module="tests.server.broken_engine")
+    try:
+        first = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi"}, timeout=30)
+        assert first.status_code == 503
+        assert first.json()["error"]["message"] == (
+            "the engine loop died (RuntimeError); the server log has details"
+        )
+        assert httpx.get(f"{server.url}/health").status_code == 503
+        second = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi"})
+        assert (second.status_code, second.json()["error"]["message"]) == (
+            503,
+            "the engine is not running",
+        )
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(30) == 1
+    finally:
+        server.stop()
+    assert "stopped: the engine had died" in server.log()

@@ -1,0 +1,85 @@
+"""The tokenizer pool: prompts are tokenized on its own threads, each with its own tokenizer,
+and a long tokenization holds up neither the event loop nor a short one beside it."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import ClassVar
+
+import pytest
+
+from blockserve.engine.input_processor import InputProcessor
+from blockserve.engine.tokenizer_pool import TokenizerPool
+
+WAIT_S = 10
+
+
+class GatedTokenizer:
+    """One token per character. Encoding "slow..." waits for `gate`; every encode records
+    the thread it ran on and the tokenizer object that ran it."""
+
+    gate: ClassVar[threading.Event] = threading.Event()
+    calls: ClassVar[list[tuple[str, int]]] = []
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if text.startswith("slow"):
+            assert self.gate.wait(WAIT_S), "the gate was never opened"
+        self.calls.append((threading.current_thread().name, id(self)))
+        return [ord(c) % 100 for c in text]
+
+
+def make_pool(workers: int) -> tuple[TokenizerPool, GatedTokenizer]:
+    tokenizer = GatedTokenizer()
+    processor = InputProcessor(
+        tokenizer, vocab_size=100, max_model_len=64, scheduling_policy="fcfs", max_n=1
+    )
+    return TokenizerPool(processor, workers), tokenizer
+
+
+def test_work_runs_on_pool_threads_with_their_own_tokenizers() -> None:
+    """Never on the caller's thread, never with the original tokenizer; two workers, two
+    copies."""
+    pool, original = make_pool(workers=2)
+    GatedTokenizer.gate.set()
+    GatedTokenizer.calls.clear()
+
+    async def main() -> list[tuple[int, ...]]:
+        return list(
+            await asyncio.gather(*(pool.run(lambda p: p.encode_text("ab")) for _ in range(8)))
+        )
+
+    try:
+        assert asyncio.run(main()) == [(97, 98)] * 8
+    finally:
+        pool.shutdown()
+    threads = {name for name, _ in GatedTokenizer.calls}
+    tokenizers = {tokenizer for _, tokenizer in GatedTokenizer.calls}
+    assert all(name.startswith("blockserve-tokenizer") for name in threads)
+    assert id(original) not in tokenizers
+    assert len(tokenizers) <= 2 and len(tokenizers) == len(threads)
+
+
+def test_a_short_prompt_does_not_wait_for_a_long_one() -> None:
+    """While one worker is stuck in a long tokenization, the loop runs and the other worker
+    finishes a short prompt; the long one completes once released."""
+    pool, _ = make_pool(workers=2)
+    GatedTokenizer.gate.clear()
+
+    async def main() -> None:
+        slow = asyncio.ensure_future(pool.run(lambda p: p.encode_text("slow text")))
+        short = await asyncio.wait_for(pool.run(lambda p: p.encode_text("hi")), WAIT_S)
+        assert short == (4, 5) and not slow.done()
+        GatedTokenizer.gate.set()
+        assert len(await asyncio.wait_for(slow, WAIT_S)) == len("slow text")
+
+    try:
+        asyncio.run(main())
+    finally:
+        GatedTokenizer.gate.set()
+        pool.shutdown()
+
+
+def test_a_pool_needs_a_worker() -> None:
+    with pytest.raises(ValueError, match="at least one worker, got 0"):
+        make_pool(workers=0)
