@@ -10,9 +10,10 @@ import asyncio
 import contextlib
 import dataclasses
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 
 from blockserve import __version__
 from blockserve.config import ServerConfig
@@ -35,6 +36,14 @@ from blockserve.server.protocol import (
     TokenizeRequest,
 )
 from blockserve.server.runs import ServingContext
+
+# A completion answers JSON, or with "stream": true an event stream.
+GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "The completion, or its server-sent events when streaming.",
+        "content": {"application/json": {}, "text/event-stream": {}},
+    }
+}
 
 
 def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
@@ -68,24 +77,27 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     # Outermost last: keys first, then the drain, then the body limit.
     app.add_middleware(BodySizeLimit, max_bytes=config.max_request_body_bytes)
     app.add_middleware(RefuseWhileDraining, drain=ctx.drain)
+    open_paths = None
     if config.api_key:
-        open_paths = {"/health"} | ({"/metrics"} if config.metrics_without_auth else set())
-        app.add_middleware(RequireApiKey, keys=config.api_key, open_paths=frozenset(open_paths))
+        open_paths = frozenset(
+            {"/health"} | ({"/metrics"} if config.metrics_without_auth else set())
+        )
+        app.add_middleware(RequireApiKey, keys=config.api_key, open_paths=open_paths)
     _add_openai_routes(app, ctx, info)
     _add_token_routes(app, ctx, info)
     _add_status_routes(app, ctx)
     if config.enable_debug_endpoints:
         _add_debug_routes(app, ctx)
-    app.openapi = lambda: openapi_schema(app)  # type: ignore[method-assign]
+    app.openapi = lambda: openapi_schema(app, open_paths)  # type: ignore[method-assign]
     return app
 
 
 def _add_openai_routes(app: FastAPI, ctx: ServingContext, info: ModelInfo) -> None:
-    @app.post("/v1/completions", response_model=None)
+    @app.post("/v1/completions", response_model=None, responses=GENERATION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await create_completion(ctx, body, request)
 
-    @app.post("/v1/chat/completions", response_model=None)
+    @app.post("/v1/chat/completions", response_model=None, responses=GENERATION_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(ctx, body, request)
 
@@ -133,9 +145,13 @@ def _add_status_routes(app: FastAPI, ctx: ServingContext) -> None:
         healthy = ctx.engine.is_healthy() and not ctx.drain.draining
         return Response(status_code=200 if healthy else 503)
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics",
+        response_class=PlainTextResponse,
+        responses={200: {"description": "Prometheus' text format.", "content": {"text/plain": {}}}},
+    )
     async def metrics() -> Response:
-        return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/version")
     async def version() -> dict:

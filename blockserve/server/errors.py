@@ -105,18 +105,39 @@ ERROR_SCHEMA = {
 }
 
 
-def openapi_schema(app: FastAPI) -> dict[str, Any]:
+def _error_response(description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": ERROR_SCHEMA}}}
+
+
+# What every operation may answer besides its own results, by the part of the server that says
+# it: the body limit and the model check (POST only), the drain and a dead engine.
+POST_ERRORS = {
+    "400": "The request is malformed or out of range.",
+    "404": "The request names a model this server does not serve.",
+    "413": "The request body is larger than --max-request-body-bytes.",
+}
+ANY_ERRORS = {"503": "The server is draining, or its engine has died."}
+GENERATION_ERRORS = {"500": "The model step failed for this request."}
+
+
+def openapi_schema(app: FastAPI, open_paths: frozenset[str] | None = None) -> dict[str, Any]:
     """FastAPI's schema, corrected to what the server answers: a malformed body is a 400 in
-    OpenAI's error shape, never FastAPI's 422. Built once and kept, as FastAPI does."""
+    OpenAI's error shape, never FastAPI's 422, and every status a middleware or handler can
+    give is listed (with API keys, `open_paths` given, a 401 on every other path). Built once
+    and kept, as FastAPI does."""
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-        for operation in (op for path in schema["paths"].values() for op in path.values()):
-            responses = operation.get("responses", {})
-            if responses.pop("422", None) is not None:
-                responses["400"] = {
-                    "description": "The request is malformed or out of range.",
-                    "content": {"application/json": {"schema": ERROR_SCHEMA}},
-                }
+        for path, item in schema["paths"].items():
+            for method, operation in item.items():
+                responses = operation.setdefault("responses", {})
+                responses.pop("422", None)
+                errors = {**ANY_ERRORS, **(POST_ERRORS if method == "post" else {})}
+                if path.startswith("/v1/") and method == "post":
+                    errors |= GENERATION_ERRORS
+                if open_paths is not None and path not in open_paths:
+                    errors["401"] = "The request lacks a valid API key."
+                for status, description in errors.items():
+                    responses.setdefault(status, _error_response(description))
         schema.get("components", {}).get("schemas", {}).pop("HTTPValidationError", None)
         schema.get("components", {}).get("schemas", {}).pop("ValidationError", None)
         app.openapi_schema = schema

@@ -4,7 +4,9 @@ Field names and defaults follow OpenAI's API; the extras are vLLM's (`cache_salt
 `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`,
 `skip_special_tokens`, `include_stop_str_in_output`, `request_id`, `return_token_ids`).
 Validation failures become 400 errors in OpenAI's shape (see errors.py). Unknown fields are
-ignored, as OpenAI does.
+ignored, as OpenAI does. Types are strict, as the OpenAPI document states them: `"n": "2"`,
+`"max_tokens": 16.0` or `"stream": "true"` are 400s, not quietly converted (a float field
+takes an integer).
 """
 
 from __future__ import annotations
@@ -30,14 +32,18 @@ def _encodable(text: str) -> str:
 Text = Annotated[str, AfterValidator(_encodable)]
 
 
-class StreamOptions(BaseModel):
+class _Body(BaseModel):
+    """A request body, or a part of one: unknown fields ignored, types strict."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(_Body):
     """Fields shared by completions and chat completions."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
     n: int = 1
@@ -106,8 +112,8 @@ class CompletionRequest(_SamplingFields):
         return as_prompt_list(self.prompt)
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class ChatMessage(_Body):
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Text | list[dict[str, Any]] | None = None
@@ -149,9 +155,7 @@ class ChatCompletionRequest(_SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class TokenizeRequest(_Body):
     model: str | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
@@ -164,8 +168,6 @@ class TokenizeRequest(BaseModel):
         return self
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]
