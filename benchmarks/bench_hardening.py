@@ -23,7 +23,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -59,63 +59,48 @@ def tiny_latency(url: str) -> float:
     return time.perf_counter() - start
 
 
-def while_running(
-    url: str, work: Callable[[], httpx.Response]
-) -> tuple[httpx.Response, float, list[float]]:
-    """Run `work` on a thread; tiny completions back to back meanwhile. Returns its response,
-    its seconds and the tiny latencies seen while it ran."""
-    done: dict[str, Any] = {}
-
-    def run() -> None:
+def send_big(url: str, case: str, repeat: int, context: int) -> list[tuple[int, float]]:
+    """In a process of its own (building and sending 50 MB must not hold the measuring
+    client's GIL): the big request `repeat` times, each one's status and seconds."""
+    content = b'{"prompt": "' + b"word " * (10 << 20) + b'"}'
+    if case != "50 MB body":  # under the body limit and the character bound: tokenized, refused
+        content = json.dumps({"prompt": "word " * (14 * context)}).encode()
+    results = []
+    for _ in range(repeat):
         start = time.perf_counter()
-        done["response"] = work()
-        done["seconds"] = time.perf_counter() - start
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    latencies = []
-    while thread.is_alive() or not latencies:
-        latencies.append(tiny_latency(url))
-    thread.join()
-    return done["response"], done["seconds"], latencies
+        response = httpx.post(
+            f"{url}/v1/completions",
+            content=content,
+            headers={"content-type": "application/json"},
+            timeout=300,
+        )
+        results.append((response.status_code, round(time.perf_counter() - start, 3)))
+    return results
 
 
-def big_inputs(out_dir: Path) -> dict[str, Any]:
+def big_inputs(out_dir: Path, repeat: int = 5) -> dict[str, Any]:
     server = ServerProcess(SERVER_ARGS, out_dir / "big-inputs.log")
     try:
-        idle = statistics.median(tiny_latency(server.url) for _ in range(7))
+        idle = statistics.median(tiny_latency(server.url) for _ in range(15))
         results: dict[str, Any] = {"idle_tiny_latency_s": round(idle, 4)}
         context = int(httpx.get(f"{server.url}/v1/models").json()["data"][0]["max_model_len"])
-        body_50mb = b'{"prompt": "' + b"word " * (10 << 20) + b'"}'
-        cases = {
-            "50 MB body": lambda: httpx.post(
-                f"{server.url}/v1/completions",
-                content=body_50mb,
-                headers={"content-type": "application/json"},
-                timeout=300,
-            ),
-            # Under the 8 MiB body limit and the character bound (81 characters per token at
-            # most), so it is tokenized, on the pool, before its token count refuses it.
-            "prompt of 70 characters per context token": lambda: httpx.post(
-                f"{server.url}/v1/completions",
-                json={"prompt": "word " * (14 * context)},
-                timeout=300,
-            ),
-        }
-        for name, work in cases.items():
-            before = rss_mb(server.process.pid)
-            response, seconds, latencies = while_running(server.url, work)
-            results[name] = {
-                "status": response.status_code,
-                "seconds": round(seconds, 3),
-                "tiny_latency_during_s": {
-                    "median": round(statistics.median(latencies), 4),
-                    "max": round(max(latencies), 4),
-                    "count": len(latencies),
-                },
-                "max_over_idle": round(max(latencies) / idle, 2),
-                "rss_growth_mb": round(rss_mb(server.process.pid) - before, 1),
-            }
+        with ProcessPoolExecutor(1) as sender:
+            for case in ("50 MB body", "prompt of 70 characters per context token"):
+                before = rss_mb(server.process.pid)
+                sent = sender.submit(send_big, server.url, case, repeat, context)
+                latencies = []
+                while not sent.done() or not latencies:
+                    latencies.append(tiny_latency(server.url))
+                results[case] = {
+                    "status_and_seconds": sent.result(),
+                    "tiny_latency_during_s": {
+                        "median": round(statistics.median(latencies), 4),
+                        "max": round(max(latencies), 4),
+                        "count": len(latencies),
+                    },
+                    "median_over_idle": round(statistics.median(latencies) / idle, 2),
+                    "rss_growth_mb": round(rss_mb(server.process.pid) - before, 1),
+                }
         results["peak_rss_mb"] = round(rss_mb(server.process.pid, "VmHWM"), 1)
         return results
     finally:
@@ -137,26 +122,31 @@ def ended_cleanly(lines: list[str]) -> bool:
     return "choices" in last and all(c["finish_reason"] == "length" for c in last["choices"])
 
 
+def start_streams(
+    url: str, count: int, prefix: str, max_tokens: int
+) -> tuple[list[list[str]], list[threading.Thread]]:
+    """`count` streams of `max_tokens` tokens each, started and (within a minute) running
+    together: the lines each receives, and the threads to join."""
+    streams: list[list[str]] = [[] for _ in range(count)]
+    body = {"max_tokens": max_tokens, "ignore_eos": True}
+    threads = [
+        threading.Thread(target=stream_lines, args=(url, {"prompt": f"{prefix} {i}:", **body}, s))
+        for i, s in enumerate(streams)
+    ]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 60
+    while read_metric(url, "num_requests_running") < count and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return streams, threads
+
+
 def poisoning(out_dir: Path) -> dict[str, Any]:
     server = ServerProcess(SERVER_ARGS, out_dir / "poisoning.log")
     try:
         results: dict[str, Any] = {}
         for name, fields in POISONS.items():
-            streams: list[list[str]] = [[] for _ in range(4)]
-            innocent = {"max_tokens": 64, "ignore_eos": True}
-            threads = [
-                threading.Thread(
-                    target=stream_lines, args=(server.url, {"prompt": f"Story {i}:", **innocent}, s)
-                )
-                for i, s in enumerate(streams)
-            ]
-            for thread in threads:
-                thread.start()
-            deadline = time.monotonic() + 60
-            while (
-                read_metric(server.url, "num_requests_running") < 4 and time.monotonic() < deadline
-            ):
-                time.sleep(0.01)
+            streams, threads = start_streams(server.url, 4, "Story", max_tokens=64)
             bad = httpx.post(
                 f"{server.url}/v1/completions", json={"prompt": "x", **fields}, timeout=60
             )
@@ -191,20 +181,8 @@ def auth(out_dir: Path) -> dict[str, Any]:
 
 def sigterm(out_dir: Path) -> dict[str, Any]:
     server = ServerProcess([*SERVER_ARGS, "--shutdown-timeout", "1"], out_dir / "sigterm.log")
-    streams: list[list[str]] = [[] for _ in range(8)]
-    body = {"max_tokens": 2000, "ignore_eos": True}
-    threads = [
-        threading.Thread(
-            target=stream_lines, args=(server.url, {"prompt": f"Tale {i}:", **body}, s)
-        )
-        for i, s in enumerate(streams)
-    ]
     try:
-        for thread in threads:
-            thread.start()
-        deadline = time.monotonic() + 60
-        while read_metric(server.url, "num_requests_running") < 8 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        streams, threads = start_streams(server.url, 8, "Tale", max_tokens=2000)
         server.process.send_signal(signal.SIGTERM)
         for thread in threads:
             thread.join(120)
@@ -230,7 +208,7 @@ def fuzz(out_dir: Path) -> dict[str, Any]:
     server = ServerProcess([*SERVER_ARGS, "--enable-debug-endpoints"], out_dir / "fuzz.log")
     try:
         report_path = out_dir / "schemathesis.json"
-        result = run_schemathesis(server.url, report_path)
+        result = run_schemathesis(server.url, report_path, max_examples=100)
         report = json.loads(report_path.read_text())
     finally:
         server.stop()

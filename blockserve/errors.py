@@ -71,6 +71,14 @@ class ServerShuttingDownError(BlockserveError, RuntimeError):
     http_status = 503
 
 
+class ClientDisconnectedError(BlockserveError, RuntimeError):
+    """The client closed its connection before its answer was ready; its requests were
+    aborted. The status is nginx's 499 ("client closed request"): nobody reads it, but the
+    access log tells a departed client from a server error."""
+
+    http_status = 499
+
+
 class RequestFailedError(BlockserveError, RuntimeError):
     """The engine failed while running a request (the engine itself goes on)."""
 

@@ -20,7 +20,12 @@ from fastapi.responses import StreamingResponse
 from blockserve.engine.client import EngineClient
 from blockserve.engine.outputs import CompletionOutput, RequestOutput
 from blockserve.engine.request import Prompt, RequestSpec
-from blockserve.errors import ModelNotFoundError, RequestFailedError, ServerShuttingDownError
+from blockserve.errors import (
+    ClientDisconnectedError,
+    ModelNotFoundError,
+    RequestFailedError,
+    ServerShuttingDownError,
+)
 from blockserve.sampling_params import SamplingParams
 from blockserve.server.auth import salt_for_key
 from blockserve.server.drain import Drain
@@ -85,7 +90,7 @@ class Run:
     ) -> None:
         """Submit every prompt and wait for its first output: refusals raise here. A client
         that leaves while its prompts wait in the queue aborts them before they are scheduled
-        (CancelledError ends the handler)."""
+        (ClientDisconnectedError ends the handler)."""
         self.ctx.drain.run_started(self)
         self.streams = [
             self.ctx.engine.generate(
@@ -165,7 +170,8 @@ class Run:
 
 async def until_disconnected(task: asyncio.Future[T], request: Request, drain: Drain) -> T:
     """`task`'s result; if the client goes away first, `task` is cancelled and
-    CancelledError raised; if the drain deadline passes first, ServerShuttingDownError."""
+    ClientDisconnectedError raised; if the drain deadline passes first,
+    ServerShuttingDownError."""
     try:
         while not task.done():
             await asyncio.wait([task], timeout=DISCONNECT_POLL_S)
@@ -175,7 +181,8 @@ async def until_disconnected(task: asyncio.Future[T], request: Request, drain: D
                 raise shutting_down()
             if await request.is_disconnected():
                 task.cancel()
-                break
+                await asyncio.gather(task, return_exceptions=True)  # let it unwind first
+                raise ClientDisconnectedError("the client closed the connection")
         return await task
     finally:
         if not task.done():

@@ -117,6 +117,22 @@ CASES = [
         400,
         "characters, so at least",
     ),
+    ("a string for an integer", "/v1/completions", {"prompt": "hi", "n": "2"}, 400, "n"),
+    (
+        "a float for an integer",
+        "/v1/completions",
+        {"prompt": "hi", "max_tokens": 16.0},
+        400,
+        "max_tokens",
+    ),
+    ("a boolean token id", "/detokenize", {"tokens": [True]}, 400, "tokens.0"),
+    (
+        "a string for a boolean",
+        "/tokenize",
+        {"prompt": "hi", "add_special_tokens": "yes"},
+        400,
+        "add_special_tokens",
+    ),
     ("empty messages", "/v1/chat/completions", {"messages": []}, 400, "messages"),
     (
         "lone surrogate in a prompt",

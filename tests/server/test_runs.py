@@ -11,7 +11,7 @@ import pytest
 
 from blockserve.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from blockserve.engine.request import RequestSpec
-from blockserve.errors import InvalidRequestError, RequestFailedError
+from blockserve.errors import ClientDisconnectedError, InvalidRequestError, RequestFailedError
 from blockserve.sampling_params import SamplingParams
 from blockserve.server.metrics import ServerMetrics
 from blockserve.server.runs import Run, ServingContext, final_outputs, stream_response
@@ -141,10 +141,11 @@ def test_a_stream_sends_each_delta_then_done() -> None:
 
 def test_a_client_that_leaves_while_queued_aborts_before_any_output() -> None:
     """Both prompts still wait for their first output when the client goes: the wait ends
-    with CancelledError and both streams are closed (the engine aborts them unscheduled)."""
+    with ClientDisconnectedError (a 499 nobody reads, not a server error in the log) and both
+    streams are closed (the engine aborts them unscheduled)."""
     client = ScriptedClient({1: [], 2: []})
     run = make_run(client, [(1,), (2,)])
-    with pytest.raises(asyncio.CancelledError):
+    with pytest.raises(ClientDisconnectedError, match="the client closed the connection"):
         # Bounded: were the disconnect missed, this would end in TimeoutError, not hang.
         start = run.start(SamplingParams(), 0, None, LeavesAfter(2))  # type: ignore[arg-type]
         asyncio.run(asyncio.wait_for(start, timeout=5))
