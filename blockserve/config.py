@@ -31,6 +31,8 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None
     eviction_policy: str = "lru"
+    tlru_threshold_tokens: int = 512  # tlru's xi: the prefill a turn may pay within its budget
+    tlru_next_prompt_tokens: int = 128  # tlru's q: the expected length of a next turn
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,7 @@ from typing import Protocol
 
 from blockserve.core.block_hash_map import BlockHashToBlockMap
 from blockserve.core.events import KVEvent, KVEventRecorder
-from blockserve.core.eviction import HitAwarePolicy, create_free_block_policy
+from blockserve.core.eviction import HitAwarePolicy, TailLRUConfig, create_free_block_policy
 from blockserve.core.free_queue import FreeBlockQueue, KVCacheBlock
 from blockserve.core.hashing import BlockHash
 from blockserve.errors import InvalidConfigError, NoFreeBlocksError
@@ -50,6 +50,7 @@ class BlockPool:
         enable_caching: bool = True,
         events: KVEventRecorder | None = None,
         eviction_policy: str = "lru",
+        tlru: TailLRUConfig | None = None,
     ) -> None:
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 2:
             raise InvalidConfigError(f"num_blocks must be an integer >= 2, got {num_blocks!r}")
@@ -63,7 +64,7 @@ class BlockPool:
         self.null_block = self.blocks[0]
         self.null_block.is_null = True
         self.free_block_queue = create_free_block_policy(
-            eviction_policy, self.blocks[1:], num_blocks
+            eviction_policy, self.blocks[1:], num_blocks, block_size, tlru
         )
         # LRU needs no notifications: its order is the free queue itself, untouched and fast.
         self._hooks: HitAwarePolicy | None = (
@@ -133,13 +134,19 @@ class BlockPool:
                 queue.remove(block)
             block.ref_cnt += 1
 
-    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+    def free_blocks(
+        self, ordered_blocks: Iterable[KVCacheBlock], priority: int = 0, num_tokens: int = 0
+    ) -> None:
         """Drop one reference on each block; blocks reaching 0 return to the free queue.
 
         Unhashed blocks (which cache nothing) go to the head, to be reused first; hashed blocks
         go to the tail, in the order given, so callers pass a request's blocks tail-first and
-        its deepest block is evicted first.
+        its deepest block is evicted first. `priority` and `num_tokens` describe the request
+        letting go, for the policies that order by it (`priority`, `tlru`).
         """
+        if self._hooks is not None:
+            ordered_blocks = list(ordered_blocks)
+            self._hooks.on_freed(ordered_blocks, priority, num_tokens)
         unhashed: list[KVCacheBlock] = []
         hashed: list[KVCacheBlock] = []
         for block in ordered_blocks:

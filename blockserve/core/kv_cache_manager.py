@@ -14,6 +14,7 @@ from typing import NamedTuple, Protocol, TypeAlias
 
 from blockserve.core.block_pool import BlockPool
 from blockserve.core.events import KVEvent, KVEventRecorder
+from blockserve.core.eviction import TailLRUConfig
 from blockserve.core.free_queue import KVCacheBlock
 from blockserve.core.hashing import BlockHash
 from blockserve.errors import InvalidRequestError
@@ -48,6 +49,9 @@ class KVCacheRequest(Protocol):
 
     @property
     def num_preemptions(self) -> int: ...
+
+    @property
+    def priority(self) -> int: ...
 
 
 class ComputedBlocks(NamedTuple):
@@ -95,8 +99,11 @@ class KVCacheManager:
         enable_caching: bool = True,
         events: KVEventRecorder | None = None,
         eviction_policy: str = "lru",
+        tlru: TailLRUConfig | None = None,
     ) -> None:
-        self.block_pool = BlockPool(num_blocks, block_size, enable_caching, events, eviction_policy)
+        self.block_pool = BlockPool(
+            num_blocks, block_size, enable_caching, events, eviction_policy, tlru
+        )
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.req_to_blocks: dict[RequestId, list[KVCacheBlock]] = {}
@@ -211,7 +218,7 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
         if blocks:
-            self.block_pool.free_blocks(reversed(blocks))
+            self.block_pool.free_blocks(reversed(blocks), request.priority, request.num_tokens)
 
     def get_block_ids(self, request_id: RequestId) -> list[int]:
         """The request's block table (block ids in token order); empty when it holds none."""

@@ -62,6 +62,14 @@ class EngineArgs:
         "which free cached block is reused first (docs/prefix-caching.md)",
         choices=EVICTION_POLICIES,
     )
+    tlru_threshold_tokens: int = option(
+        512,
+        "tlru eviction: the prefill tokens a turn may pay within its TTFT budget (xi)",
+        check=at_least(0),
+    )
+    tlru_next_prompt_tokens: int = option(
+        128, "tlru eviction: the expected tokens of a conversation's next turn", check=at_least(0)
+    )
     scheduling_policy: str = option(
         "fcfs",
         "fcfs: first come first served; priority: lower `priority` values first",
@@ -135,6 +143,8 @@ class EngineArgs:
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 eviction_policy=self.eviction_policy,
+                tlru_threshold_tokens=self.tlru_threshold_tokens,
+                tlru_next_prompt_tokens=self.tlru_next_prompt_tokens,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,

@@ -17,6 +17,7 @@ from typing import Any
 
 from blockserve.config import EngineConfig
 from blockserve.core.events import KVEventRecorder
+from blockserve.core.eviction import TailLRUConfig
 from blockserve.core.hashing import BlockHasher, BlockKeyInputs, RequestBlockHasher
 from blockserve.core.kv_cache_manager import KVCacheManager, RequestId
 from blockserve.engine.outputs import CoreStats, KVCacheReport
@@ -75,6 +76,7 @@ class EngineCore:
             cache.enable_prefix_caching,
             recorder,
             cache.eviction_policy,
+            TailLRUConfig(cache.tlru_threshold_tokens, cache.tlru_next_prompt_tokens),
         )
         self.block_hasher = RequestBlockHasher(
             BlockHasher(cache.prefix_caching_hash_algo), cache.block_size

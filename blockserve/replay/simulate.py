@@ -64,6 +64,7 @@ class _ReplayRequest:
     lora_name: str | None = None
     skip_reading_prefix_cache: bool = False
     num_preemptions: int = 0
+    priority: int = 0
 
 
 @dataclass(slots=True)

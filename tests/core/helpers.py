@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from blockserve.core.block_pool import BlockPool
 from blockserve.core.events import KVEventRecorder
+from blockserve.core.eviction import TailLRUConfig
 from blockserve.core.hashing import BlockHasher, RequestBlockHasher
 from blockserve.core.kv_cache_manager import KVCacheManager
 from blockserve.sched.request import Request
@@ -26,14 +27,21 @@ HASHER = BlockHasher("sha256")
 
 
 def make_manager(
-    num_blocks: int = 11, block_size: int = 4, caching: bool = True, policy: str = "lru"
+    num_blocks: int = 11,
+    block_size: int = 4,
+    caching: bool = True,
+    policy: str = "lru",
+    tlru: TailLRUConfig | None = None,
 ) -> KVCacheManager:
     """A small manager with KV events on (hashes as uint64, as on the wire)."""
-    return KVCacheManager(num_blocks, block_size, caching, KVEventRecorder(), policy)
+    return KVCacheManager(num_blocks, block_size, caching, KVEventRecorder(), policy, tlru)
 
 
-def make_request(request_id: str, token_ids: Sequence[int], block_size: int = 4) -> Request:
-    return Request(request_id, list(token_ids), block_hasher=RequestBlockHasher(HASHER, block_size))
+def make_request(
+    request_id: str, token_ids: Sequence[int], block_size: int = 4, priority: int = 0
+) -> Request:
+    hasher = RequestBlockHasher(HASHER, block_size)
+    return Request(request_id, list(token_ids), block_hasher=hasher, priority=priority)
 
 
 def admit(manager: KVCacheManager, request: Request, num_tokens: int | None = None) -> int | None:

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import pytest
 
+from blockserve.core.eviction import TailLRUConfig
 from blockserve.core.kv_cache_manager import KVCacheManager
 from blockserve.errors import InvalidConfigError
 from tests.core.helpers import admit, assert_manager_integrity, make_manager, make_request
 
 
-def run(manager: KVCacheManager, name: str, tokens: list[int]) -> int | None:
+def run(manager: KVCacheManager, name: str, tokens: list[int], priority: int = 0) -> int | None:
     """Admit, then finish, one request; returns its hit tokens."""
-    request = make_request(name, tokens)
+    request = make_request(name, tokens, priority=priority)
     hits = admit(manager, request)
     manager.free(request)
     return hits
@@ -75,7 +76,59 @@ def test_ghost_gives_returning_blocks_a_second_chance() -> None:
     assert_manager_integrity(manager)
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "slru", "ghost"])
+def block_ids(manager: KVCacheManager, tokens: list[int]) -> list[int]:
+    """The ids of the blocks caching `tokens`' full blocks, in token order."""
+    cached = manager.block_pool.cached_block_hash_to_block
+    hashes = make_request("x", tokens).block_hashes
+    return [cached.get_one_block(h).block_id for h in hashes]  # type: ignore[union-attr]
+
+
+def test_priority_evicts_the_least_urgent_requests_blocks_first() -> None:
+    """priority: B (priority 5, served last by the scheduler) goes before A and C (0),
+    though freed between them; equal priorities keep LRU order, deeper block first."""
+    manager = make_manager(11, policy="priority")
+    run(manager, "a", A, priority=0)
+    run(manager, "b", B, priority=5)
+    run(manager, "c", C, priority=0)
+    a, b, c = (block_ids(manager, t) for t in (A, B, C))
+    assert cached_order(manager) == [b[1], b[0], a[1], a[0], c[1], c[0]]
+    assert_manager_integrity(manager)
+
+
+def test_priority_follows_the_request_that_last_let_go() -> None:
+    """A's blocks, freed again by an urgent request (priority -3), now go last."""
+    manager = make_manager(11, policy="priority")
+    run(manager, "a", A, priority=5)
+    run(manager, "b", B, priority=0)
+    assert run(manager, "a2", A, priority=-3) == 8
+    a, b = block_ids(manager, A), block_ids(manager, B)
+    assert cached_order(manager) == [b[1], b[0], a[1], a[0]]
+    assert_manager_integrity(manager)
+
+
+def test_tlru_evicts_what_cannot_help_a_next_turn_first() -> None:
+    """tlru with xi = 6 tokens and a next turn of 1: A (9 tokens) must keep its first
+    9 + 1 - 6 = 4 tokens (block 0); its block 1 and all of D (5 tokens: 5 + 1 - 6 = 0 to
+    keep) are past the budget and go first, in LRU order; A's block 0 goes last."""
+    manager = make_manager(11, policy="tlru", tlru=TailLRUConfig(6, 1))
+    D = list(range(60, 65))
+    run(manager, "a", A)
+    run(manager, "d", D)
+    a, (d0,) = block_ids(manager, A), block_ids(manager, D)
+    assert cached_order(manager) == [a[1], d0, a[0]]
+    assert_manager_integrity(manager)
+
+
+def test_tlru_with_no_budget_to_spare_is_lru() -> None:
+    """A threshold of 0 tokens: every block is needed, so the order is plain LRU's."""
+    manager = make_manager(11, policy="tlru", tlru=TailLRUConfig(0, 0))
+    run(manager, "a", A)
+    run(manager, "b", B)
+    a, b = block_ids(manager, A), block_ids(manager, B)
+    assert cached_order(manager) == [a[1], a[0], b[1], b[0]]
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "slru", "ghost", "priority", "tlru"])
 def test_held_blocks_are_never_evicted(policy: str) -> None:
     """Under pressure every policy evicts free blocks only; a running request keeps its own."""
     manager = make_manager(8, policy=policy)  # 7 usable blocks
@@ -91,5 +144,5 @@ def test_held_blocks_are_never_evicted(policy: str) -> None:
 
 def test_unknown_policy_is_rejected() -> None:
     """An unknown policy name is a typed configuration error."""
-    with pytest.raises(InvalidConfigError, match="lru, lfu, slru, ghost"):
+    with pytest.raises(InvalidConfigError, match="lru, lfu, slru, ghost, priority, tlru"):
         make_manager(8, policy="fifo")

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from blockserve.core.events import AllBlocksCleared, BlockRemoved, BlockStored
+from blockserve.core.eviction import TailLRUConfig
 from blockserve.sched.request import Request
 from tests.core.helpers import admit, assert_manager_integrity, make_manager, make_request, uint64
 
@@ -22,18 +23,24 @@ class PoolMachine(RuleBasedStateMachine):
     """
 
     policy = "lru"
+    tlru = TailLRUConfig(8, 2)  # small enough that the requests here straddle the budget
 
     def __init__(self) -> None:
         super().__init__()
-        self.manager = make_manager(num_blocks=11, block_size=4, policy=self.policy)
+        self.manager = make_manager(11, 4, policy=self.policy, tlru=self.tlru)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.mirror: set[int] = set()
         self.next_id = 0
 
-    @rule(prefix=st.sampled_from(PREFIXES), suffix=st.lists(st.integers(0, 3), max_size=8))
-    def add_request(self, prefix: list[int], suffix: list[int]) -> None:
-        self.waiting.append(make_request(f"r{self.next_id}", prefix + suffix))
+    @rule(
+        prefix=st.sampled_from(PREFIXES),
+        suffix=st.lists(st.integers(0, 3), max_size=8),
+        priority=st.integers(-2, 2),
+    )
+    def add_request(self, prefix: list[int], suffix: list[int], priority: int) -> None:
+        request = make_request(f"r{self.next_id}", prefix + suffix, priority=priority)
+        self.waiting.append(request)
         self.next_id += 1
 
     @precondition(lambda self: self.waiting)
@@ -110,6 +117,8 @@ def _machine_for(policy: str) -> type[PoolMachine]:
 TestLFUPoolMachine = _machine_for("lfu").TestCase
 TestSLRUPoolMachine = _machine_for("slru").TestCase
 TestGhostPoolMachine = _machine_for("ghost").TestCase
+TestPriorityPoolMachine = _machine_for("priority").TestCase
+TestTailLRUPoolMachine = _machine_for("tlru").TestCase
 
 
 def test_preempted_request_rehits_its_own_blocks() -> None:
