@@ -38,7 +38,7 @@ def chat_prompt_ids(
     specials = special_token_texts(tokenizer)
     if special_tokens_in_content or not any(s in c for c in contents for s in specials):
         return list(tokenizer.encode(text, add_special_tokens=False))
-    pieces = _template_pieces(tokenizer, messages, add_generation_prompt, text)
+    pieces = _template_pieces(tokenizer, messages, contents, add_generation_prompt, text)
     ids: list[int] = []
     for piece, content in zip(pieces, [*contents, ""], strict=True):
         ids += tokenizer.encode(piece, add_special_tokens=False)
@@ -63,7 +63,11 @@ def _render(tokenizer: Any, messages: Sequence[Message], add_generation_prompt: 
 
 
 def _template_pieces(
-    tokenizer: Any, messages: Sequence[Message], add_generation_prompt: bool, text: str
+    tokenizer: Any,
+    messages: Sequence[Message],
+    contents: list[str],
+    add_generation_prompt: bool,
+    text: str,
 ) -> list[str]:
     """The template's own text around the contents: `text` is pieces[0] + content 0 +
     pieces[1] + ... + pieces[-1]. Found by rendering with a unique marker for each content;
@@ -84,7 +88,6 @@ def _template_pieces(
             break
         pieces.append(head)
     pieces.append(rest)
-    contents = [m.get("content") or "" for m in messages]
     if len(pieces) != len(messages) + 1 or text != "".join(
         p + c for p, c in zip(pieces, [*contents, ""], strict=True)
     ):
