@@ -14,7 +14,7 @@ from blockserve.options import at_least, option, positive, validate
 
 DTYPES = ("auto", "float32", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cuda")
-SCHEDULING_POLICIES = ("fcfs", "priority")
+SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,13 +58,15 @@ class SchedulerConfig:
 
     Each step spends at most `max_num_batched_tokens` tokens over at most `max_num_seqs`
     running requests; a prompt longer than the budget is prefilled in chunks. `max_model_len`
-    is the context the engine settled on (the model's, capped by the KV cache).
+    is the context the engine settled on (the model's, capped by the KV cache). Under `lpm`, a
+    cached prefix moves a request ahead by up to `lpm_aging_s` seconds (sched/lpm.py).
     """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int = 8192
     policy: str = "fcfs"
+    lpm_aging_s: float = 30.0
     max_n: int = 128  # most samples one request may ask for: each is a scheduler request
 
 

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from blockserve.core.block_hash_map import BlockHashToBlockMap
-from blockserve.core.events import KVEvent, KVEventRecorder
+from blockserve.core.events import CacheListener, KVEvent, KVEventRecorder
 from blockserve.core.eviction import HitAwarePolicy, TailLRUConfig, create_free_block_policy
 from blockserve.core.free_queue import FreeBlockQueue, KVCacheBlock
 from blockserve.core.hashing import BlockHash
@@ -72,6 +72,11 @@ class BlockPool:
         )
         self.cached_block_hash_to_block = BlockHashToBlockMap()
         self.num_evictions = 0  # cached blocks handed out again (their hash dropped)
+        self._listeners: list[CacheListener] = []
+
+    def add_listener(self, listener: CacheListener) -> None:
+        """Tell `listener` of every hash stored or removed from now on, and of resets."""
+        self._listeners.append(listener)
 
     @property
     def num_usable_blocks(self) -> int:
@@ -118,8 +123,12 @@ class BlockPool:
         if self._hooks is not None:
             self._hooks.on_evicted(block_hash)
         hash_gone = self.cached_block_hash_to_block.pop(block_hash, block.block_id)
-        if hash_gone and self.events is not None:
+        if not hash_gone:
+            return
+        if self.events is not None:
             self.events.block_removed(block_hash)
+        for listener in self._listeners:
+            listener.on_hash_removed(block_hash)
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on each block (a prefix hit); free ones leave the free queue."""
@@ -186,6 +195,8 @@ class BlockPool:
             cache_map.insert(block_hash, block)
             if self._hooks is not None:
                 self._hooks.on_cached(block)
+        for listener in self._listeners:
+            listener.on_hashes_stored(new_hashes)
         if self.events is not None:
             size = self.block_size
             parent = block_hashes[num_cached_blocks - 1] if num_cached_blocks else None
@@ -204,6 +215,8 @@ class BlockPool:
             block.block_hash = None
         if self._hooks is not None:
             self._hooks.on_reset()
+        for listener in self._listeners:
+            listener.on_cache_cleared()
         if self.events is not None:
             self.events.all_blocks_cleared()
         return True

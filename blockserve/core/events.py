@@ -13,7 +13,7 @@ the digest, big-endian) or as the raw digest bytes.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import msgspec
 
@@ -73,6 +73,21 @@ class KVEventBatch(EventBatch):
 
 
 HashFormat = Literal["uint64", "bytes"]
+
+
+class CacheListener(Protocol):
+    """Told, in process, of the changes the wire events describe: which hashes entered or left
+    the prefix cache. Called synchronously inside the pool's mutation, after it is complete;
+    a listener must not call back into the pool."""
+
+    def on_hashes_stored(self, block_hashes: Sequence[BlockHash]) -> None:
+        """`block_hashes` (one request's consecutive blocks) can now be hit."""
+
+    def on_hash_removed(self, block_hash: BlockHash) -> None:
+        """The last block holding `block_hash` was evicted: it can no longer be hit."""
+
+    def on_cache_cleared(self) -> None:
+        """Every hash was forgotten (a prefix-cache reset)."""
 
 
 class KVEventRecorder:

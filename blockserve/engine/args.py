@@ -9,6 +9,7 @@ Imports no torch: the CLI builds its parser from this module.
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,12 @@ def _device(value: str) -> str | None:
     if value in ("auto", "cpu", "cuda") or (name == "cuda" and index.isdigit()):
         return None
     return f"must be auto, cpu, cuda or cuda:N, got {value!r}"
+
+
+def _finite_non_negative(value: float) -> str | None:
+    if math.isfinite(value) and value >= 0:
+        return None
+    return f"must be a finite number >= 0, got {value!r}"
 
 
 def _kv_events(value: Any) -> str | None:
@@ -72,8 +79,15 @@ class EngineArgs:
     )
     scheduling_policy: str = option(
         "fcfs",
-        "fcfs: first come first served; priority: lower `priority` values first",
+        "fcfs: first come first served; priority: lower `priority` values first; lpm: "
+        "longest cached prefix first, with aging (docs/prefix-caching.md)",
         choices=SCHEDULING_POLICIES,
+    )
+    lpm_aging_s: float = option(
+        30.0,
+        "lpm: the most seconds a cached prefix moves a request ahead, so no request is "
+        "admitted ahead of one that arrived more than this much earlier",
+        check=_finite_non_negative,
     )
     max_num_seqs: int = option(64, "most requests per step", check=positive)
     max_num_batched_tokens: int = option(2048, "token budget per step", check=positive)
@@ -150,6 +164,7 @@ class EngineArgs:
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 policy=self.scheduling_policy,
+                lpm_aging_s=float(self.lpm_aging_s),
                 max_n=self.max_n,
             ),
             kv_events=self._kv_events_config(),

@@ -99,7 +99,7 @@ class InputProcessor:
             raise InvalidRequestError("prompt_logprobs are not supported yet", "prompt_logprobs")
         if spec.params.n > self.max_n:
             raise InvalidRequestError(f"n must be at most {self.max_n}, got {spec.params.n}", "n")
-        if spec.priority != 0 and self.scheduling_policy == "fcfs":
+        if spec.priority != 0 and self.scheduling_policy != "priority":
             raise InvalidRequestError(
                 "priority is only supported with the priority scheduling policy", "priority"
             )

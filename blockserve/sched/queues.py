@@ -1,7 +1,7 @@
-"""Waiting-request queues: FCFS (a deque) and priority (a heap), one ordering rule each.
+"""Waiting-request queues: FCFS (a deque), priority (a heap) and lpm (sched/lpm.py).
 
 Priority order is `(priority, arrival_time, request_id)`, lower first. A preempted request
-goes back to the front: under FCFS literally, under priority by its (old) key.
+goes back to the front: under FCFS and lpm literally, under priority by its (old) key.
 """
 
 from __future__ import annotations
@@ -11,7 +11,10 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any, Protocol
 
+from blockserve.config import SchedulerConfig
+from blockserve.core.kv_cache_manager import KVCacheManager
 from blockserve.errors import InvalidConfigError
+from blockserve.sched.lpm import LpmQueue
 from blockserve.sched.request import Request
 
 
@@ -97,9 +100,20 @@ class PriorityQueue:
         return (request for _, request in sorted(self._heap, key=lambda entry: entry[0]))
 
 
-def create_request_queue(policy: str) -> RequestQueue:
-    if policy == "fcfs":
+def create_request_queue(config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> RequestQueue:
+    """The waiting queue for `config.policy`; an lpm queue listens to the manager's pool."""
+    if config.policy == "fcfs":
         return FcfsQueue()
-    if policy == "priority":
+    if config.policy == "priority":
         return PriorityQueue()
-    raise InvalidConfigError(f"unknown scheduling policy {policy!r}")
+    if config.policy == "lpm":
+        pool = kv_cache_manager.block_pool
+        queue = LpmQueue(
+            pool.cached_block_hash_to_block.__contains__,
+            pool.block_size,
+            config.max_model_len,
+            config.lpm_aging_s,
+        )
+        pool.add_listener(queue)
+        return queue
+    raise InvalidConfigError(f"unknown scheduling policy {config.policy!r}")

@@ -57,7 +57,7 @@ class Scheduler:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.waiting = create_request_queue(config.policy)
+        self.waiting = create_request_queue(config, kv_cache_manager)
         self.running: list[Request] = []
         self.requests: dict[RequestId, Request] = {}
         self.finished_request_ids: set[RequestId] = set()

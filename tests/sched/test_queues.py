@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import pytest
 
+from blockserve.config import SCHEDULING_POLICIES, SchedulerConfig
 from blockserve.errors import InvalidConfigError
+from blockserve.sched.lpm import LpmQueue
 from blockserve.sched.queues import FcfsQueue, PriorityQueue, create_request_queue
 from blockserve.sched.request import Request
+from tests.core.helpers import make_manager
 
 
 def make_request(request_id: str, priority: int = 0, arrival: float = 0.0) -> Request:
@@ -57,8 +60,9 @@ def test_a_preempted_request_keeps_its_priority_place() -> None:
 
 
 def test_unknown_policy_is_a_config_error() -> None:
-    """Only fcfs and priority exist."""
-    assert isinstance(create_request_queue("fcfs"), FcfsQueue)
-    assert isinstance(create_request_queue("priority"), PriorityQueue)
+    """Only fcfs, priority and lpm exist."""
+    manager = make_manager()
+    queues = [create_request_queue(SchedulerConfig(policy=p), manager) for p in SCHEDULING_POLICIES]
+    assert [type(q) for q in queues] == [FcfsQueue, PriorityQueue, LpmQueue]
     with pytest.raises(InvalidConfigError, match="unknown scheduling policy 'lifo'"):
-        create_request_queue("lifo")
+        create_request_queue(SchedulerConfig(policy="lifo"), manager)

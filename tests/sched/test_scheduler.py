@@ -144,6 +144,31 @@ def test_waiting_high_priority_does_not_preempt() -> None:
     assert [r.request_id for r in scheduler.waiting] == ["urgent"]
 
 
+def admission_order(policy: str, num_blocks: int) -> tuple[list[str], int]:
+    """Interleaved groups a, b, c of 48-token prompts, one request per step, one output token:
+    the order requests are admitted in and the tokens they computed."""
+    scheduler = make_scheduler(num_blocks=num_blocks, max_num_seqs=1, policy=policy)
+    for index in range(2):
+        for group, first_token in (("a", 1000), ("b", 2000), ("c", 3000)):
+            scheduler.add_request(make_request(f"{group}{index}", 48, 1, first_token=first_token))
+    order, num_computed = [], 0
+    for _ in range(12):
+        output, counts = step(scheduler)
+        order += [s.request_id for s in output.scheduled if s.new_request is not None]
+        num_computed += sum(counts.values())
+    assert not scheduler.has_unfinished_requests()
+    return order, num_computed
+
+
+def test_lpm_runs_a_prefix_group_together() -> None:
+    """With room for one group's blocks, fcfs recomputes every prompt (each group's prefix is
+    evicted before its second request comes round); lpm admits a0 then a1 (which now matches
+    2 blocks) and saves 32 tokens per group."""
+    assert admission_order("fcfs", num_blocks=5) == (["a0", "b0", "c0", "a1", "b1", "c1"], 288)
+    lpm = admission_order("lpm", num_blocks=5)
+    assert lpm == (["a0", "a1", "b0", "b1", "c0", "c1"], 288 - 3 * 32)
+
+
 def test_strict_head_of_line() -> None:
     """A waiting request that does not fit blocks those behind it, even if they would fit."""
     scheduler = make_scheduler(num_blocks=6)  # 5 usable blocks
