@@ -8,8 +8,9 @@ allocate for them in one call (which caches block 65), free.
 
     .venv/bin/python benchmarks/bench_block_manager.py [--repeats 3] [--out results/x.json]
 
-Prints one JSON object: per algorithm and events on/off, the median over repeats of
-requests/s and µs per request, plus µs per block hashed, hit rate and evictions.
+Prints one JSON object: per algorithm and events on/off (and, for sha256, with the online
+miss-ratio curve on), the median over repeats of requests/s and µs per request, plus µs per
+block hashed, hit rate and evictions.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from report import emit
 from blockserve.core.events import KVEventRecorder
 from blockserve.core.hashing import HASH_FUNCTIONS, BlockHasher, RequestBlockHasher
 from blockserve.core.kv_cache_manager import KVCacheManager
+from blockserve.core.miss_ratio import MissRatioCurve
 from blockserve.sched.request import Request
 
 BLOCK_SIZE = 16
@@ -49,10 +51,15 @@ def make_workload(num_requests: int) -> list[tuple[list[int], list[int]]]:
     return workload
 
 
-def run_once(workload: list[tuple[list[int], list[int]]], algo: str, events: bool) -> dict:
+def run_once(
+    workload: list[tuple[list[int], list[int]]], algo: str, events: bool, curve: bool = False
+) -> dict:
     hasher = RequestBlockHasher(BlockHasher(algo, seed="bench"), BLOCK_SIZE)
     recorder = KVEventRecorder() if events else None
     manager = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, enable_caching=True, events=recorder)
+    if curve:  # the engine's online miss-ratio curve, at its default sample budget
+        points = [round(NUM_BLOCKS * 2.0**k) for k in range(-3, 4)]
+        manager.track_miss_ratio(MissRatioCurve(BLOCK_SIZE, points))
     clock = time.perf_counter
     start = clock()
     for i, (prompt, decode) in enumerate(workload):
@@ -107,12 +114,15 @@ def main() -> None:
     }
     for algo in args.algos:
         us_per_block = statistics.median(hash_cost_us(workload, algo) for _ in range(3))
-        for events in (False, True):
-            runs = [run_once(workload, algo, events) for _ in range(args.repeats)]
+        # The miss-ratio curve's cost is measured once, beside the default hash's plain run.
+        variants = [(False, False), (True, False)] + ([(False, True)] if algo == "sha256" else [])
+        for events, curve in variants:
+            runs = [run_once(workload, algo, events, curve) for _ in range(args.repeats)]
             results["runs"].append(
                 {
                     "algo": algo,
                     "events": events,
+                    "miss_ratio_curve": curve,
                     "requests_per_s": round(statistics.median(r["requests_per_s"] for r in runs)),
                     "us_per_request": round(
                         statistics.median(r["us_per_request"] for r in runs), 1

@@ -9,7 +9,8 @@ Sections:
               group's prefix is evicted before its next request comes round. Reports throughput,
               the cached fraction of prompt tokens, TTFT p50/p99, the longest wait (arrival to
               first scheduled) and the largest arrival gap by which any request was overtaken
-              (lpm's aging bound says at most --lpm-aging-s).
+              (lpm's aging bound says at most --lpm-aging-s), and the online miss-ratio curve
+              (the LRU hit rate at 1/16x to 16x the cache) each policy's traffic produced.
   cost        The scheduler alone (no model) with 10, 128, 1,000 and 10,000 waiting requests
               kept topped up: ms per step of add + schedule + update for fcfs, lpm (incremental
               matches) and fcfs plus the per-step full rescan and sort that SGLang's lpm does.
@@ -90,6 +91,7 @@ def throughput(policy: str, args: argparse.Namespace) -> dict:
     waits = [m.first_scheduled_time - m.arrival_time for m in metrics]  # type: ignore[operator]
     num_prompt = sum(len(p) for p in prompts)
     num_output = sum(len(o.outputs[0].token_ids) for o in outputs)
+    curve = llm.engine.miss_ratio_report()  # the warm-up's 40 tokens are in it: negligible
     return {
         "policy": policy,
         "requests": len(prompts),
@@ -102,6 +104,11 @@ def throughput(policy: str, args: argparse.Namespace) -> dict:
         "max_wait_s": round(max(waits), 3),
         "max_overtaking_gap_s": round(max_overtaking_gap(outputs), 4),
         "preemptions": llm.get_stats().num_preemptions,
+        "miss_ratio_curve": {
+            "actual_hit_rate": curve.actual_hit_rate,
+            "sampling_rate": curve.sampling_rate,
+            "points": [(p.capacity_blocks, p.estimated_hit_rate) for p in curve.points],
+        },
     }
 
 

@@ -33,6 +33,7 @@ class CacheConfig:
     eviction_policy: str = "lru"
     tlru_threshold_tokens: int = 512  # tlru's xi: the prefill a turn may pay within its budget
     tlru_next_prompt_tokens: int = 128  # tlru's q: the expected length of a next turn
+    miss_ratio_samples: int = 4096  # the online miss-ratio curve's hash budget; 0: no curve
 
 
 @dataclass(frozen=True, slots=True)

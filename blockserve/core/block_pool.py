@@ -195,12 +195,14 @@ class BlockPool:
             cache_map.insert(block_hash, block)
             if self._hooks is not None:
                 self._hooks.on_cached(block)
+        if self.events is None and not self._listeners:
+            return
+        size = self.block_size
+        parent = block_hashes[num_cached_blocks - 1] if num_cached_blocks else None
+        token_ids = request.all_token_ids[num_cached_blocks * size : num_full_blocks * size]
         for listener in self._listeners:
-            listener.on_hashes_stored(new_hashes)
+            listener.on_hashes_stored(new_hashes, parent, token_ids)
         if self.events is not None:
-            size = self.block_size
-            parent = block_hashes[num_cached_blocks - 1] if num_cached_blocks else None
-            token_ids = request.all_token_ids[num_cached_blocks * size : num_full_blocks * size]
             self.events.block_stored(new_hashes, parent, list(token_ids), size, request.lora_name)
 
     def reset_prefix_cache(self) -> bool:

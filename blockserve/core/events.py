@@ -80,8 +80,14 @@ class CacheListener(Protocol):
     the prefix cache. Called synchronously inside the pool's mutation, after it is complete;
     a listener must not call back into the pool."""
 
-    def on_hashes_stored(self, block_hashes: Sequence[BlockHash]) -> None:
-        """`block_hashes` (one request's consecutive blocks) can now be hit."""
+    def on_hashes_stored(
+        self,
+        block_hashes: Sequence[BlockHash],
+        parent_block_hash: BlockHash | None,
+        token_ids: Sequence[int],
+    ) -> None:
+        """`block_hashes`, one request's consecutive blocks holding `token_ids`, can now be
+        hit; `parent_block_hash` is the hash before them (None: they start at block 0)."""
 
     def on_hash_removed(self, block_hash: BlockHash) -> None:
         """The last block holding `block_hash` was evicted: it can no longer be hit."""

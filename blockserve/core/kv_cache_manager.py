@@ -15,8 +15,10 @@ from typing import NamedTuple, Protocol, TypeAlias
 from blockserve.core.block_pool import BlockPool
 from blockserve.core.events import KVEvent, KVEventRecorder
 from blockserve.core.eviction import TailLRUConfig
+from blockserve.core.explain import CacheExplainer, CacheExplanation
 from blockserve.core.free_queue import KVCacheBlock
 from blockserve.core.hashing import BlockHash
+from blockserve.core.miss_ratio import MissRatioCurve
 from blockserve.errors import InvalidRequestError
 
 RequestId: TypeAlias = Hashable
@@ -109,6 +111,16 @@ class KVCacheManager:
         self.req_to_blocks: dict[RequestId, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[RequestId, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
+        self.miss_ratio_curve: MissRatioCurve | None = None
+        # Remembers the last num_blocks evicted hashes: "evicted" answers within about one
+        # turnover of the cache; older evictions read as "never_stored".
+        self.explainer = CacheExplainer(block_size, history_size=num_blocks)
+        self.block_pool.add_listener(self.explainer)
+
+    def track_miss_ratio(self, curve: MissRatioCurve) -> None:
+        """From now on, report every first admission's lookup and every release to `curve`
+        (the online miss-ratio curve; off unless called)."""
+        self.miss_ratio_curve = curve
 
     @property
     def usage(self) -> float:
@@ -137,6 +149,20 @@ class KVCacheManager:
                 break
             hits.append(block)
         return ComputedBlocks(tuple(hits), len(hits) * self.block_size)
+
+    def explain(self, request: KVCacheRequest, num_hit_tokens: int) -> CacheExplanation:
+        """Why `request`'s lookup found exactly `num_hit_tokens` (from `get_computed_blocks`):
+        the first block not served and one reason. Call it before allocating the request's
+        slots, which stores its own blocks. Mutates nothing."""
+        num_hit_blocks = num_hit_tokens // self.block_size
+        if not self.enable_caching or request.skip_reading_prefix_cache:
+            return CacheExplanation(num_hit_blocks, "caching_disabled")
+        return self.explainer.explain(
+            request.block_hashes,
+            request.all_token_ids,
+            num_hit_blocks,
+            self.block_pool.cached_block_hash_to_block.__contains__,
+        )
 
     def allocate_slots(
         self,
@@ -209,6 +235,9 @@ class KVCacheManager:
             stats.requests += 1
             stats.queries += request.num_tokens
             stats.hits += num_hit_tokens
+            if self.miss_ratio_curve is not None:
+                hashes = () if request.skip_reading_prefix_cache else request.block_hashes
+                self.miss_ratio_curve.record_lookup(hashes, request.num_tokens)
 
     def free(self, request: KVCacheRequest) -> None:
         """Release the request's blocks, tail-first; they stay cached until evicted.
@@ -216,9 +245,11 @@ class KVCacheManager:
         A request holding no blocks (aborted before allocation, or already freed) is a no-op.
         """
         blocks = self.req_to_blocks.pop(request.request_id, None)
-        self.num_cached_blocks.pop(request.request_id, None)
+        num_cached = self.num_cached_blocks.pop(request.request_id, 0)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks), request.priority, request.num_tokens)
+        if self.miss_ratio_curve is not None and num_cached:
+            self.miss_ratio_curve.record_release(request.block_hashes[:num_cached])
 
     def get_block_ids(self, request_id: RequestId) -> list[int]:
         """The request's block table (block ids in token order); empty when it holds none."""
@@ -226,7 +257,11 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         """Clear the prefix cache; False while any request holds blocks."""
-        return self.block_pool.reset_prefix_cache()
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        if self.miss_ratio_curve is not None:
+            self.miss_ratio_curve.forget_blocks()
+        return True
 
     def integrity_errors(self) -> list[str]:
         """Pool invariants, plus: every block's ref_cnt equals the requests holding it."""

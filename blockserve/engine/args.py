@@ -77,6 +77,12 @@ class EngineArgs:
     tlru_next_prompt_tokens: int = option(
         128, "tlru eviction: the expected tokens of a conversation's next turn", check=at_least(0)
     )
+    miss_ratio_samples: int = option(
+        4096,
+        "block hashes the online miss-ratio curve samples (the hit rate at other cache sizes, "
+        "in /metrics and /debug/miss_ratio_curve); 0 turns it off",
+        check=at_least(0),
+    )
     scheduling_policy: str = option(
         "fcfs",
         "fcfs: first come first served; priority: lower `priority` values first; lpm: "
@@ -159,6 +165,7 @@ class EngineArgs:
                 eviction_policy=self.eviction_policy,
                 tlru_threshold_tokens=self.tlru_threshold_tokens,
                 tlru_next_prompt_tokens=self.tlru_next_prompt_tokens,
+                miss_ratio_samples=self.miss_ratio_samples,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,

@@ -27,7 +27,7 @@ from blockserve.config import EngineConfig
 from blockserve.engine.chat import Message
 from blockserve.engine.client import ModelInfo
 from blockserve.engine.llm_engine import LLMEngine, build_engine
-from blockserve.engine.outputs import EngineStats, KVCacheReport, RequestOutput
+from blockserve.engine.outputs import EngineStats, KVCacheReport, MissRatioReport, RequestOutput
 from blockserve.engine.request import RequestSpec, ValidatedRequest
 from blockserve.engine.tokenizer_pool import TokenizerPool
 from blockserve.errors import EngineDeadError
@@ -100,6 +100,10 @@ class AsyncEngine:
 
     async def debug_kv_cache(self) -> KVCacheReport:
         report: KVCacheReport = await self._call(LLMEngine.kv_cache_report)
+        return report
+
+    async def debug_miss_ratio_curve(self) -> MissRatioReport:
+        report: MissRatioReport = await self._call(LLMEngine.miss_ratio_report)
         return report
 
     async def generate(self, spec: RequestSpec) -> AsyncIterator[RequestOutput]:

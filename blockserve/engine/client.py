@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from blockserve.engine.chat import Message
-from blockserve.engine.outputs import EngineStats, KVCacheReport, RequestOutput
+from blockserve.engine.outputs import EngineStats, KVCacheReport, MissRatioReport, RequestOutput
 from blockserve.engine.request import RequestSpec
 
 
@@ -67,3 +67,6 @@ class EngineClient(Protocol):
 
     async def debug_kv_cache(self) -> KVCacheReport:
         """The block pool's occupancy and integrity, computed between two steps."""
+
+    async def debug_miss_ratio_curve(self) -> MissRatioReport:
+        """The online miss-ratio curve at 17 cache sizes, computed between two steps."""

@@ -18,9 +18,16 @@ from typing import Any
 from blockserve.config import EngineConfig
 from blockserve.core.events import KVEventRecorder
 from blockserve.core.eviction import TailLRUConfig
+from blockserve.core.explain import CacheExplanation
 from blockserve.core.hashing import BlockHasher, BlockKeyInputs, RequestBlockHasher
 from blockserve.core.kv_cache_manager import KVCacheManager, RequestId
-from blockserve.engine.outputs import CoreStats, KVCacheReport
+from blockserve.core.miss_ratio import MissRatioCurve
+from blockserve.engine.outputs import (
+    CoreStats,
+    KVCacheReport,
+    MissRatioPoint,
+    MissRatioReport,
+)
 from blockserve.engine.request import EngineCoreRequest, SampleId
 from blockserve.errors import InvalidConfigError
 from blockserve.events.publisher import create_event_publisher
@@ -39,7 +46,7 @@ class EngineCoreOutputs:
 
     timestamp: float
     updates: tuple[RequestUpdate, ...] = ()
-    started: tuple[tuple[RequestId, int], ...] = ()
+    started: tuple[tuple[RequestId, int, CacheExplanation | None], ...] = ()
     errors: Mapping[RequestId, str] = field(default_factory=dict)
 
 
@@ -78,6 +85,15 @@ class EngineCore:
             cache.eviction_policy,
             TailLRUConfig(cache.tlru_threshold_tokens, cache.tlru_next_prompt_tokens),
         )
+        self.miss_ratio_curve: MissRatioCurve | None = None
+        if cache.enable_prefix_caching and cache.miss_ratio_samples:
+            usable = self.runner.num_blocks - 1
+            # Gauges at 1/8x to 8x this cache, read after every step (O(1) each).
+            points = sorted({max(1, round(usable * 2.0**k)) for k in range(-3, 4)})
+            self.miss_ratio_curve = MissRatioCurve(
+                cache.block_size, points, cache.miss_ratio_samples
+            )
+            self.kv_cache_manager.track_miss_ratio(self.miss_ratio_curve)
         self.block_hasher = RequestBlockHasher(
             BlockHasher(cache.prefix_caching_hash_algo), cache.block_size
         )
@@ -102,16 +118,16 @@ class EngineCore:
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a validated sample (the core trusts it)."""
         keys = BlockKeyInputs(cache_salt=request.cache_salt, lora_name=request.lora_name)
-        self.scheduler.add_request(
-            Request(
-                request.request_id,
-                request.prompt_token_ids,
-                request.sampling_params,
-                self.block_hasher,
-                keys,
-                request.priority,
-            )
+        sample = Request(
+            request.request_id,
+            request.prompt_token_ids,
+            request.sampling_params,
+            self.block_hasher,
+            keys,
+            request.priority,
         )
+        sample.explain_cache = request.explain_cache
+        self.scheduler.add_request(sample)
 
     def abort_requests(self, request_ids: Iterable[SampleId]) -> None:
         """End samples now; their blocks are freed (and stay cached) before the next step."""
@@ -124,8 +140,9 @@ class EngineCore:
         """Schedule, run the model, apply its tokens and publish the step's KV events."""
         scheduler_output = self.scheduler.schedule()
         now = time.monotonic()
+        requests = self.scheduler.requests
         started = tuple(
-            (s.request_id, s.num_computed_tokens)
+            (s.request_id, s.num_computed_tokens, requests[s.request_id].cache_explanation)
             for s in scheduler_output.scheduled
             if s.new_request is not None
         )
@@ -168,6 +185,35 @@ class EngineCore:
             num_cached_hashes=len(pool.cached_block_hash_to_block),
             num_requests_holding_blocks=len(manager.req_to_blocks),
             integrity_errors=tuple(manager.integrity_errors()),
+        )
+
+    def estimated_hit_rates(self) -> tuple[tuple[int, float], ...]:
+        """The miss-ratio curve's gauges: (capacity in blocks, estimated LRU hit rate)."""
+        curve = self.miss_ratio_curve
+        return curve.point_hit_rates() if curve is not None else ()
+
+    def miss_ratio_report(self) -> MissRatioReport:
+        """The curve at 17 sizes, 1/16x to 16x this cache in steps of sqrt(2) (empty when
+        prefix caching is off)."""
+        manager = self.kv_cache_manager
+        usable = manager.block_pool.num_usable_blocks
+        block_size = manager.block_size
+        curve = self.miss_ratio_curve
+        points: tuple[MissRatioPoint, ...] = ()
+        if curve is not None:
+            capacities = sorted({max(1, round(usable * 2.0 ** (k / 2))) for k in range(-8, 9)})
+            points = tuple(
+                MissRatioPoint(capacity, capacity * block_size, round(rate, 5))
+                for capacity, rate in curve.curve(capacities)
+            )
+        return MissRatioReport(
+            block_size=block_size,
+            num_blocks=usable,
+            actual_hit_rate=round(manager.prefix_cache_stats.hit_rate, 5),
+            num_requests=manager.prefix_cache_stats.requests,
+            sampling_rate=curve.sampling_rate if curve is not None else 0.0,
+            num_tracked_hashes=curve.num_tracked if curve is not None else 0,
+            points=points,
         )
 
     def reset_prefix_cache(self) -> bool:

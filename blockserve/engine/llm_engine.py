@@ -16,7 +16,7 @@ from blockserve.config import EngineConfig
 from blockserve.engine.core import EngineCore
 from blockserve.engine.input_processor import InputProcessor, longest_token_chars
 from blockserve.engine.output_processor import OutputProcessor
-from blockserve.engine.outputs import EngineStats, KVCacheReport, RequestOutput
+from blockserve.engine.outputs import EngineStats, KVCacheReport, MissRatioReport, RequestOutput
 from blockserve.engine.request import RequestSpec, ValidatedRequest
 
 logger = logging.getLogger(__name__)
@@ -72,10 +72,14 @@ class LLMEngine:
             **dataclasses.asdict(self.core.stats()),
             num_prompt_tokens=self.output_processor.num_prompt_tokens,
             num_generation_tokens=self.output_processor.num_generation_tokens,
+            estimated_hit_rates=self.core.estimated_hit_rates(),
         )
 
     def kv_cache_report(self) -> KVCacheReport:
         return self.core.kv_cache_report()
+
+    def miss_ratio_report(self) -> MissRatioReport:
+        return self.core.miss_ratio_report()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (AllBlocksCleared); False while requests hold blocks."""

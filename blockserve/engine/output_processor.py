@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+from blockserve.core.explain import CacheExplanation
 from blockserve.core.kv_cache_manager import RequestId
 from blockserve.engine.core import EngineCoreOutputs
 from blockserve.engine.detokenizer import IncrementalDetokenizer
@@ -42,6 +43,7 @@ class _RequestState:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_cached_tokens: int | None = None
+    cache_explanation: CacheExplanation | None = None
     error: str | None = None
 
     @property
@@ -106,6 +108,7 @@ class OutputProcessor:
                 spec.priority,
                 spec.cache_salt,
                 spec.lora_name,
+                spec.explain_cache,
             )
             for index in range(params.n)
         ]
@@ -122,11 +125,12 @@ class OutputProcessor:
 
     def process(self, core_outputs: EngineCoreOutputs) -> ProcessedOutputs:
         """Apply one step: an output for every request it changed."""
-        for core_id, num_cached_tokens in core_outputs.started:
+        for core_id, num_cached_tokens, explanation in core_outputs.started:
             state = self._state_of(core_id)
             if state is not None and state.first_scheduled_time is None:
                 state.first_scheduled_time = core_outputs.timestamp
                 state.num_cached_tokens = num_cached_tokens
+                state.cache_explanation = explanation
         touched: dict[str, _RequestState] = {}
         to_abort: list[SampleId] = []
         for core_id, error in core_outputs.errors.items():
@@ -204,4 +208,5 @@ class OutputProcessor:
                 state.finished_time,
             ),
             error=state.error,
+            cache_explanation=state.cache_explanation,
         )

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from blockserve.core.explain import CacheExplanation
+
 
 @dataclass(frozen=True, slots=True)
 class Logprob:
@@ -54,6 +56,8 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     error: str | None = None
+    # Why the prefix-cache match stopped; only for requests that asked (explain_cache).
+    cache_explanation: CacheExplanation | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +79,9 @@ class EngineStats(CoreStats):
 
     num_prompt_tokens: int
     num_generation_tokens: int
+    # The online miss-ratio curve at a few cache sizes: (capacity in blocks, LRU token hit
+    # rate it would have had on all traffic so far); empty when prefix caching is off.
+    estimated_hit_rates: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,3 +94,25 @@ class KVCacheReport:
     num_cached_hashes: int
     num_requests_holding_blocks: int
     integrity_errors: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class MissRatioPoint:
+    capacity_blocks: int
+    capacity_tokens: int
+    estimated_hit_rate: float
+
+
+@dataclass(frozen=True, slots=True)
+class MissRatioReport:
+    """The online miss-ratio curve: the token hit rate an LRU prefix cache of each size would
+    have had on all traffic since start (docs/prefix-caching.md shows how to read it).
+    `actual_hit_rate` is this cache's own, over the same requests."""
+
+    block_size: int
+    num_blocks: int  # this cache's usable blocks
+    actual_hit_rate: float
+    num_requests: int
+    sampling_rate: float
+    num_tracked_hashes: int
+    points: tuple[MissRatioPoint, ...]

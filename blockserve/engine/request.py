@@ -29,6 +29,7 @@ class RequestSpec:
     priority: int = 0
     cache_salt: str | None = None
     lora_name: str | None = None
+    explain_cache: bool = False  # report why the prefix-cache match stopped (usage)
 
     def __post_init__(self) -> None:
         if not isinstance(self.prompt, str):
@@ -69,6 +70,7 @@ class EngineCoreRequest:
     priority: int = 0
     cache_salt: str | None = None
     lora_name: str | None = None
+    explain_cache: bool = False
 
 
 def as_prompt_list(prompts: str | Sequence[int] | Sequence[str | Sequence[int]]) -> list[Prompt]:

@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from blockserve.replay.simulate import (
     ReplayResult,
+    estimate_lru,
     next_uses,
     replay_belady,
     replay_infinite,
@@ -20,6 +21,7 @@ from blockserve.replay.trace import TraceRequest, block_layouts
 
 DEFAULT_CAPACITIES = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 BOUNDS = ("belady", "infinite")
+ESTIMATES = ("lru-estimate",)  # the online miss-ratio curve's, from one pass
 
 
 def run_lab(
@@ -29,10 +31,11 @@ def run_lab(
     block_size: int,
     progress: bool = True,
 ) -> list[ReplayResult]:
-    """Every policy and both bounds at every capacity (capacities in blocks)."""
+    """Every policy and both bounds at every capacity (capacities in blocks), and the online
+    miss-ratio curve's LRU estimate at all of them from one pass."""
     layouts = block_layouts(trace, block_size)
     uses = next_uses(layouts)
-    results = []
+    results = estimate_lru(trace, layouts, capacities, block_size)
     with tqdm(
         total=len(capacities) * (len(policies) + 2), desc="Replaying", disable=not progress
     ) as bar:
@@ -57,13 +60,15 @@ def format_table(results: Sequence[ReplayResult], block_size: int) -> str:
         "capacity (blocks)",
         "tokens",
         *[f"{n} hit%" for n in names],
-        *[f"{n} evictions" for n in names if n not in BOUNDS],
+        *[f"{n} evictions" for n in names if n not in BOUNDS + ESTIMATES],
     ]
     rows = [header]
     for capacity in capacities:
         row = [str(capacity), f"{capacity * block_size:,}"]
         row += [f"{100 * by_key[(capacity, n)].token_hit_rate:.1f}" for n in names]
-        row += [f"{by_key[(capacity, n)].evictions:,}" for n in names if n not in BOUNDS]
+        row += [
+            f"{by_key[(capacity, n)].evictions:,}" for n in names if n not in BOUNDS + ESTIMATES
+        ]
         rows.append(row)
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = [
@@ -102,7 +107,7 @@ def plot(results: Sequence[ReplayResult], path: Path, title: str) -> None:
         points = sorted(
             (r.capacity_blocks or 0, r.token_hit_rate) for r in results if r.policy == name
         )
-        style = "--" if name in BOUNDS else "-"
+        style = "--" if name in BOUNDS else ":" if name in ESTIMATES else "-"
         axes.plot(
             [p[0] for p in points], [100 * p[1] for p in points], style, marker="o", label=name
         )

@@ -16,6 +16,7 @@ The bounds work on sets of block hashes, with the same hit rule (leading cached 
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import time
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 
 from blockserve.core.hashing import BlockHash
 from blockserve.core.kv_cache_manager import KVCacheManager
+from blockserve.core.miss_ratio import MissRatioCurve
 from blockserve.errors import InvalidConfigError
 from blockserve.replay.trace import BlockLayout, TraceRequest
 
@@ -107,11 +109,15 @@ def replay_policy(
     capacity: int,
     policy: str,
     block_size: int,
+    curve: MissRatioCurve | None = None,
 ) -> tuple[ReplayResult, KVCacheManager]:
-    """Run the trace through a real pool of `capacity` blocks (plus the null block)."""
+    """Run the trace through a real pool of `capacity` blocks (plus the null block), reporting
+    to `curve` (the online miss-ratio curve) when one is given."""
     if capacity < 1:
         raise InvalidConfigError(f"capacity must be at least 1 block, got {capacity}")
     manager = KVCacheManager(capacity + 1, block_size, True, None, policy)
+    if curve is not None:
+        manager.track_miss_ratio(curve)
     tally = _Tally()
     for index, (request, layout) in enumerate(zip(trace, layouts, strict=True)):
         if layout.num_blocks > capacity:
@@ -130,6 +136,34 @@ def replay_policy(
         manager.free(replayed)
         tally.count(request, layout, num_hits // block_size, block_size)
     return tally.result(policy, capacity, len(trace), manager.block_pool.num_evictions), manager
+
+
+def estimate_lru(
+    trace: Sequence[TraceRequest],
+    layouts: Sequence[BlockLayout],
+    capacities: Sequence[int],
+    block_size: int,
+    max_samples: int = 4096,
+) -> list[ReplayResult]:
+    """LRU's hit rate at every capacity from ONE replay, as the engine's online miss-ratio curve
+    estimates it (sampled reuse distances; policy name "lru-estimate"). Block counts are the
+    token estimate in whole blocks; nothing is evicted by an estimate."""
+    curve = MissRatioCurve(block_size, capacities, max_samples)
+    result, _ = replay_policy(trace, layouts, max(capacities), "lru", block_size, curve)
+    estimates = []
+    for capacity, hit_rate in curve.point_hit_rates():
+        hit_tokens = round(hit_rate * result.query_tokens)
+        estimates.append(
+            dataclasses.replace(
+                result,
+                policy="lru-estimate",
+                capacity_blocks=capacity,
+                hit_tokens=hit_tokens,
+                hit_blocks=hit_tokens // block_size,
+                evictions=0,
+            )
+        )
+    return estimates
 
 
 def _leading_hits(layout: BlockLayout, cached: set[BlockHash] | dict[BlockHash, int]) -> int:

@@ -116,7 +116,12 @@ class LpmQueue:
 
     # -- CacheListener: the pool's events keep every match current ------------------------
 
-    def on_hashes_stored(self, block_hashes: Sequence[BlockHash]) -> None:
+    def on_hashes_stored(
+        self,
+        block_hashes: Sequence[BlockHash],
+        parent_block_hash: BlockHash | None,
+        token_ids: Sequence[int],
+    ) -> None:
         for block_hash in block_hashes:
             for entry, depth in list(self._watchers.get(block_hash, {}).items()):
                 if entry.num_matched_blocks == depth:

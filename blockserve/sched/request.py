@@ -11,6 +11,7 @@ import enum
 import time
 from collections.abc import Iterable, Sequence
 
+from blockserve.core.explain import CacheExplanation
 from blockserve.core.hashing import BlockHash, BlockKeyInputs, RequestBlockHasher
 from blockserve.core.kv_cache_manager import RequestId
 from blockserve.sampling_params import SamplingParams
@@ -52,6 +53,8 @@ class Request:
     output): appending tokens hashes exactly the blocks they complete. `num_cached_tokens` is
     the prefix-cache hit of the first admission (None before it) and never changes after.
     `priority` (lower first) and `arrival_time` order the waiting queue under `priority`.
+    A caller sets `explain_cache` before adding the request to have `cache_explanation` (why
+    the prefix match stopped) filled at its first admission.
     """
 
     __slots__ = (
@@ -60,7 +63,9 @@ class Request:
         "all_token_ids",
         "arrival_time",
         "block_hashes",
+        "cache_explanation",
         "cache_salt",
+        "explain_cache",
         "lora_name",
         "num_cached_tokens",
         "num_computed_tokens",
@@ -97,6 +102,8 @@ class Request:
         self.stop_reason: int | str | None = None
         self.num_computed_tokens = 0
         self.num_cached_tokens: int | None = None
+        self.explain_cache = False
+        self.cache_explanation: CacheExplanation | None = None
         self.num_preemptions = 0
         # Prompt logprobs need every position's logits, so such a request never reads the cache.
         self.skip_reading_prefix_cache = self.sampling_params.prompt_logprobs is not None

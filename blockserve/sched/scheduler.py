@@ -143,13 +143,21 @@ class Scheduler:
         ):
             request = self.waiting.peek()
             hit_blocks, num_hits = self.kv_cache_manager.get_computed_blocks(request)
+            first_admission = request.num_cached_tokens is None
+            # Explained before allocating, which stores the request's own blocks.
+            explanation = (
+                self.kv_cache_manager.explain(request, num_hits)
+                if first_admission and request.explain_cache
+                else None
+            )
             num_new = min(request.num_tokens - num_hits, budget)
             if self.kv_cache_manager.allocate_slots(request, num_new, num_hits, hit_blocks) is None:
                 break  # strict head-of-line: nothing behind it jumps ahead
             self.waiting.pop()
             request.num_computed_tokens = num_hits
-            if request.num_cached_tokens is None:
+            if first_admission:
                 request.num_cached_tokens = num_hits
+                request.cache_explanation = explanation
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             num_scheduled[request.request_id] = num_new

@@ -163,3 +163,9 @@ def _add_debug_routes(app: FastAPI, ctx: ServingContext) -> None:
     async def kv_cache() -> JSONResponse:
         """Pool occupancy and its integrity check, computed between two engine steps."""
         return JSONResponse(dataclasses.asdict(await ctx.engine.debug_kv_cache()))
+
+    @app.get("/debug/miss_ratio_curve")
+    async def miss_ratio_curve() -> JSONResponse:
+        """The estimated LRU prefix-cache hit rate at 1/16x to 16x this cache's size, over
+        all traffic since start, beside this cache's own hit rate."""
+        return JSONResponse(dataclasses.asdict(await ctx.engine.debug_miss_ratio_curve()))

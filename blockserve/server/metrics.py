@@ -67,6 +67,16 @@ class EngineCollector(Collector):
             gauge = GaugeMetricFamily(f"blockserve:{name}", doc, labels=["model_name"])
             gauge.add_metric(labels, value)
             yield gauge
+        if stats.estimated_hit_rates:
+            curve = GaugeMetricFamily(
+                "blockserve:prefix_cache_hit_rate_estimate",
+                "Token hit rate (0-1) an LRU prefix cache of capacity_blocks blocks would have "
+                "had on all traffic so far (the online miss-ratio curve).",
+                labels=["model_name", "capacity_blocks"],
+            )
+            for capacity, rate in stats.estimated_hit_rates:
+                curve.add_metric([*labels, str(capacity)], rate)
+            yield curve
         counters = {
             "prefix_cache_queries": (
                 "Prompt tokens looked up in the prefix cache.",

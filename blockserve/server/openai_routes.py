@@ -46,7 +46,8 @@ async def create_completion(
         raise InvalidRequestError("echo is not supported")
     params = body.sampling_params(body.max_tokens, body.logprobs)
     run = Run(ctx, body.request_id or f"cmpl-{uuid.uuid4().hex}", body.prompts())
-    await run.start(params, body.priority, ctx.cache_salt(request, body.cache_salt), request)
+    salt = ctx.cache_salt(request, body.cache_salt)
+    await run.start(params, body.priority, salt, request, body.return_cache_explanation)
     created = int(time.time())
     token_text = TokenText(ctx.tokenizer)
     want_logprobs = body.logprobs is not None
@@ -132,7 +133,8 @@ async def create_chat_completion(
         max_tokens = max(1, min(ctx.default_chat_max_tokens, room))
     params = body.sampling_params(max_tokens, num_logprobs)
     run = Run(ctx, body.request_id or f"chatcmpl-{uuid.uuid4().hex}", [prompt])
-    await run.start(params, body.priority, ctx.cache_salt(request, body.cache_salt), request)
+    salt = ctx.cache_salt(request, body.cache_salt)
+    await run.start(params, body.priority, salt, request, body.return_cache_explanation)
     created = int(time.time())
     token_text = TokenText(ctx.tokenizer)
 

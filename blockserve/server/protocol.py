@@ -70,6 +70,8 @@ class _SamplingFields(_Body):
     priority: int = 0
     request_id: str | None = None
     return_token_ids: bool = False
+    # blockserve's: usage.cache_explanation says where the prefix-cache match stopped and why
+    return_cache_explanation: bool = False
 
     @model_validator(mode="after")
     def _check(self) -> _SamplingFields:

@@ -8,22 +8,28 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from blockserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 def usage(outputs: Sequence[RequestOutput]) -> dict[str, Any]:
-    """OpenAI usage, with `prompt_tokens_details.cached_tokens` always present."""
+    """OpenAI usage, with `prompt_tokens_details.cached_tokens` always present, and
+    `cache_explanation` when the request asked: an object for one prompt, a list in prompt
+    order for several."""
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     completion_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    return {
+    body: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outputs)},
     }
+    explanations = [asdict(o.cache_explanation) for o in outputs if o.cache_explanation is not None]
+    if explanations:
+        body["cache_explanation"] = explanations[0] if len(outputs) == 1 else explanations
+    return body
 
 
 def sse(payload: dict[str, Any] | str) -> str:

@@ -86,7 +86,12 @@ class Run:
             self._queue.put_nowait(shutting_down())
 
     async def start(
-        self, params: SamplingParams, priority: int, salt: str | None, request: Request
+        self,
+        params: SamplingParams,
+        priority: int,
+        salt: str | None,
+        request: Request,
+        explain_cache: bool = False,
     ) -> None:
         """Submit every prompt and wait for its first output: refusals raise here. A client
         that leaves while its prompts wait in the queue aborts them before they are scheduled
@@ -94,7 +99,9 @@ class Run:
         self.ctx.drain.run_started(self)
         self.streams = [
             self.ctx.engine.generate(
-                RequestSpec(f"{self.request_id}-{i}", prompt, params, priority, salt)
+                RequestSpec(
+                    f"{self.request_id}-{i}", prompt, params, priority, salt, None, explain_cache
+                )
             )
             for i, prompt in enumerate(self.prompts)
         ]

@@ -22,6 +22,7 @@ GOOD: dict[str, tuple[object, list[str]]] = {
     "eviction_policy": ("lfu", ["--eviction-policy", "lfu"]),
     "tlru_threshold_tokens": (256, ["--tlru-threshold-tokens", "256"]),
     "tlru_next_prompt_tokens": (64, ["--tlru-next-prompt-tokens", "64"]),
+    "miss_ratio_samples": (0, ["--miss-ratio-samples", "0"]),
     "scheduling_policy": ("lpm", ["--scheduling-policy", "lpm"]),
     "lpm_aging_s": (2.5, ["--lpm-aging-s", "2.5"]),
     "max_num_seqs": (8, ["--max-num-seqs", "8"]),
@@ -49,6 +50,7 @@ BAD: dict[str, list[tuple[object, list[str] | None]]] = {
     "eviction_policy": [("mru", ["--eviction-policy", "mru"])],
     "tlru_threshold_tokens": [(-1, ["--tlru-threshold-tokens", "-1"])],
     "tlru_next_prompt_tokens": [(-5, ["--tlru-next-prompt-tokens", "-5"])],
+    "miss_ratio_samples": [(-1, ["--miss-ratio-samples", "-1"])],
     "scheduling_policy": [("lifo", ["--scheduling-policy", "lifo"])],
     "lpm_aging_s": [
         (-1.0, ["--lpm-aging-s", "-1"]),

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from blockserve.core.explain import CacheExplanation
 from blockserve.engine.args import EngineArgs
 from blockserve.engine.core import EngineCore, EngineCoreOutputs
 from blockserve.engine.request import EngineCoreRequest, SampleId
@@ -41,8 +42,8 @@ def test_token_ids_in_token_ids_out_with_hits(core: EngineCore) -> None:
         outputs.append(run_to_end(core))
     (first_a, second_a), (first_b, second_b) = outputs
     assert (first_a.started, first_b.started) == (
-        ((SampleId("a", 0), 0),),
-        ((SampleId("b", 0), 32),),
+        ((SampleId("a", 0), 0, None),),
+        ((SampleId("b", 0), 32, None),),
     )
     tokens_a = [u.new_token_ids[0] for u in (*first_a.updates, *second_a.updates)]
     tokens_b = [u.new_token_ids[0] for u in (*first_b.updates, *second_b.updates)]
@@ -101,3 +102,61 @@ def test_a_sample_whose_sampling_fails_fails_alone(core: EngineCore) -> None:
     steps = run_to_end(core)
     assert steps[-1].updates[0].status == RequestStatus.FINISHED_LENGTH_CAPPED
     assert core.kv_cache_report().num_requests_holding_blocks == 0
+
+
+def test_the_miss_ratio_curve_follows_the_traffic(tiny_llama_dir: Path) -> None:
+    """The same 33-token prompt twice: this 31-block cache hits 32 of 66 tokens, and so would
+    an LRU cache of every size on the curve (the prompt's 2 blocks were the last used)."""
+    args = EngineArgs(model=str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=32)
+    core = EngineCore(args.create_configs())
+    for name in ("a", "b"):
+        core.add_request(EngineCoreRequest(SampleId(name, 0), PROMPT_33, TWO_TOKENS))
+        run_to_end(core)
+    capacities = (4, 8, 16, 31, 62, 124, 248)  # 31 usable blocks x 2^-3 .. 2^3
+    assert core.estimated_hit_rates() == tuple((c, 32 / 66) for c in capacities)
+    report = core.miss_ratio_report()
+    assert (report.num_blocks, report.num_requests, report.actual_hit_rate) == (31, 2, 0.48485)
+    assert [p.capacity_blocks for p in report.points][:3] == [2, 3, 4]  # 31/16, 31/11.3, 31/8
+    assert len(report.points) == 17 and report.points[-1].capacity_blocks == 496
+    assert {p.estimated_hit_rate for p in report.points} == {0.48485}
+
+
+@pytest.mark.parametrize("options", [{"enable_prefix_caching": False}, {"miss_ratio_samples": 0}])
+def test_no_curve_without_prefix_caching_or_samples(
+    tiny_llama_dir: Path, options: dict[str, object]
+) -> None:
+    """Prefix caching off (nothing to estimate) or a zero budget: no gauges, no points."""
+    args = EngineArgs(
+        model=str(tiny_llama_dir),
+        dtype="float32",
+        num_gpu_blocks_override=32,
+        **options,  # type: ignore[arg-type]
+    )
+    core = EngineCore(args.create_configs())
+    assert core.estimated_hit_rates() == () and core.miss_ratio_report().points == ()
+
+
+def test_cache_explanations_on_a_real_engine(tiny_llama_dir: Path) -> None:
+    """7 usable blocks of 16. Each reason as the core reports it when a sample starts, with
+    the cached tokens beside it; the explanation is taken before the sample's own blocks are
+    stored (the first sample reads never_stored, not partial_block)."""
+    args = EngineArgs(model=str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=8)
+    core = EngineCore(args.create_configs())
+
+    def started(name: str, prompt: tuple[int, ...], salt: str | None = None) -> object:
+        core.add_request(
+            EngineCoreRequest(SampleId(name, 0), prompt, TWO_TOKENS, 0, salt, None, True)
+        )
+        ((_, num_cached, explanation),) = run_to_end(core)[0].started
+        return num_cached, explanation
+
+    assert started("a", PROMPT_33) == (0, CacheExplanation(0, "never_stored"))
+    assert started("b", PROMPT_33) == (32, CacheExplanation(2, "partial_block"))
+    assert started("c", PROMPT_33[:32]) == (16, CacheExplanation(1, "last_token"))
+    assert started("d", PROMPT_33, salt="t") == (0, CacheExplanation(0, "other_namespace"))
+    started("flood", tuple(range(100, 196)))  # 96 + 2 tokens: all 7 blocks, every hash evicted
+    num_cached, explanation = started("e", PROMPT_33)  # type: ignore[misc]
+    assert (num_cached, explanation.first_missing_block, explanation.reason) == (0, 0, "evicted")
+    assert 0.0 <= explanation.evicted_seconds_ago < 60.0
+    core.add_request(EngineCoreRequest(SampleId("quiet", 0), PROMPT_33, TWO_TOKENS))
+    assert run_to_end(core)[0].started == ((SampleId("quiet", 0), 32, None),)  # did not ask

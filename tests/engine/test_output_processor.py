@@ -3,6 +3,7 @@ failures and aborts, and the token counters."""
 
 from __future__ import annotations
 
+from blockserve.core.explain import CacheExplanation
 from blockserve.engine.core import EngineCoreOutputs
 from blockserve.engine.output_processor import OutputProcessor
 from blockserve.engine.request import RequestSpec, SampleId, ValidatedRequest
@@ -52,7 +53,8 @@ def test_updates_fan_in_to_one_output_per_request() -> None:
     forgotten once both finish."""
     processor = OutputProcessor(CharTokenizer())
     first, second = add(processor, "r", SamplingParams(n=2, max_tokens=2))
-    started = ((first, 16), (second, 16))
+    explanation = CacheExplanation(1, "partial_block")
+    started = ((first, 16, explanation), (second, 16, explanation))
     tokens = (RequestUpdate(first, (104,), RUNNING), RequestUpdate(second, (105,), RUNNING))
     (output,) = processor.process(step(*tokens, started=started)).request_outputs
     assert [c.text for c in output.outputs] == ["h", "i"]
@@ -61,6 +63,7 @@ def test_updates_fan_in_to_one_output_per_request() -> None:
         False,
         1.0,
     )
+    assert output.cache_explanation == explanation
     processed = processor.process(
         step(RequestUpdate(first, (33,), LENGTH), RequestUpdate(second, (63,), LENGTH))
     )

@@ -50,5 +50,7 @@ def test_replay_command_writes_table_json_and_plot(tmp_path: Path) -> None:
     report = json.loads((tmp_path / "out" / "replay.json").read_text())
     rows = {(r["policy"], r["capacity_blocks"]): r for r in report["results"]}
     assert rows[("lru", 4)]["hit_blocks"] == 2 and rows[("belady", 4)]["hit_blocks"] == 4
-    assert len(report["results"]) == 2 * 8  # 2 capacities x (6 policies + 2 bounds)
+    # 2 capacities x (6 policies + 2 bounds + the one-pass LRU estimate)
+    assert len(report["results"]) == 2 * 9
+    assert rows[("lru-estimate", 4)]["hit_blocks"] == rows[("lru", 4)]["hit_blocks"]
     assert (tmp_path / "out" / "replay.png").read_bytes()[:4] == b"\x89PNG"

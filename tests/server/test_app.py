@@ -10,6 +10,7 @@ import httpx
 import openai
 import pytest
 from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
 
 from blockserve.config import ServerConfig
 from blockserve.engine.client import ModelInfo
@@ -57,6 +58,25 @@ def test_debug_kv_cache_reports_a_sound_idle_pool(server: ServerProcess) -> None
     assert report["integrity_errors"] == []
 
 
+def test_miss_ratio_curve_on_the_debug_route_and_in_metrics(server: ServerProcess) -> None:
+    """After a repeated prompt: 17 increasing sizes whose estimates never fall and end above
+    0; /metrics carries the 7 gauges, at 1/8x to 8x the 255-block cache."""
+    for _ in range(2):
+        body = {"prompt": list(range(60, 100)), "max_tokens": 1}
+        assert httpx.post(f"{server.url}/v1/completions", json=body).status_code == 200
+    report = httpx.get(f"{server.url}/debug/miss_ratio_curve").json()
+    capacities = [p["capacity_blocks"] for p in report["points"]]
+    rates = [p["estimated_hit_rate"] for p in report["points"]]
+    assert (report["num_blocks"], len(capacities)) == (255, 17)
+    assert capacities == sorted(set(capacities)) and capacities[-1] == 4080
+    assert rates == sorted(rates) and rates[-1] > 0
+    families = text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text)
+    (gauge,) = [f for f in families if f.name == "blockserve:prefix_cache_hit_rate_estimate"]
+    gauge_capacities = [int(s.labels["capacity_blocks"]) for s in gauge.samples]
+    assert gauge_capacities == [32, 64, 128, 255, 510, 1020, 2040]
+    assert all(0 < s.value <= 1 for s in gauge.samples)
+
+
 @pytest.fixture(scope="module")
 def server_with_keys(
     tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
@@ -85,6 +105,7 @@ def test_with_keys_only_health_answers_without_one(server_with_keys: ServerProce
         ("GET", "/docs"),
         ("GET", "/redoc"),
         ("GET", "/debug/kv_cache"),
+        ("GET", "/debug/miss_ratio_curve"),
     ]:
         response = httpx.request(method, f"{url}{path}", json={})
         assert (path, response.status_code) == (path, 401)
@@ -127,4 +148,6 @@ def test_debug_routes_exist_only_when_enabled() -> None:
     missing = TestClient(closed).get("/debug/kv_cache")
     assert (missing.status_code, missing.json()["error"]["code"]) == (404, 404)
     opened = build_app(IdleClient(), ServerConfig(enable_debug_endpoints=True))  # type: ignore[arg-type]
-    assert "/debug/kv_cache" in {route.path for route in opened.routes}  # type: ignore[attr-defined]
+    paths = {route.path for route in opened.routes}  # type: ignore[attr-defined]
+    assert {"/debug/kv_cache", "/debug/miss_ratio_curve"} <= paths
+    assert TestClient(closed).get("/debug/miss_ratio_curve").status_code == 404

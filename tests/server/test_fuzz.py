@@ -57,7 +57,7 @@ def test_schemathesis_finds_no_5xx_and_no_schema_violation(
         -6000:
     ]
     operations = report["operations"]
-    assert operations["tested"] == operations["total"] == len(report["valid_rates"]) == 9
-    assert report["test_cases"]["generated"] > 9 * MAX_EXAMPLES
+    assert operations["tested"] == operations["total"] == len(report["valid_rates"]) == 10
+    assert report["test_cases"]["generated"] > 10 * MAX_EXAMPLES
     kv = httpx.get(f"{server.url}/debug/kv_cache").json()
     assert (kv["num_requests_holding_blocks"], kv["integrity_errors"]) == (0, [])

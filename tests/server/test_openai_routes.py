@@ -185,3 +185,68 @@ def test_batched_prompts(server: ServerProcess) -> None:
     bad = httpx.post(f"{server.url}/v1/completions", json={**body, "prompt": ["hi", [99999]]})
     assert bad.status_code == 400
     assert httpx.get(f"{server.url}/debug/kv_cache").json()["num_requests_holding_blocks"] == 0
+
+
+def test_cache_explanation_in_usage(client: openai.OpenAI) -> None:
+    """return_cache_explanation: usage says where the match stopped and why, through the
+    official client's extra fields; a streamed usage chunk carries it too; a list of prompts
+    gets one per prompt; without the field there is none."""
+    prompt = list(range(200, 240))  # 40 tokens: 2 full blocks of 16 and a partial one
+
+    def usage(**extra: object) -> dict:
+        body = {"return_cache_explanation": True, **extra}
+        out = client.completions.create(model=None, prompt=prompt, max_tokens=1, extra_body=body)  # type: ignore[arg-type]
+        assert out.usage is not None
+        return out.usage.model_dump()
+
+    first = usage()
+    assert first["cache_explanation"] == {
+        "first_missing_block": 0,
+        "reason": "never_stored",
+        "evicted_seconds_ago": None,
+    }
+    assert usage()["cache_explanation"]["reason"] == "partial_block"
+    salted = usage(cache_salt="other")["cache_explanation"]
+    assert (salted["first_missing_block"], salted["reason"]) == (0, "other_namespace")
+    chunks = list(
+        client.completions.create(
+            model=None,  # type: ignore[arg-type]
+            prompt=prompt,
+            max_tokens=1,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"return_cache_explanation": True},
+        )
+    )
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.model_dump()["cache_explanation"]["first_missing_block"] == 2
+    batch = client.completions.create(
+        model=None,  # type: ignore[arg-type]
+        prompt=[prompt, list(range(250, 270))],
+        max_tokens=1,
+        extra_body={"return_cache_explanation": True},
+    )
+    assert batch.usage is not None
+    assert [e["reason"] for e in batch.usage.model_dump()["cache_explanation"]] == [
+        "partial_block",
+        "never_stored",
+    ]
+    plain = client.completions.create(model=None, prompt=prompt, max_tokens=1)  # type: ignore[arg-type]
+    assert plain.usage is not None and "cache_explanation" not in plain.usage.model_dump()
+
+
+def test_chat_cache_explanation(client: openai.OpenAI) -> None:
+    """Chat takes the field too: a repeated conversation stops at its partial last block or
+    at the last-token rule, never below block 1."""
+    kwargs = dict(
+        model=client.models.list().data[0].id,
+        messages=[{"role": "user", "content": "explain the cache " * 6}],
+        max_tokens=1,
+        extra_body={"return_cache_explanation": True},
+    )
+    client.chat.completions.create(**kwargs)  # type: ignore[call-overload]
+    again = client.chat.completions.create(**kwargs)  # type: ignore[call-overload]
+    explanation = again.usage.model_dump()["cache_explanation"]
+    assert explanation["reason"] in ("partial_block", "last_token")
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert explanation["first_missing_block"] == cached // 16 >= 1
