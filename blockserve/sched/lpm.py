@@ -89,11 +89,12 @@ class LpmQueue:
         """The request `peek()` answered, even if matches moved since (admitting it stores its
         own blocks, which can re-key the queue); otherwise the current head."""
         head, self._head = self._head, None
-        if self._front and (head is None or head is self._front[0]):
-            return self._front.popleft()
-        request = head if head in self._entries else self._top().request
-        self._forget(self._entries.pop(request))
-        return request
+        if head is None or head not in self._entries:  # the answer was the front, or is gone
+            if self._front:
+                return self._front.popleft()
+            head = self._top().request
+        self._forget(self._entries.pop(head))
+        return head
 
     def remove(self, request: Request) -> None:
         entry = self._entries.pop(request, None)

@@ -154,6 +154,21 @@ def test_preempted_requests_go_in_front_in_fcfs_order() -> None:
     assert len(queue) == 0
 
 
+def test_pop_after_the_peeked_request_was_removed() -> None:
+    """An abort between peek and pop: pop takes the front's next request, then the heap's."""
+    manager = make_manager()
+    queue = make_queue(manager)
+    queue.add(waiting("warm", list(range(9))))
+    first, second = waiting("p1", [5] * 9), waiting("p2", [6] * 9)
+    queue.prepend(second)
+    queue.prepend(first)
+    queue.remove(queue.peek())
+    assert [queue.pop().request_id for _ in range(2)] == ["p2", "warm"]
+    queue.add(waiting("late", [7] * 9))
+    queue.remove(queue.peek())
+    assert len(queue) == 0
+
+
 def test_a_request_that_skips_the_cache_matches_nothing() -> None:
     """prompt_logprobs requests never read the cache, so lpm gives them no head start."""
     manager = make_manager()
