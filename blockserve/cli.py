@@ -26,6 +26,12 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve a model over an OpenAI-compatible HTTP API.",
     )
+    serve.add_argument(
+        "model_tag",
+        nargs="?",
+        metavar="MODEL",
+        help="the model, as --model (vLLM's positional form); give one or the other",
+    )
     add_arguments(serve, ServerConfig)
     EngineArgs.add_cli_args(serve)
 
@@ -92,11 +98,17 @@ def _add_replay_parser(subparsers: argparse._SubParsersAction) -> None:
     replay.add_argument(
         "--trace-block-size", type=int, default=512, help="tokens per trace hash id"
     )
-    replay.add_argument("--out-dir", default="benchmarks/results", help="JSON and PNG go here")
+    replay.add_argument(
+        "--out-dir",
+        default=None,
+        help="where replay.json and replay.png go (default: a new folder under the system's "
+        "temporary directory, printed at the end)",
+    )
     replay.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def run_replay(args: argparse.Namespace) -> int:
+    import tempfile
     from pathlib import Path
 
     from blockserve.replay.report import format_table, run_lab, write_reports
@@ -119,7 +131,8 @@ def run_replay(args: argparse.Namespace) -> int:
     trace = load_trace(args.trace)
     results = run_lab(trace, capacities, policies, block_size, progress=not args.no_progress)
     print(format_table(results, block_size))
-    json_path, png_path = write_reports(results, Path(args.out_dir), args.trace, block_size)
+    out_dir = Path(args.out_dir or tempfile.mkdtemp(prefix="blockserve-replay-"))
+    json_path, png_path = write_reports(results, out_dir, args.trace, block_size)
     print(f"wrote {json_path} and {png_path}")
     return 0
 
@@ -161,6 +174,13 @@ def run_serve(args: argparse.Namespace) -> int:
     """Build the configs from the flags and serve (imports torch only now)."""
     from blockserve.server.auth import resolve_api_keys
     from blockserve.server.serve import serve
+
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise InvalidConfigError(
+                f"two models given: {args.model_tag!r} (positional) and {args.model!r} (--model)"
+            )
+        args.model = args.model_tag
 
     engine_config = EngineArgs.from_cli_args(args).create_configs()
     server_config = resolve_api_keys(from_namespace(ServerConfig, args), os.environ)

@@ -102,11 +102,17 @@ class ServerConfig:
 
     host: str = option("127.0.0.1", "address to listen on")
     port: int = option(8000, "port to listen on", check=_port)
-    served_model_name: str | None = option(None, "model name reported by the API")
+    served_model_name: tuple[str, ...] = option(
+        (),
+        "one or more names the API serves the model under (requests may use any; responses "
+        "and metrics use the first); default: the --model string as given, or the embedded "
+        "model's name",
+        check=_non_empty_strings,
+    )
     api_key: tuple[str, ...] = option(
         (),
-        "require `Authorization: Bearer KEY` on every route but /health; repeat the flag for "
-        "several keys (default: BLOCKSERVE_API_KEY, if set)",
+        "require `Authorization: Bearer KEY` on every route but /health; give several keys "
+        "after one flag or repeat it (default: BLOCKSERVE_API_KEY, if set)",
         check=_non_empty_strings,
     )
     api_keys_file: str | None = option(

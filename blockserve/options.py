@@ -95,8 +95,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         kind = _scalar_type(hint)
         default_text = "" if f.default is None else f" (default: {f.default})"
         kwargs: dict[str, Any] = {"dest": f.name, "default": f.default}
-        if _is_list(hint):  # repeatable; argparse appends to a list it makes itself
-            kwargs.update(action="append", default=None, type=str, help=opt.help)
+        if _is_list(hint):  # one or more values, the flag repeatable; argparse makes the list
+            kwargs.update(action="extend", nargs="+", default=None, type=str, help=opt.help)
         elif kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
             kwargs["help"] = opt.help + default_text

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from blockserve.cli import build_parser
+from blockserve.cli import build_parser, main
 
 
 def test_serve_defaults() -> None:
@@ -38,3 +38,19 @@ def test_unknown_hash_algo_is_refused(capsys: pytest.CaptureFixture[str]) -> Non
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--prefix-caching-hash-algo", "md5"])
     assert "invalid choice: 'md5'" in capsys.readouterr().err
+
+
+def test_the_model_may_be_positional_as_in_vllm() -> None:
+    """`blockserve serve MODEL` is `--model MODEL`; list flags take one or more values."""
+    flags = ["--served-model-name", "a", "b", "--api-key", "k1", "--api-key", "k2"]
+    args = build_parser().parse_args(["serve", "/models/m", *flags])
+    assert (args.model_tag, args.model) == ("/models/m", None)
+    assert (args.served_model_name, args.api_key) == (["a", "b"], ["k1", "k2"])
+
+
+def test_two_different_models_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """A positional model and a different --model: exit 2 with one line naming both."""
+    assert main(["serve", "/models/a", "--model", "/models/b"]) == 2
+    assert capsys.readouterr().err == (
+        "blockserve serve: two models given: '/models/a' (positional) and '/models/b' (--model)\n"
+    )

@@ -14,7 +14,7 @@ def test_server_defaults() -> None:
     assert (config.host, config.port, config.served_model_name, config.api_key) == (
         "127.0.0.1",
         8000,
-        None,
+        (),
         (),
     )
     assert not (config.metrics_without_auth or config.enable_debug_endpoints)

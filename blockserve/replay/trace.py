@@ -34,25 +34,30 @@ class TraceRequest:
 
 
 def load_trace(path: str | Path) -> list[TraceRequest]:
-    """Read a Mooncake-format JSONL trace; a malformed line is an InvalidRequestError."""
+    """Read a Mooncake-format JSONL trace; an unreadable file or a malformed line is an
+    InvalidRequestError (one line, no traceback, at the CLI)."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise InvalidRequestError(f"cannot read the trace {path}: {reason}") from None
     requests = []
-    with Path(path).open() as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                request = TraceRequest(
-                    float(row["timestamp"]),
-                    int(row["input_length"]),
-                    int(row["output_length"]),
-                    tuple(int(h) for h in row["hash_ids"]),
-                )
-            except (ValueError, KeyError, TypeError) as exc:
-                raise InvalidRequestError(f"{path}:{number}: not a trace record ({exc})") from None
-            if request.input_length < 1 or request.output_length < 0:
-                raise InvalidRequestError(f"{path}:{number}: lengths out of range")
-            requests.append(request)
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            request = TraceRequest(
+                float(row["timestamp"]),
+                int(row["input_length"]),
+                int(row["output_length"]),
+                tuple(int(h) for h in row["hash_ids"]),
+            )
+        except (ValueError, KeyError, TypeError) as exc:
+            raise InvalidRequestError(f"{path}:{number}: not a trace record ({exc})") from None
+        if request.input_length < 1 or request.output_length < 0:
+            raise InvalidRequestError(f"{path}:{number}: lengths out of range")
+        requests.append(request)
     return requests
 
 

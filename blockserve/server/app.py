@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -49,7 +50,8 @@ GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
 def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     """An app serving `engine`; the engine starts and stops with the app."""
     info = engine.model_info()
-    model_name = config.served_model_name or info.name
+    served_names = config.served_model_name or (info.name,)
+    model_name = served_names[0]
     ctx = ServingContext(
         engine=engine,
         model_name=model_name,
@@ -59,6 +61,7 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
         default_chat_max_tokens=config.default_chat_max_tokens,
         trust_chat_special_tokens=config.trust_chat_special_tokens,
         drain=Drain(config.shutdown_timeout),
+        served_names=served_names,
     )
 
     @contextlib.asynccontextmanager
@@ -93,6 +96,8 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
 
 
 def _add_openai_routes(app: FastAPI, ctx: ServingContext, info: ModelInfo) -> None:
+    created = int(time.time())  # the model is served from the moment the app is built
+
     @app.post("/v1/completions", response_model=None, responses=GENERATION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await create_completion(ctx, body, request)
@@ -103,14 +108,17 @@ def _add_openai_routes(app: FastAPI, ctx: ServingContext, info: ModelInfo) -> No
 
     @app.get("/v1/models")
     async def models() -> dict:
-        model = {
-            "id": ctx.model_name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "blockserve",
-            "max_model_len": info.max_model_len,
-        }
-        return {"object": "list", "data": [model]}
+        cards = [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "blockserve",
+                "max_model_len": info.max_model_len,
+            }
+            for name in ctx.served_names
+        ]
+        return {"object": "list", "data": cards}
 
 
 def _add_token_routes(app: FastAPI, ctx: ServingContext, info: ModelInfo) -> None:

@@ -61,6 +61,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     location = [str(part) for part in first.get("loc", ()) if part != "body"]
     param = ".".join(location) or None
     message = str(first.get("msg", "invalid request"))
+    if first.get("type") == "value_error" and "error" in first.get("ctx", {}):
+        message = str(first["ctx"]["error"])  # our own check's words, without pydantic's prefix
     if first.get("type") == "json_invalid":
         return f"the body is not valid JSON: {message}", None
     return (f"{param}: {message}" if param else message), param

@@ -138,12 +138,14 @@ class ServerMetrics:
 
 @dataclass
 class RequestTimer:
-    """Observes one request's latencies as its outputs arrive at the server."""
+    """Observes one engine request's latencies as its outputs arrive at the server (one per
+    prompt: TTFT, ITL and e2e count prompts; `request_success` counts its choices)."""
 
     metrics: ServerMetrics
     start: float
     last: float | None = None
     num_tokens: int = 0
+    finished: bool = False
 
     def on_output(self, num_tokens: int) -> None:
         now = time.monotonic()
@@ -159,10 +161,18 @@ class RequestTimer:
             self.last, self.num_tokens = now, num_tokens
 
     def on_finish(self, finish_reasons: list[str]) -> None:
+        """The engine finished the request: e2e once, and one success per choice."""
+        self.finished = True
         name = self.metrics.model_name
         self.metrics.e2e_request_latency.labels(name).observe(time.monotonic() - self.start)
         for reason in finish_reasons:
             self.metrics.request_success.labels(name, reason).inc()
+
+    def on_abort(self, num_choices: int) -> None:
+        """The server aborted it unfinished (the client left, or the drain deadline): its
+        choices count as `abort`; no e2e latency (it was not served to the end)."""
+        self.finished = True
+        self.metrics.request_success.labels(self.metrics.model_name, "abort").inc(num_choices)
 
 
 def format_stats_line(previous: EngineStats, current: EngineStats, seconds: float) -> str:

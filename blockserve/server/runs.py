@@ -46,13 +46,14 @@ def shutting_down() -> ServerShuttingDownError:
 @dataclass(frozen=True)
 class ServingContext:
     engine: EngineClient
-    model_name: str
+    model_name: str  # the first served name: what responses and metrics report
     tokenizer: Any  # the event loop's copy: never shared with the engine thread
     metrics: ServerMetrics
     salt_per_key: bool = False  # --cache-salt-per-key
     default_chat_max_tokens: int = 2048  # --default-chat-max-tokens
     trust_chat_special_tokens: bool = False  # --trust-chat-special-tokens
     drain: Drain = field(default_factory=lambda: Drain(0.0))
+    served_names: tuple[str, ...] = ()  # every name a request may use
 
     def cache_salt(self, request: Request, client_salt: str | None) -> str | None:
         """The salt a request runs under: the client's, or with per-key salts one derived
@@ -62,7 +63,7 @@ class ServingContext:
         return salt_for_key(request.state.api_key, client_salt)
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model != self.model_name and model not in self.served_names:
             raise ModelNotFoundError(f"The model `{model}` does not exist.")
 
 
@@ -76,6 +77,8 @@ class Run:
         self.streams: list[AsyncIterator[RequestOutput]] = []
         self.first: list[RequestOutput] = []
         self.timers = [RequestTimer(ctx.metrics, time.monotonic()) for _ in prompts]
+        self.num_choices = 1  # per prompt (the request's n), set by start()
+        self._refused = False  # the engine refused a prompt: nothing ran, nothing to abort
         self._queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] | None = None
         self._closed = False
 
@@ -97,6 +100,7 @@ class Run:
         that leaves while its prompts wait in the queue aborts them before they are scheduled
         (ClientDisconnectedError ends the handler)."""
         self.ctx.drain.run_started(self)
+        self.num_choices = params.n
         self.streams = [
             self.ctx.engine.generate(
                 RequestSpec(
@@ -119,6 +123,7 @@ class Run:
             raise
         errors = [f for f in firsts if isinstance(f, BaseException)]
         if errors:
+            self._refused = True
             await self.close()
             raise errors[0]
         self.first = list(firsts)  # type: ignore[arg-type]
@@ -171,6 +176,10 @@ class Run:
             return
         self._closed = True
         self.ctx.drain.run_ended(self)
+        if not self._refused:
+            for timer in self.timers:
+                if not timer.finished:
+                    timer.on_abort(self.num_choices)
         for stream in self.streams:
             await stream.aclose()  # type: ignore[attr-defined]
 

@@ -10,6 +10,7 @@ engine). Either way the app's lifespan then stops the engine thread and the even
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
 import socket
@@ -31,6 +32,10 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if not server_config.served_model_name and engine_config.model.model is not None:
+        # vLLM's naming: the model is served under the string it was given.
+        served = (engine_config.model.model,)
+        server_config = dataclasses.replace(server_config, served_model_name=served)
     engine = AsyncEngine.from_config(engine_config, server_config.tokenizer_workers)
     app = build_app(engine, server_config)
     kv_events_config = engine_config.kv_events

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from tests.replay.test_simulate import HAND_TRACE
@@ -54,3 +56,30 @@ def test_replay_command_writes_table_json_and_plot(tmp_path: Path) -> None:
     assert len(report["results"]) == 2 * 9
     assert rows[("lru-estimate", 4)]["hit_blocks"] == rows[("lru", 4)]["hit_blocks"]
     assert (tmp_path / "out" / "replay.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_replay_cli_errors_are_one_line_and_output_avoids_the_tree(tmp_path: Path) -> None:
+    """A missing trace: exit 2 and one line on stderr. No --out-dir: the reports go to a new
+    folder under the temporary directory, never into the working tree."""
+
+    def replay(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "blockserve.cli", "replay", *args, "--no-progress"]
+        return subprocess.run(command, capture_output=True, text=True, cwd=tmp_path)
+
+    missing = replay("missing.jsonl")
+    assert missing.returncode == 2 and missing.stdout == ""
+    assert missing.stderr.splitlines() == [
+        "blockserve replay: cannot read the trace missing.jsonl: No such file or directory"
+    ]
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(
+        json.dumps({"timestamp": 0, "input_length": 9, "output_length": 0, "hash_ids": [1, 2, 3]})
+        + "\n"
+    )
+    done = replay(str(trace), "--trace-block-size", "4", "--capacities", "4")
+    assert done.returncode == 0, done.stderr
+    written = Path(done.stdout.splitlines()[-1].split()[1])
+    assert written.name == "replay.json" and written.parent.name.startswith("blockserve-replay-")
+    assert Path(tempfile.gettempdir()) in written.parents and written.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["trace.jsonl"]
+    shutil.rmtree(written.parent)

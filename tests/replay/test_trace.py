@@ -24,6 +24,14 @@ def test_load_trace_rejects_malformed_lines(tmp_path: Path) -> None:
         load_trace(path)
 
 
+def test_an_unreadable_trace_is_one_clear_error(tmp_path: Path) -> None:
+    """A missing file or a directory is an InvalidRequestError naming it, not an OSError."""
+    with pytest.raises(InvalidRequestError, match=r"cannot read the trace .*nope\.jsonl: No such"):
+        load_trace(tmp_path / "nope.jsonl")
+    with pytest.raises(InvalidRequestError, match="Is a directory"):
+        load_trace(tmp_path)
+
+
 def test_the_shipped_sample_trace_loads() -> None:
     """The trace in benchmarks/data has its documented 3,993 requests, times in order."""
     trace = load_trace(SAMPLE_TRACE)

@@ -3,6 +3,7 @@ cache report, and API-key auth on /v1/* only."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,10 +25,14 @@ def client(server: ServerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
 
 
-def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
-    """/v1/models names the model directory."""
+def test_models_lists_the_served_model(client: openai.OpenAI, tiny_llama_dir: Path) -> None:
+    """/v1/models names the model as --model gave it (vLLM's naming), and requests may use
+    that name; `created` is when this (module's) server started serving, not 0."""
     (model,) = client.models.list().data
-    assert model.id.startswith("tiny-llama")
+    assert model.id == str(tiny_llama_dir)
+    out = client.completions.create(model=model.id, prompt="hi", max_tokens=1)
+    assert out.model == model.id
+    assert time.time() - 3600 < model.created <= time.time()
 
 
 def test_tokenize_and_detokenize(server: ServerProcess) -> None:
@@ -140,6 +145,18 @@ class IdleClient:
 
     def is_healthy(self) -> bool:
         return True
+
+
+def test_several_served_names() -> None:
+    """--served-model-name a b: both are listed, either may be asked for, another is a 404."""
+    app = build_app(IdleClient(), ServerConfig(served_model_name=("a", "b")))  # type: ignore[arg-type]
+    client = TestClient(app)
+    assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["a", "b"]
+    missing = client.post("/v1/completions", json={"model": "c", "prompt": "hi"})
+    assert (missing.status_code, missing.json()["error"]["message"]) == (
+        404,
+        "The model `c` does not exist.",
+    )
 
 
 def test_debug_routes_exist_only_when_enabled() -> None:

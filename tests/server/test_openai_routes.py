@@ -250,3 +250,46 @@ def test_chat_cache_explanation(client: openai.OpenAI) -> None:
     assert explanation["reason"] in ("partial_block", "last_token")
     cached = again.usage.prompt_tokens_details.cached_tokens
     assert explanation["first_missing_block"] == cached // 16 >= 1
+
+
+def test_metrics_count_finished_stopped_and_aborted_requests(server: ServerProcess) -> None:
+    """request_success counts choices by finish reason, aborts included; TTFT and e2e count
+    prompts (e2e only those served to the end). Hand-counted over: a probe (length), an n=2
+    request (2 x length), a request stopped by its first token (stop), and a stream whose
+    client leaves after the first chunk (abort)."""
+    import time
+
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def counts() -> dict[str, float]:
+        families = text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text)
+        values: dict[str, float] = {}
+        for sample in (s for family in families for s in family.samples):
+            if sample.name == "blockserve:request_success_total":
+                values[sample.labels["finished_reason"]] = sample.value
+            elif sample.name == "blockserve:time_to_first_token_seconds_count":
+                values["ttft"] = sample.value
+            elif sample.name == "blockserve:e2e_request_latency_seconds_count":
+                values["e2e"] = sample.value
+        return values
+
+    url = f"{server.url}/v1/completions"
+    body = {"prompt": PROMPT_33, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    before = counts()
+    probe = httpx.post(url, json={**body, "return_token_ids": True}).json()
+    stop_id = probe["choices"][0]["token_ids"][0]
+    assert httpx.post(url, json={**body, "n": 2, "temperature": 1.0, "seed": 3}).status_code == 200
+    stopped = httpx.post(url, json={**body, "stop_token_ids": [stop_id]}).json()
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+    with httpx.stream("POST", url, json={**body, "max_tokens": 400, "stream": True}) as r:
+        next(r.iter_lines())  # the first chunk, then hang up
+    after = counts()
+    for _ in range(100):  # the server notices the departure within a poll or two
+        if after.get("abort", 0) > before.get("abort", 0):
+            break
+        time.sleep(0.05)
+        after = counts()
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    assert (delta["length"], delta["stop"], delta["abort"]) == (3, 1, 1)
+    assert (delta["ttft"], delta["e2e"]) == (4, 3)  # every prompt with a token; not the abort
