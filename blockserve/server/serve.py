@@ -1,4 +1,7 @@
-"""Running the server: build the engine, print where it listens, serve until a signal.
+"""Running the server: bind the port, build the engine, serve until a signal.
+
+The port is bound before the model loads, so a taken port fails at once (exit 2, one line);
+uvicorn logs "Uvicorn running on ..." when it really accepts connections.
 
 SIGTERM drains first (server/drain.py): /health and new requests answer 503 while running
 requests get up to `--shutdown-timeout` to finish, then what is left ends with an error; only
@@ -20,6 +23,7 @@ import uvicorn
 
 from blockserve.config import EngineConfig, ServerConfig
 from blockserve.engine.async_engine import AsyncEngine
+from blockserve.errors import InvalidConfigError
 from blockserve.server.app import build_app
 from blockserve.server.drain import Drain
 
@@ -36,6 +40,31 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         # vLLM's naming: the model is served under the string it was given.
         served = (engine_config.model.model,)
         server_config = dataclasses.replace(server_config, served_model_name=served)
+    listening = bind_socket(server_config.host, server_config.port)
+    logger.info("bound %s:%d; loading the model", server_config.host, server_config.port)
+    try:
+        return _serve_on(listening, engine_config, server_config)
+    finally:
+        listening.close()
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound now; InvalidConfigError (one line) when it cannot be."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise InvalidConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _serve_on(
+    listening: socket.socket, engine_config: EngineConfig, server_config: ServerConfig
+) -> int:
     engine = AsyncEngine.from_config(engine_config, server_config.tokenizer_workers)
     app = build_app(engine, server_config)
     kv_events_config = engine_config.kv_events
@@ -45,7 +74,6 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
             kv_events_config.endpoint,
             kv_events_config.replay_endpoint,
         )
-    logger.info("listening on http://%s:%d", server_config.host, server_config.port)
     server = DrainingServer(
         app.state.drain,
         uvicorn.Config(
@@ -60,7 +88,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     # handler found at start: turn both into KeyboardInterrupt, which ends here, cleanly.
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        server.run()
+        server.run(sockets=[listening])
     except KeyboardInterrupt:
         pass  # the signal that ended a graceful shutdown, raised again by uvicorn
     finally:
@@ -88,6 +116,11 @@ class DrainingServer(uvicorn.Server):
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:  # the app started and the socket accepts: only now is it true
+            logger.info("listening on http://%s:%d", self.config.host, self.config.port)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if sig == signal.SIGTERM and not self.drain.draining and self._loop is not None:

@@ -110,3 +110,25 @@ def test_a_dead_engine_means_503s_and_exit_code_1(tiny_llama_dir: Path, tmp_path
     finally:
         server.stop()
     assert "stopped: the engine had died" in server.log()
+
+
+def test_a_taken_port_fails_before_the_model_loads(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """The port is bound first: a taken one is exit 2 with one line, and nothing was loaded
+    (no model line in the log, no 'listening')."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        command = [sys.executable, "-m", "blockserve.cli", "serve", "--model", str(tiny_llama_dir)]
+        result = subprocess.run(
+            [*command, *TINY_ARGS, "--port", str(port)], capture_output=True, text=True, timeout=60
+        )
+    assert result.returncode == 2
+    assert result.stderr.splitlines()[-1] == (
+        f"blockserve serve: cannot listen on 127.0.0.1:{port}: Address already in use"
+    )
+    assert "model " not in result.stderr and "listening" not in result.stderr
