@@ -22,8 +22,10 @@ $(STAMP): pyproject.toml
 	rm -f $(VENV)/.installed-*
 	touch $@
 
+# Not echoed: SERVE_ARGS may hold an --api-key (BLOCKSERVE_API_KEY in the environment is better).
 serve: setup
-	$(BIN)/blockserve serve $(SERVE_ARGS)
+	@echo "$(BIN)/blockserve serve ..."
+	@$(BIN)/blockserve serve $(SERVE_ARGS)
 
 lint: setup
 	$(BIN)/ruff check blockserve tests benchmarks
