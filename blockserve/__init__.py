@@ -7,13 +7,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from blockserve.sampling_params import SamplingParams
+from blockserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from blockserve.engine.llm import LLM
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "__version__"]
 
 
 def __getattr__(name: str) -> Any:

@@ -51,6 +51,11 @@ class ModelConfig:
     attention_backend: str = "auto"
     max_model_len: int | None = None
     seed: int = 0
+    # Whitespace the JSON grammar allows between JSON tokens: -1 any, 0 none (compact JSON).
+    structured_outputs_max_whitespace: int = 16
+    # Default sampling parameters: "auto" (the model's generation_config.json), "vllm" (none),
+    # or a path to the file or its directory.
+    generation_config: str = "auto"
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,8 +6,10 @@ Torch-free: the scheduler reads the stop conditions, the sampler reads the rest.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from blockserve.errors import InvalidRequestError
 
@@ -22,6 +24,63 @@ _FLOAT_FIELDS = (
     "presence_penalty",
     "frequency_penalty",
 )
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputsParams:
+    """A constraint on what a request may generate, as vLLM's `structured_outputs` states it:
+    exactly one of a JSON schema (`json`, a dict or its JSON text), any JSON object
+    (`json_object`), a regular expression, a list of strings to choose from, or a grammar (GBNF,
+    as llama.cpp and vLLM take it, or Lark). The grammar engine (blockserve/grammar.py) checks
+    it; a schema, pattern or grammar it cannot compile is refused there, naming the field."""
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __init__(
+        self,
+        json: str | dict[str, Any] | None = None,
+        json_object: bool = False,
+        regex: str | None = None,
+        choice: list[str] | tuple[str, ...] | None = None,
+        grammar: str | None = None,
+    ) -> None:
+        # A schema is kept as JSON text (hashable; the grammar engine's cache key). Key order
+        # is kept: it is the order the object's properties are generated in.
+        text = json if json is None or isinstance(json, str) else _json_text(json)
+        object.__setattr__(self, "json", text)
+        object.__setattr__(self, "json_object", json_object)
+        object.__setattr__(self, "regex", regex)
+        object.__setattr__(self, "choice", None if choice is None else tuple(choice))
+        object.__setattr__(self, "grammar", grammar)
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name)]
+        given += ["json_object"] if json_object else []
+        if len(given) != 1:
+            raise InvalidRequestError(
+                "structured outputs take exactly one of json, json_object, regex, choice and "
+                f"grammar, got {', '.join(given) or 'none'}",
+                "structured_outputs",
+            )
+        if self.choice is not None and not all(isinstance(c, str) and c for c in self.choice):
+            raise InvalidRequestError(
+                "structured_outputs.choice must be a list of non-empty strings",
+                "structured_outputs",
+            )
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: "json", "json_object", "regex", "choice" or "grammar"."""
+        for name in ("json", "regex", "choice", "grammar"):
+            if getattr(self, name):
+                return name
+        return "json_object"
+
+
+def _json_text(value: dict[str, Any]) -> str:
+    return json.dumps(value, separators=(",", ":"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +112,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -11,6 +11,7 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
+import jsonschema
 import pytest
 
 from tests.server.conftest import tiny_server
@@ -27,7 +28,13 @@ def blocks(language: str) -> list[str]:
 def readme_server(
     tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
-    extra = ["--served-model-name", "SmolLM2-135M-Instruct"]
+    # Compact JSON: the tiny model's random weights would pad every gap with whitespace.
+    extra = [
+        "--served-model-name",
+        "SmolLM2-135M-Instruct",
+        "--structured-outputs-max-whitespace",
+        "0",
+    ]
     yield from tiny_server(tiny_llama_dir, tmp_path_factory, extra)
 
 
@@ -51,11 +58,24 @@ def test_the_curl_example_finishes(readme_server: ServerProcess) -> None:
 def test_the_caching_example_shows_cached_tokens(readme_server: ServerProcess) -> None:
     """The second question reuses the system prompt: 0 cached tokens, then more than 0, and
     the explanation names the first block that missed."""
-    (client_block,) = [b for b in blocks("python") if "OpenAI(" in b]
+    (client_block,) = [b for b in blocks("python") if "OpenAI(" in b and "cached_tokens" in b]
     code = client_block.replace("http://localhost:8000", readme_server.url)
     first, second = run_python(code)
     assert int(first.split()[0]) == 0 and int(second.split()[0]) > 0
     assert "cache_explanation" in second and "first_missing_block" in second
+
+
+def test_the_structured_output_example_validates(readme_server: ServerProcess) -> None:
+    """The JSON-schema example prints JSON that validates against its schema."""
+    (block,) = [b for b in blocks("python") if "response_format" in b]
+    namespace: dict = {}
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(
+            compile(block.replace("http://localhost:8000", readme_server.url), "README.md", "exec"),
+            namespace,
+        )
+    jsonschema.validate(json.loads(out.getvalue()), namespace["place"])
 
 
 def test_the_offline_example_reuses_the_prompt() -> None:

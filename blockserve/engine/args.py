@@ -42,6 +42,10 @@ def _finite_non_negative(value: float) -> str | None:
     return f"must be a finite number >= 0, got {value!r}"
 
 
+def _non_empty(value: str) -> str | None:
+    return None if value else "must be auto, vllm or a path, got an empty string"
+
+
 def _kv_events(value: Any) -> str | None:
     if value is None or isinstance(value, (str, dict, KVEventsConfig)):
         return None
@@ -127,6 +131,19 @@ class EngineArgs:
     )
     device: str = option("auto", "auto (CUDA if present, else CPU), cpu, or cuda:N", check=_device)
     seed: int = option(0, "random seed for sampling")
+    generation_config: str = option(
+        "auto",
+        "default sampling parameters: auto (the model's generation_config.json), vllm (the "
+        "API's defaults only), or a path to a generation_config.json or its directory",
+        check=_non_empty,
+    )
+    structured_outputs_max_whitespace: int = option(
+        16,
+        "structured outputs: the most whitespace characters the JSON grammar allows between "
+        "two tokens of JSON (-1: any number, as vLLM allows; 0: compact JSON). Bounded, a "
+        "small model cannot fill max_tokens with whitespace",
+        check=at_least(-1),
+    )
     kv_events_config: KVEventsConfig | dict | str | None = option(
         None,
         "KV event publishing, as JSON with vLLM's keys, e.g. "
@@ -155,6 +172,8 @@ class EngineArgs:
                 attention_backend=self.attention_backend,
                 max_model_len=self.max_model_len,
                 seed=self.seed,
+                structured_outputs_max_whitespace=self.structured_outputs_max_whitespace,
+                generation_config=self.generation_config,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,

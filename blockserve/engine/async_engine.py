@@ -69,6 +69,7 @@ class AsyncEngine:
             processor.max_model_len,
             processor.vocab_size,
             copy.deepcopy(processor.tokenizer),
+            engine.default_sampling,
         )
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
@@ -147,10 +148,13 @@ class AsyncEngine:
         messages: Sequence[Message],
         add_generation_prompt: bool = True,
         special_tokens_in_content: bool = False,
+        tools: Sequence[dict[str, Any]] | None = None,
     ) -> tuple[int, ...]:
         """A conversation's prompt token ids under the chat template, on a tokenizer worker."""
         return await self._tokenizers.run(
-            lambda p: p.chat_prompt(messages, add_generation_prompt, special_tokens_in_content)
+            lambda p: p.chat_prompt(
+                messages, add_generation_prompt, special_tokens_in_content, tools
+            )
         )
 
     async def detokenize(self, token_ids: Sequence[int]) -> str:

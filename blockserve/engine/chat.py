@@ -26,19 +26,21 @@ def chat_prompt_ids(
     messages: Sequence[Message],
     add_generation_prompt: bool = True,
     special_tokens_in_content: bool = False,
+    tools: Sequence[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """The prompt token ids of `messages` under the tokenizer's chat template.
+    """The prompt token ids of `messages` under the tokenizer's chat template, which is
+    given `tools` (OpenAI's shape) to render if it knows how.
 
     Special-token text inside a message's content is tokenized as plain text unless
     `special_tokens_in_content` (for trusted callers only). InvalidRequestError if the
     template fails on the conversation.
     """
-    text = _render(tokenizer, messages, add_generation_prompt)
+    text = _render(tokenizer, messages, add_generation_prompt, tools)
     contents = [m.get("content") or "" for m in messages]
     specials = special_token_texts(tokenizer)
     if special_tokens_in_content or not any(s in c for c in contents for s in specials):
         return list(tokenizer.encode(text, add_special_tokens=False))
-    pieces = _template_pieces(tokenizer, messages, contents, add_generation_prompt, text)
+    pieces = _template_pieces(tokenizer, messages, contents, add_generation_prompt, text, tools)
     ids: list[int] = []
     for piece, content in zip(pieces, [*contents, ""], strict=True):
         ids += tokenizer.encode(piece, add_special_tokens=False)
@@ -51,11 +53,19 @@ def special_token_texts(tokenizer: Any) -> frozenset[str]:
     return frozenset(t.content for t in tokenizer.added_tokens_decoder.values() if t.special)
 
 
-def _render(tokenizer: Any, messages: Sequence[Message], add_generation_prompt: bool) -> str:
+def _render(
+    tokenizer: Any,
+    messages: Sequence[Message],
+    add_generation_prompt: bool,
+    tools: Sequence[dict[str, Any]] | None,
+) -> str:
     try:
         return str(
             tokenizer.apply_chat_template(
-                list(messages), add_generation_prompt=add_generation_prompt, tokenize=False
+                list(messages),
+                tools=list(tools) if tools else None,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
             )
         )
     except Exception as exc:  # a template error is the request's fault
@@ -68,6 +78,7 @@ def _template_pieces(
     contents: list[str],
     add_generation_prompt: bool,
     text: str,
+    tools: Sequence[dict[str, Any]] | None,
 ) -> list[str]:
     """The template's own text around the contents: `text` is pieces[0] + content 0 +
     pieces[1] + ... + pieces[-1]. Found by rendering with a unique marker for each content;
@@ -79,6 +90,7 @@ def _template_pieces(
         tokenizer,
         [{**m, "content": marker} for m, marker in zip(messages, markers, strict=True)],
         add_generation_prompt,
+        tools,
     )
     pieces = []
     rest = marked

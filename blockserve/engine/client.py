@@ -6,8 +6,8 @@ Every value that crosses it is plain data, or a tokenizer that belongs to the ca
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from blockserve.engine.chat import Message
@@ -24,6 +24,8 @@ class ModelInfo:
     max_model_len: int
     vocab_size: int
     tokenizer: Any
+    # Defaults from the model's generation config: request field -> value (max_tokens a cap).
+    default_sampling: Mapping[str, float | int] = field(default_factory=dict)
 
 
 class EngineClient(Protocol):
@@ -50,10 +52,11 @@ class EngineClient(Protocol):
         messages: Sequence[Message],
         add_generation_prompt: bool = True,
         special_tokens_in_content: bool = False,
+        tools: Sequence[dict[str, Any]] | None = None,
     ) -> tuple[int, ...]:
-        """A conversation's prompt token ids under the model's chat template, off the event
-        loop; special-token text inside a message stays plain text unless
-        `special_tokens_in_content`."""
+        """A conversation's prompt token ids under the model's chat template (given `tools`
+        to render), off the event loop; special-token text inside a message stays plain text
+        unless `special_tokens_in_content`."""
 
     async def detokenize(self, token_ids: Sequence[int]) -> str:
         """The text of token ids (each inside the vocabulary), off the event loop."""

@@ -15,6 +15,7 @@ from typing import Any
 from blockserve.engine.chat import Message, chat_prompt_ids
 from blockserve.engine.request import RequestSpec, ValidatedRequest
 from blockserve.errors import InvalidRequestError
+from blockserve.grammar import GrammarCompiler
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,9 @@ class InputProcessor:
     # Characters in the longest token's text: a prompt of c characters has at least
     # ceil(c / max_chars_per_token) tokens, which bounds it before any tokenizing.
     max_chars_per_token: int | None = None
+    # Compiles structured-outputs constraints (shared by every copy: it is thread-safe); a
+    # constraint that does not compile is refused here, before the request is queued.
+    grammar: GrammarCompiler | None = None
 
     def process(self, spec: RequestSpec, live_request_ids: Container[str]) -> ValidatedRequest:
         """The spec, checked and tokenized; InvalidRequestError for the first field at fault."""
@@ -76,6 +80,7 @@ class InputProcessor:
         messages: Sequence[Message],
         add_generation_prompt: bool = True,
         special_tokens_in_content: bool = False,
+        tools: Sequence[dict[str, Any]] | None = None,
     ) -> tuple[int, ...]:
         """A conversation's prompt token ids under the model's chat template (engine/chat.py:
         special-token text in a message is plain text unless `special_tokens_in_content`).
@@ -83,7 +88,7 @@ class InputProcessor:
         self._check_characters(sum(len(m.get("content") or "") for m in messages))
         return tuple(
             chat_prompt_ids(
-                self.tokenizer, messages, add_generation_prompt, special_tokens_in_content
+                self.tokenizer, messages, add_generation_prompt, special_tokens_in_content, tools
             )
         )
 
@@ -97,6 +102,18 @@ class InputProcessor:
             # The scheduler keeps such requests off the cache (they need every position's
             # logits), but the runner does not compute prompt logprobs yet.
             raise InvalidRequestError("prompt_logprobs are not supported yet", "prompt_logprobs")
+        constraint = spec.params.structured_outputs
+        if constraint is not None:
+            if spec.params.ignore_eos:
+                # The constraint ends the output with EOS; ignoring it would leave no token.
+                raise InvalidRequestError(
+                    "ignore_eos cannot be combined with structured outputs", "ignore_eos"
+                )
+            if self.grammar is None:
+                raise InvalidRequestError(
+                    "structured outputs are not available in this engine", "structured_outputs"
+                )
+            self.grammar.compile(constraint)
         if spec.params.n > self.max_n:
             raise InvalidRequestError(f"n must be at most {self.max_n}, got {spec.params.n}", "n")
         if spec.priority != 0 and self.scheduling_policy != "priority":

@@ -35,6 +35,11 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.engine.input_processor.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation-config defaults (`--generation-config`),
+        used when `generate` or `chat` is given none, as vLLM's `LLM` does."""
+        return SamplingParams(**self.engine.default_sampling)  # type: ignore[arg-type]
+
     def generate(
         self,
         prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
@@ -50,7 +55,9 @@ class LLM:
         """
         prompt_list = as_prompt_list(prompts)
         count = len(prompt_list)
-        params = _per_prompt(sampling_params or SamplingParams(), count, "sampling_params")
+        params = _per_prompt(
+            sampling_params or self.get_default_sampling_params(), count, "sampling_params"
+        )
         priorities = _per_prompt(0 if priority is None else priority, count, "priority")
         salts = _per_prompt(cache_salt, count, "cache_salt")
         request_ids = []

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from pathlib import Path
 
 from blockserve.config import EngineConfig
 from blockserve.engine.core import EngineCore
+from blockserve.engine.generation_config import default_sampling
 from blockserve.engine.input_processor import InputProcessor, longest_token_chars
 from blockserve.engine.output_processor import OutputProcessor
 from blockserve.engine.outputs import EngineStats, KVCacheReport, MissRatioReport, RequestOutput
@@ -25,9 +27,16 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     """Add requests, call `step()` until `has_unfinished_requests()` is False."""
 
-    def __init__(self, core: EngineCore, input_processor: InputProcessor) -> None:
+    def __init__(
+        self,
+        core: EngineCore,
+        input_processor: InputProcessor,
+        default_sampling: Mapping[str, float | int] | None = None,
+    ) -> None:
         self.core = core
         self.input_processor = input_processor
+        # The model's generation-config defaults (engine/generation_config.py), for front ends.
+        self.default_sampling: Mapping[str, float | int] = dict(default_sampling or {})
         self.output_processor = OutputProcessor(input_processor.tokenizer)
         self._pending_outputs: list[RequestOutput] = []
 
@@ -108,6 +117,13 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         "on" if config.cache.enable_prefix_caching else "off",
         config.cache.prefix_caching_hash_algo,
     )
+    defaults = default_sampling(Path(info.model_path), config.model.generation_config)
+    if defaults:
+        logger.info(
+            "default sampling parameters from the model's generation config (a request's own "
+            "values win; --generation-config vllm ignores them): %s",
+            ", ".join(f"{k}={v}" for k, v in defaults.items()),
+        )
     processor = InputProcessor(
         core.tokenizer,
         info.vocab_size,
@@ -115,5 +131,6 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         config.scheduler.policy,
         config.scheduler.max_n,
         longest_token_chars(core.tokenizer, info.vocab_size),
+        core.runner.grammar,
     )
-    return LLMEngine(core, processor)
+    return LLMEngine(core, processor, defaults)

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import llguidance
 import torch
 
 from blockserve.attention.metadata import AttentionMetadata
 from blockserve.attention.selector import get_attention_backend
 from blockserve.config import CacheConfig, ModelConfig
 from blockserve.core.kv_cache_manager import RequestId
+from blockserve.grammar import GrammarCompiler, apply_token_masks
 from blockserve.model.loader import LoadedModel, load_model, resolve_dtype
 from blockserve.model.sampler import Sampler, SamplerOutput, SamplingBatch, SamplingRow
 from blockserve.runner.kv_cache import allocate_kv_caches, num_blocks_for
@@ -31,6 +33,9 @@ class RequestState:
     output_token_ids: list[int]
     params: SamplingParams
     generator: torch.Generator | None = field(default=None, repr=False)
+    # The structured-outputs matcher, advanced with every sampled token; or why it failed.
+    matcher: llguidance.LLMatcher | None = field(default=None, repr=False)
+    grammar_error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,12 @@ class ModelRunner:
         generator = torch.Generator(device=self.device)
         generator.manual_seed(model_config.seed)
         self.sampler = Sampler(generator)
+        self.grammar = GrammarCompiler(
+            self.loaded.tokenizer,
+            self.arch.vocab_size,
+            self.arch.eos_token_ids,
+            model_config.structured_outputs_max_whitespace,
+        )
         self.requests: dict[RequestId, RequestState] = {}
 
     @property
@@ -86,12 +97,19 @@ class ModelRunner:
             if new.sampling_params.seed is not None:
                 generator = torch.Generator(device=self.device)
                 generator.manual_seed(new.sampling_params.seed)
-            self.requests[scheduled.request_id] = RequestState(
+            state = RequestState(
                 list(new.prompt_token_ids),
                 list(new.output_token_ids),
                 new.sampling_params,
                 generator,
             )
+            constraint = new.sampling_params.structured_outputs
+            if constraint is not None:
+                try:
+                    state.matcher = self.grammar.matcher(constraint, state.output_token_ids)
+                except Exception as exc:  # fails this sample when it samples, no other
+                    state.grammar_error = f"{type(exc).__name__}: {exc}"
+            self.requests[scheduled.request_id] = state
 
     def prepare_inputs(self, scheduler_output: SchedulerOutput) -> ModelInputs:
         """Flatten the step into token ids, positions, slots and block tables."""
@@ -169,41 +187,80 @@ class ModelRunner:
         if not sampled_ids:
             return ModelRunnerOutput()
         logits = self.model.compute_logits(hidden[inputs.sample_indices])  # [sampled, vocab]
+        failed = self._apply_grammars(logits, sampled_ids)
         rows = self._sampling_rows(scheduler_output)
         try:
             result = self.sampler(
                 logits, SamplingBatch.build(rows, logits.shape[-1], logits.device)
             )
         except Exception:  # one row's inputs broke the batch: find it, spare the others
-            return self._sample_rows_alone(logits, sampled_ids, rows)
-        return self._to_output(sampled_ids, result)
+            return self._sample_rows_alone(logits, sampled_ids, rows, failed)
+        return self._to_output(sampled_ids, result, failed)
+
+    def _apply_grammars(
+        self, logits: torch.Tensor, request_ids: list[RequestId]
+    ) -> dict[RequestId, str]:
+        """Mask the constrained rows' logits; {request: error} for those whose grammar failed."""
+        states = [self.requests[request_id] for request_id in request_ids]
+        failed = {
+            request_id: f"structured outputs failed: {state.grammar_error}"
+            for request_id, state in zip(request_ids, states, strict=True)
+            if state.grammar_error is not None
+        }
+        row_errors = apply_token_masks(logits, [state.matcher for state in states])
+        failed.update({request_ids[row]: error for row, error in row_errors.items()})
+        return failed
 
     def _sample_rows_alone(
-        self, logits: torch.Tensor, request_ids: list[RequestId], rows: list[SamplingRow]
+        self,
+        logits: torch.Tensor,
+        request_ids: list[RequestId],
+        rows: list[SamplingRow],
+        failed: dict[RequestId, str],
     ) -> ModelRunnerOutput:
         """Sample each row in a batch of its own; a row that raises fails its request alone,
         with its own error. (Rows drawing from the shared generator may draw other noise than
         in the failed batch; seeded rows have generators of their own.)"""
         sampled: dict[RequestId, int] = {}
         logprobs: dict[RequestId, TokenLogprobs] = {}
-        failed: dict[RequestId, str] = {}
+        failed = dict(failed)
         for index, (request_id, row) in enumerate(zip(request_ids, rows, strict=True)):
+            if request_id in failed:
+                continue
             row_logits = logits[index : index + 1]
             try:
                 batch = SamplingBatch.build([row], row_logits.shape[-1], row_logits.device)
-                output = self._to_output([request_id], self.sampler(row_logits, batch))
+                output = self._to_output([request_id], self.sampler(row_logits, batch), {})
             except Exception as exc:
                 failed[request_id] = f"{type(exc).__name__}: {exc}"
                 continue
             sampled.update(output.sampled_token_ids)
             logprobs.update(output.logprobs)
+            failed.update(output.failed)
         return ModelRunnerOutput(sampled, logprobs, failed)
 
-    def _to_output(self, request_ids: list[RequestId], result: SamplerOutput) -> ModelRunnerOutput:
+    def _to_output(
+        self, request_ids: list[RequestId], result: SamplerOutput, failed: dict[RequestId, str]
+    ) -> ModelRunnerOutput:
+        """The step's tokens, appended to each request's history and fed to its grammar; a
+        request whose grammar failed, or refused its token, is reported failed instead."""
         token_ids = result.token_ids.tolist()
-        sampled = dict(zip(request_ids, token_ids, strict=True))
-        for request_id, token_id in sampled.items():
-            self.requests[request_id].output_token_ids.append(token_id)
+        failed = dict(failed)
+        sampled: dict[RequestId, int] = {}
+        for request_id, token_id in zip(request_ids, token_ids, strict=True):
+            if request_id in failed:
+                continue
+            state = self.requests[request_id]
+            if state.matcher is not None and not state.matcher.consume_token(token_id):
+                # Only a constraint that leaves no token (min_tokens banning the end the
+                # grammar has reached) gets here: the row had nothing left to draw.
+                failed[request_id] = (
+                    f"structured outputs: no token satisfies the constraint here (drew "
+                    f"{token_id}); min_tokens may forbid the end the constraint reached"
+                )
+                continue
+            state.output_token_ids.append(token_id)
+            sampled[request_id] = token_id
         logprobs: dict[RequestId, TokenLogprobs] = {}
         if result.logprobs is not None:
             assert result.ranks is not None
@@ -212,7 +269,7 @@ class ModelRunner:
             top_ids, top_lps = result.top_ids.tolist(), result.top_logprobs.tolist()
             for row, request_id in enumerate(request_ids):
                 num_top = self.requests[request_id].params.logprobs
-                if num_top is None:
+                if num_top is None or request_id not in sampled:
                     continue
                 logprobs[request_id] = TokenLogprobs(
                     token_ids[row],
@@ -220,4 +277,4 @@ class ModelRunner:
                     ranks[row],
                     tuple(zip(top_ids[row][:num_top], top_lps[row][:num_top], strict=True)),
                 )
-        return ModelRunnerOutput(sampled, logprobs)
+        return ModelRunnerOutput(sampled, logprobs, failed)

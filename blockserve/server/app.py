@@ -62,6 +62,7 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
         trust_chat_special_tokens=config.trust_chat_special_tokens,
         drain=Drain(config.shutdown_timeout),
         served_names=served_names,
+        default_sampling=info.default_sampling,
     )
 
     @contextlib.asynccontextmanager

@@ -16,7 +16,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from blockserve.errors import BlockserveError
+from blockserve.errors import BlockserveError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     param = ".".join(location) or None
     message = str(first.get("msg", "invalid request"))
     if first.get("type") == "value_error" and "error" in first.get("ctx", {}):
-        message = str(first["ctx"]["error"])  # our own check's words, without pydantic's prefix
+        error = first["ctx"]["error"]
+        message = str(error)  # our own check's words, without pydantic's prefix
+        if isinstance(error, InvalidRequestError) and error.param is not None:
+            return message, error.param  # a check that names its field says it whole
     if first.get("type") == "json_invalid":
         return f"the body is not valid JSON: {message}", None
     return (f"{param}: {message}" if param else message), param

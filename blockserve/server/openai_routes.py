@@ -19,6 +19,7 @@ from blockserve.errors import InvalidRequestError
 from blockserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from blockserve.server.responses import TokenText, chat_logprobs, completion_logprobs, usage
 from blockserve.server.runs import Run, ServingContext, final_outputs, stream_response
+from blockserve.server.tools import ToolCallStream, ToolPlan, finish_reason, plan_tools, tool_calls
 
 
 def _completion_choice(
@@ -44,7 +45,9 @@ async def create_completion(
     ctx.check_model(body.model)
     if body.echo:
         raise InvalidRequestError("echo is not supported")
-    params = body.sampling_params(body.max_tokens, body.logprobs)
+    params = body.sampling_params(
+        body.max_tokens, body.logprobs, body.constraint(), ctx.default_sampling
+    )
     run = Run(ctx, body.request_id or f"cmpl-{uuid.uuid4().hex}", body.prompts())
     salt = ctx.cache_salt(request, body.cache_salt)
     await run.start(params, body.priority, salt, request, body.return_cache_explanation)
@@ -96,21 +99,31 @@ async def create_completion(
     )
 
 
-async def chat_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> tuple[int, ...]:
+async def chat_prompt(
+    ctx: ServingContext, body: ChatCompletionRequest, tools: tuple[dict[str, Any], ...] = ()
+) -> tuple[int, ...]:
     """The conversation's prompt token ids, rendered and tokenized off the event loop."""
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     return await ctx.engine.tokenize_chat(
-        messages, body.add_generation_prompt, ctx.trust_chat_special_tokens
+        messages, body.add_generation_prompt, ctx.trust_chat_special_tokens, tools
     )
 
 
-def _chat_choice(choice: CompletionOutput, token_text: TokenText, want_logprobs: bool) -> dict:
+def _chat_choice(
+    choice: CompletionOutput, token_text: TokenText, want_logprobs: bool, plan: ToolPlan
+) -> dict:
     logprobs = chat_logprobs(choice.logprobs or (), token_text) if want_logprobs else None
+    calls = tool_calls(plan, choice.text)
+    message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+    if calls is not None:
+        message = {"role": "assistant", "content": None, "tool_calls": calls}
+        for call in calls:
+            call.pop("index", None)  # an index marks stream deltas only
     return {
         "index": choice.index,
-        "message": {"role": "assistant", "content": choice.text},
+        "message": message,
         "logprobs": logprobs,
-        "finish_reason": choice.finish_reason,
+        "finish_reason": finish_reason(plan, choice.finish_reason, bool(calls)),
         "stop_reason": choice.stop_reason,
     }
 
@@ -126,12 +139,14 @@ async def create_chat_completion(
 ) -> JSONResponse | StreamingResponse:
     ctx.check_model(body.model)
     num_logprobs = body.num_logprobs()
-    prompt = await chat_prompt(ctx, body)
+    plan = plan_tools(body)
+    prompt = await chat_prompt(ctx, body, plan.tools)
     max_tokens = body.effective_max_tokens()
     if max_tokens is None:  # the server's default cap, within what the context leaves
         room = ctx.engine.model_info().max_model_len - len(prompt)
         max_tokens = max(1, min(ctx.default_chat_max_tokens, room))
-    params = body.sampling_params(max_tokens, num_logprobs)
+    constraint = plan.constraint or body.constraint()
+    params = body.sampling_params(max_tokens, num_logprobs, constraint, ctx.default_sampling)
     run = Run(ctx, body.request_id or f"chatcmpl-{uuid.uuid4().hex}", [prompt])
     salt = ctx.cache_salt(request, body.cache_salt)
     await run.start(params, body.priority, salt, request, body.return_cache_explanation)
@@ -149,16 +164,27 @@ async def create_chat_completion(
 
     if not body.stream:
         (output,) = await final_outputs(run, request)
-        choices = [_chat_choice(c, token_text, body.logprobs) for c in output.outputs]
+        choices = [_chat_choice(c, token_text, body.logprobs, plan) for c in output.outputs]
         return JSONResponse({**base(choices, "chat.completion"), "usage": usage([output])})
 
-    def chunk(index: int, choice: CompletionOutput, delta: tuple[str, int, int, bool]) -> dict:
+    streams: dict[int, ToolCallStream] = {}
+
+    def chunk(
+        index: int, choice: CompletionOutput, delta: tuple[str, int, int, bool]
+    ) -> dict | None:
         text, first, end, finished = delta
         logprobs = None
         if body.logprobs and choice.logprobs is not None:
             logprobs = chat_logprobs(choice.logprobs[first:end], token_text)
-        finish = choice.finish_reason if finished else None
-        return base([_chat_delta(index, {"content": text} if text else {}, logprobs, finish)])
+        if plan.mode == "none":
+            finish = choice.finish_reason if finished else None
+            return base([_chat_delta(index, {"content": text} if text else {}, logprobs, finish)])
+        stream = streams.setdefault(index, ToolCallStream(plan))
+        message = stream.delta(text)
+        if not message and not finished and logprobs is None:
+            return None  # a "required" call still incomplete: nothing to send yet
+        finish = finish_reason(plan, choice.finish_reason, stream.called) if finished else None
+        return base([_chat_delta(index, message, logprobs, finish)])
 
     def role_chunk(index: int) -> list[dict[str, Any]]:
         return [base([_chat_delta(index, {"role": "assistant", "content": ""})])]

@@ -2,22 +2,25 @@
 
 Field names and defaults follow OpenAI's API; the extras are vLLM's (`cache_salt`, `priority`,
 `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`,
-`skip_special_tokens`, `include_stop_str_in_output`, `request_id`, `return_token_ids`).
-Validation failures become 400 errors in OpenAI's shape (see errors.py). Unknown fields are
-ignored, as OpenAI does. Types are strict, as the OpenAPI document states them: `"n": "2"`,
-`"max_tokens": 16.0` or `"stream": "true"` are 400s, not quietly converted (a float field
-takes an integer).
+`skip_special_tokens`, `include_stop_str_in_output`, `request_id`, `return_token_ids`,
+`structured_outputs`). Validation failures become 400 errors in OpenAI's shape (see errors.py).
+Unknown fields are ignored, as OpenAI does, but a field OpenAI or vLLM defines that blockserve
+does not implement is a 400 naming it when set, never silently dropped. Types are strict, as
+the OpenAPI document states them: `"n": "2"`, `"max_tokens": 16.0` or `"stream": "true"` are
+400s, not quietly converted (a float field takes an integer).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import json
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from blockserve.engine.request import Prompt, as_prompt_list
 from blockserve.errors import InvalidRequestError
-from blockserve.sampling_params import SamplingParams
+from blockserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def _encodable(text: str) -> str:
@@ -40,6 +43,95 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Body):
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON under a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ResponseFormat:
+        if self.type == "json_schema" and (
+            self.json_schema is None or self.json_schema.json_schema is None
+        ):
+            raise ValueError('type "json_schema" needs json_schema.schema')
+        return self
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.type == "json_schema":
+            assert self.json_schema is not None and self.json_schema.json_schema is not None
+            return StructuredOutputsParams(json=self.json_schema.json_schema)
+        return None
+
+
+class StructuredOutputs(_Body):
+    """vLLM's `structured_outputs`: exactly one of these constrains the output."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[Text] | None = None
+    grammar: str | None = None
+
+    def constraint(self) -> StructuredOutputsParams:
+        schema = self.json_
+        if isinstance(schema, str):  # vLLM takes the schema as JSON text too
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as exc:
+                raise InvalidRequestError(
+                    f"structured_outputs.json is not valid JSON: {exc}", "structured_outputs"
+                ) from None
+        return StructuredOutputsParams(
+            json=schema,
+            json_object=bool(self.json_object),
+            regex=self.regex,
+            choice=self.choice,
+            grammar=self.grammar,
+        )
+
+
+# Fields OpenAI or vLLM define that blockserve does not implement: set (non-null, not the
+# default), each is refused with a 400 naming it rather than ignored.
+_UNSUPPORTED_FIELDS = (
+    "prompt_logprobs",
+    "logit_bias",
+    "logits_processors",
+    "use_beam_search",
+    "truncate_prompt_tokens",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_decoding_backend",
+    "structural_tag",
+)
+_HINTS = {
+    "guided_json": "; use structured_outputs.json or response_format",
+    "guided_regex": "; use structured_outputs.regex",
+    "guided_choice": "; use structured_outputs.choice",
+    "guided_grammar": "; use structured_outputs.grammar",
+}
+
+
+def _refuse_unsupported(data: Any, names: tuple[str, ...]) -> Any:
+    if isinstance(data, dict):
+        for name in names:
+            value = data.get(name)
+            if value not in (None, False, {}, []) and not (name == "best_of" and value == 1):
+                raise InvalidRequestError(f"{name} is not supported{_HINTS.get(name, '')}", name)
+    return data
 
 
 class _SamplingFields(_Body):
@@ -70,8 +162,17 @@ class _SamplingFields(_Body):
     priority: int = 0
     request_id: str | None = None
     return_token_ids: bool = False
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
     # blockserve's: usage.cache_explanation says where the prefix-cache match stopped and why
     return_cache_explanation: bool = False
+
+    unsupported_fields: ClassVar[tuple[str, ...]] = _UNSUPPORTED_FIELDS
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse(cls, data: Any) -> Any:
+        return _refuse_unsupported(data, cls.unsupported_fields)
 
     @model_validator(mode="after")
     def _check(self) -> _SamplingFields:
@@ -79,16 +180,43 @@ class _SamplingFields(_Body):
             raise ValueError("stream_options can only be set when stream is true")
         return self
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """The engine's SamplingParams; InvalidRequestError for out-of-range values."""
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The output constraint asked for by `response_format` or `structured_outputs`."""
+        from_format = self.response_format.constraint() if self.response_format else None
+        if self.structured_outputs is None:
+            return from_format
+        if from_format is not None:
+            raise InvalidRequestError(
+                "give response_format or structured_outputs, not both", "structured_outputs"
+            )
+        return self.structured_outputs.constraint()
+
+    def sampling_params(
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        constraint: StructuredOutputsParams | None = None,
+        defaults: Mapping[str, float | int] | None = None,
+    ) -> SamplingParams:
+        """The engine's SamplingParams; InvalidRequestError for out-of-range values. A field
+        the request leaves unset takes the model's generation-config default, if any, else
+        the API's; that config's max_tokens also caps the request's."""
+        defaults = defaults or {}
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+        def pick(value: float | None, name: str, neutral: float) -> float:
+            return value if value is not None else defaults.get(name, neutral)
+
+        cap = defaults.get("max_tokens")
+        if cap is not None:
+            max_tokens = int(cap) if max_tokens is None else min(max_tokens, int(cap))
         return SamplingParams(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0,
-            repetition_penalty=self.repetition_penalty or 1.0,
+            temperature=pick(self.temperature, "temperature", 1.0),
+            top_p=pick(self.top_p, "top_p", 1.0),
+            top_k=int(pick(self.top_k, "top_k", 0)),
+            min_p=pick(self.min_p, "min_p", 0.0),
+            repetition_penalty=pick(self.repetition_penalty, "repetition_penalty", 1.0),
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             seed=self.seed,
@@ -100,10 +228,13 @@ class _SamplingFields(_Body):
             include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=constraint,
         )
 
 
 class CompletionRequest(_SamplingFields):
+    unsupported_fields = (*_UNSUPPORTED_FIELDS, "suffix", "best_of")
+
     prompt: Text | list[Text] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
@@ -137,8 +268,44 @@ class ChatMessage(_Body):
         return "".join(parts)
 
 
+class FunctionDefinition(_Body):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
 class ChatCompletionRequest(_SamplingFields):
+    unsupported_fields = (
+        *_UNSUPPORTED_FIELDS,
+        "functions",
+        "function_call",
+        "audio",
+        "prediction",
+        "web_search_options",
+    )
+
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -54,6 +54,8 @@ class ServingContext:
     trust_chat_special_tokens: bool = False  # --trust-chat-special-tokens
     drain: Drain = field(default_factory=lambda: Drain(0.0))
     served_names: tuple[str, ...] = ()  # every name a request may use
+    # The model's generation-config defaults (--generation-config): field -> value.
+    default_sampling: Mapping[str, float | int] = field(default_factory=dict)
 
     def cache_salt(self, request: Request, client_salt: str | None) -> str | None:
         """The salt a request runs under: the client's, or with per-key salts one derived
@@ -227,7 +229,9 @@ async def final_outputs(run: Run, request: Request) -> list[RequestOutput]:
 def stream_response(
     run: Run,
     n: int,
-    make_chunk: Callable[[int, CompletionOutput, tuple[str, int, int, bool]], dict[str, Any]],
+    make_chunk: Callable[
+        [int, CompletionOutput, tuple[str, int, int, bool]], dict[str, Any] | None
+    ],
     usage_base: Callable[[list[dict[str, Any]]], dict[str, Any]] | None,
     first_chunks: Callable[[int], list[dict[str, Any]]] | None = None,
     every_token: bool = False,
@@ -248,8 +252,9 @@ def stream_response(
                             for extra in first_chunks(index):
                                 yield sse(extra)
                         delta = tracker.delta(index, choice)
-                        if delta is not None:
-                            yield sse(make_chunk(index, choice, delta))
+                        chunk = None if delta is None else make_chunk(index, choice, delta)
+                        if chunk is not None:  # None: nothing to send for this delta yet
+                            yield sse(chunk)
                 if usage_base is not None and len(finals) == len(run.prompts):
                     totals = usage([finals[i] for i in sorted(finals)])
                     yield sse({**usage_base([]), "usage": totals})

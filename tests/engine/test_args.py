@@ -23,6 +23,8 @@ GOOD: dict[str, tuple[object, list[str]]] = {
     "tlru_threshold_tokens": (256, ["--tlru-threshold-tokens", "256"]),
     "tlru_next_prompt_tokens": (64, ["--tlru-next-prompt-tokens", "64"]),
     "miss_ratio_samples": (0, ["--miss-ratio-samples", "0"]),
+    "structured_outputs_max_whitespace": (0, ["--structured-outputs-max-whitespace", "0"]),
+    "generation_config": ("vllm", ["--generation-config", "vllm"]),
     "scheduling_policy": ("lpm", ["--scheduling-policy", "lpm"]),
     "lpm_aging_s": (2.5, ["--lpm-aging-s", "2.5"]),
     "max_num_seqs": (8, ["--max-num-seqs", "8"]),
@@ -51,6 +53,8 @@ BAD: dict[str, list[tuple[object, list[str] | None]]] = {
     "tlru_threshold_tokens": [(-1, ["--tlru-threshold-tokens", "-1"])],
     "tlru_next_prompt_tokens": [(-5, ["--tlru-next-prompt-tokens", "-5"])],
     "miss_ratio_samples": [(-1, ["--miss-ratio-samples", "-1"])],
+    "structured_outputs_max_whitespace": [(-2, ["--structured-outputs-max-whitespace", "-2"])],
+    "generation_config": [("", ["--generation-config", ""]), (3, None)],
     "scheduling_policy": [("lifo", ["--scheduling-policy", "lifo"])],
     "lpm_aging_s": [
         (-1.0, ["--lpm-aging-s", "-1"]),

@@ -8,6 +8,7 @@ import pytest
 
 from blockserve import LLM, SamplingParams
 from blockserve.errors import InvalidRequestError
+from blockserve.sampling_params import StructuredOutputsParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 PROMPT_33 = list(range(10, 43))
@@ -141,3 +142,44 @@ def test_context_is_capped_by_the_kv_cache(tiny_llama_dir: Path) -> None:
         llm.generate(list(range(70)), GREEDY, use_tqdm=False)
     with pytest.raises(InvalidConfigError, match="exceeds the KV cache, which holds 64 tokens"):
         make_llm(tiny_llama_dir, num_gpu_blocks_override=5, max_model_len=100)
+
+
+def test_structured_output_rows_leave_their_neighbours_alone(tiny_llama_dir: Path) -> None:
+    """A constrained sample in the batch: its text is one of the choices and it stops at
+    EOS; the unconstrained neighbour's tokens equal those it gets in a batch of its own."""
+    llm = make_llm(tiny_llama_dir)
+    choice = SamplingParams(
+        temperature=0.0,
+        max_tokens=12,
+        structured_outputs=StructuredOutputsParams(choice=["alpha", "beta"]),
+    )
+    alone = llm.generate(PROMPT_33, GREEDY, use_tqdm=False)[0]
+    both = llm.generate([PROMPT_33, PROMPT_33[:20]], [GREEDY, choice], use_tqdm=False)
+    assert both[0].outputs[0].token_ids == alone.outputs[0].token_ids
+    constrained = both[1].outputs[0]
+    assert constrained.text in ("alpha", "beta")
+    assert constrained.finish_reason == "stop"
+    assert llm.get_stats().kv_cache_usage == 0.0
+
+
+@pytest.mark.parametrize(
+    ("params", "param"),
+    [
+        (
+            SamplingParams(structured_outputs=StructuredOutputsParams(regex="(")),
+            "structured_outputs",
+        ),
+        (
+            SamplingParams(ignore_eos=True, structured_outputs=StructuredOutputsParams(regex="a")),
+            "ignore_eos",
+        ),
+    ],
+)
+def test_bad_constraint_is_refused_before_queueing(
+    tiny_llama_dir: Path, params: SamplingParams, param: str
+) -> None:
+    llm = make_llm(tiny_llama_dir)
+    with pytest.raises(InvalidRequestError) as caught:
+        llm.generate(PROMPT_33, params, use_tqdm=False)
+    assert caught.value.param == param
+    assert llm.get_stats().num_waiting == 0 and llm.get_stats().num_running == 0
