@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from blockserve.errors import InvalidConfigError
 from blockserve.events.config import KVEventsConfig
 from blockserve.options import at_least, option, positive, validate
 
 DTYPES = ("auto", "float32", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cuda")
 SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
+TOOL_CALL_PARSERS = ("hermes",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +153,18 @@ class ServerConfig:
     tokenizer_workers: int = option(
         2, "threads that tokenize prompts and render chat templates", check=positive
     )
+    enable_auto_tool_choice: bool = option(
+        False,
+        'answer tool_choice "auto" (the default once tools are given): the model chooses '
+        "between text and calls, read out of its text by --tool-call-parser",
+    )
+    tool_call_parser: str | None = option(
+        None,
+        "the model's tool-call format, for --enable-auto-tool-choice: hermes "
+        '(<tool_call>{"name": ..., "arguments": ...}</tool_call>, as Qwen2.5 and Hermes '
+        "models write)",
+        choices=TOOL_CALL_PARSERS,
+    )
     shutdown_timeout: float = option(
         30.0,
         "seconds running requests get to finish after SIGTERM; then each ends with an error",
@@ -160,3 +174,7 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         validate(self)
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise InvalidConfigError(
+                "enable_auto_tool_choice (--enable-auto-tool-choice) needs --tool-call-parser"
+            )

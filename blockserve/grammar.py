@@ -17,8 +17,8 @@ with `maxLength` or `minLength` lets it emit raw control characters (which no st
 parser takes) and no escapes at all (its open issue #800); llguidance keeps such strings valid
 JSON, and its masks (tens of microseconds) are small beside a model step.
 
-The grammar's end is the model's EOS token: when the constraint is satisfied the mask leaves
-only that, and the scheduler stops the sample as for any EOS.
+The grammar's end is any of the model's EOS tokens: when the constraint is satisfied the mask
+leaves only those, and the scheduler stops the sample as for any EOS.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class GrammarCompiler:
     ) -> None:
         self._hf_tokenizer = tokenizer
         self.vocab_size = vocab_size
-        self._eos_token_id = eos_token_ids[0]
+        self._eos_token_ids = list(eos_token_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
         # Whitespace allowed between two JSON tokens: -1 any, 0 none (compact JSON). Unbounded,
@@ -73,7 +73,7 @@ class GrammarCompiler:
         with self._lock:
             if self._tokenizer is None:
                 self._tokenizer = llguidance.hf.from_tokenizer(
-                    self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos_token_id
+                    self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos_token_ids
                 )
             return self._tokenizer
 

@@ -27,6 +27,14 @@ def test_server_defaults() -> None:
         ({"port": "80"}, "port (--port) must be of type int, got '80'"),
         ({"api_key": ("",)}, "api_key (--api-key) must be a tuple of non-empty strings, got ('',)"),
         ({"api_key": "k"}, "api_key (--api-key) must be a tuple of non-empty strings, got 'k'"),
+        (
+            {"tool_call_parser": "mistral"},
+            "tool_call_parser (--tool-call-parser) must be one of hermes, got 'mistral'",
+        ),
+        (
+            {"enable_auto_tool_choice": True},
+            "enable_auto_tool_choice (--enable-auto-tool-choice) needs --tool-call-parser",
+        ),
     ],
 )
 def test_bad_server_options_raise(kwargs: dict[str, object], message: str) -> None:

@@ -175,3 +175,14 @@ def test_params_keep_the_schema_as_json_text_in_key_order() -> None:
         StructuredOutputsParams(choice=["x", ""])
     sampling = SamplingParams(structured_outputs=params)
     assert hash(sampling) == hash(SamplingParams(structured_outputs=params))
+
+
+def test_a_finished_constraint_allows_every_eos_token(tokenizer: Any) -> None:
+    """A model with several EOS ids (Llama 3 has three) may end on any of them."""
+    eos = [tokenizer.eos_token_id, 7]
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), eos)
+    params = StructuredOutputsParams(choice=["ab"])
+    matcher = compiler.matcher(params, tokenizer.encode("ab", add_special_tokens=False))
+    logits = torch.zeros(1, len(tokenizer))
+    apply_token_masks(logits, [matcher])
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == sorted(eos)

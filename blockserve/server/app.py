@@ -63,6 +63,7 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
         drain=Drain(config.shutdown_timeout),
         served_names=served_names,
         default_sampling=info.default_sampling,
+        tool_call_parser=config.tool_call_parser if config.enable_auto_tool_choice else None,
     )
 
     @contextlib.asynccontextmanager

@@ -19,7 +19,13 @@ from blockserve.errors import InvalidRequestError
 from blockserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from blockserve.server.responses import TokenText, chat_logprobs, completion_logprobs, usage
 from blockserve.server.runs import Run, ServingContext, final_outputs, stream_response
-from blockserve.server.tools import ToolCallStream, ToolPlan, finish_reason, plan_tools, tool_calls
+from blockserve.server.tools import (
+    ToolCallStream,
+    ToolPlan,
+    finish_reason,
+    plan_tools,
+    reply_message,
+)
 
 
 def _completion_choice(
@@ -113,17 +119,12 @@ def _chat_choice(
     choice: CompletionOutput, token_text: TokenText, want_logprobs: bool, plan: ToolPlan
 ) -> dict:
     logprobs = chat_logprobs(choice.logprobs or (), token_text) if want_logprobs else None
-    calls = tool_calls(plan, choice.text)
-    message: dict[str, Any] = {"role": "assistant", "content": choice.text}
-    if calls is not None:
-        message = {"role": "assistant", "content": None, "tool_calls": calls}
-        for call in calls:
-            call.pop("index", None)  # an index marks stream deltas only
+    message, called = reply_message(plan, choice.text)
     return {
         "index": choice.index,
         "message": message,
         "logprobs": logprobs,
-        "finish_reason": finish_reason(plan, choice.finish_reason, bool(calls)),
+        "finish_reason": finish_reason(plan, choice.finish_reason, called),
         "stop_reason": choice.stop_reason,
     }
 
@@ -139,7 +140,7 @@ async def create_chat_completion(
 ) -> JSONResponse | StreamingResponse:
     ctx.check_model(body.model)
     num_logprobs = body.num_logprobs()
-    plan = plan_tools(body)
+    plan = plan_tools(body, ctx.tool_call_parser)
     prompt = await chat_prompt(ctx, body, plan.tools)
     max_tokens = body.effective_max_tokens()
     if max_tokens is None:  # the server's default cap, within what the context leaves
@@ -180,9 +181,9 @@ async def create_chat_completion(
             finish = choice.finish_reason if finished else None
             return base([_chat_delta(index, {"content": text} if text else {}, logprobs, finish)])
         stream = streams.setdefault(index, ToolCallStream(plan))
-        message = stream.delta(text)
+        message = stream.delta(text, finished)
         if not message and not finished and logprobs is None:
-            return None  # a "required" call still incomplete: nothing to send yet
+            return None  # a call still incomplete: nothing to send yet
         finish = finish_reason(plan, choice.finish_reason, stream.called) if finished else None
         return base([_chat_delta(index, message, logprobs, finish)])
 

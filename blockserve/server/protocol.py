@@ -12,129 +12,30 @@ the OpenAPI document states them: `"n": "2"`, `"max_tokens": 16.0` or `"stream":
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from blockserve.engine.request import Prompt, as_prompt_list
 from blockserve.errors import InvalidRequestError
 from blockserve.sampling_params import SamplingParams, StructuredOutputsParams
+from blockserve.server.body import Body, Text, encodable
+from blockserve.server.constraints import (
+    UNSUPPORTED_FIELDS,
+    ChatTool,
+    ResponseFormat,
+    StructuredOutputs,
+    ToolChoice,
+    refuse_unsupported,
+)
 
 
-def _encodable(text: str) -> str:
-    """JSON may spell lone surrogates ("\\ud800"); no tokenizer takes them."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(f"text is not valid Unicode: {exc.reason} at {exc.start}") from None
-    return text
-
-
-Text = Annotated[str, AfterValidator(_encodable)]
-
-
-class _Body(BaseModel):
-    """A request body, or a part of one: unknown fields ignored, types strict."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-
-class StreamOptions(_Body):
+class StreamOptions(Body):
     include_usage: bool = False
 
 
-class JsonSchemaFormat(_Body):
-    name: str = "response"
-    description: str | None = None
-    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormat(_Body):
-    """OpenAI's `response_format`: free text, any JSON object, or JSON under a schema."""
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-    @model_validator(mode="after")
-    def _check(self) -> ResponseFormat:
-        if self.type == "json_schema" and (
-            self.json_schema is None or self.json_schema.json_schema is None
-        ):
-            raise ValueError('type "json_schema" needs json_schema.schema')
-        return self
-
-    def constraint(self) -> StructuredOutputsParams | None:
-        if self.type == "json_object":
-            return StructuredOutputsParams(json_object=True)
-        if self.type == "json_schema":
-            assert self.json_schema is not None and self.json_schema.json_schema is not None
-            return StructuredOutputsParams(json=self.json_schema.json_schema)
-        return None
-
-
-class StructuredOutputs(_Body):
-    """vLLM's `structured_outputs`: exactly one of these constrains the output."""
-
-    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
-    json_object: bool | None = None
-    regex: str | None = None
-    choice: list[Text] | None = None
-    grammar: str | None = None
-
-    def constraint(self) -> StructuredOutputsParams:
-        schema = self.json_
-        if isinstance(schema, str):  # vLLM takes the schema as JSON text too
-            try:
-                schema = json.loads(schema)
-            except json.JSONDecodeError as exc:
-                raise InvalidRequestError(
-                    f"structured_outputs.json is not valid JSON: {exc}", "structured_outputs"
-                ) from None
-        return StructuredOutputsParams(
-            json=schema,
-            json_object=bool(self.json_object),
-            regex=self.regex,
-            choice=self.choice,
-            grammar=self.grammar,
-        )
-
-
-# Fields OpenAI or vLLM define that blockserve does not implement: set (non-null, not the
-# default), each is refused with a 400 naming it rather than ignored.
-_UNSUPPORTED_FIELDS = (
-    "prompt_logprobs",
-    "logit_bias",
-    "logits_processors",
-    "use_beam_search",
-    "truncate_prompt_tokens",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "guided_decoding_backend",
-    "structural_tag",
-)
-_HINTS = {
-    "guided_json": "; use structured_outputs.json or response_format",
-    "guided_regex": "; use structured_outputs.regex",
-    "guided_choice": "; use structured_outputs.choice",
-    "guided_grammar": "; use structured_outputs.grammar",
-}
-
-
-def _refuse_unsupported(data: Any, names: tuple[str, ...]) -> Any:
-    if isinstance(data, dict):
-        for name in names:
-            value = data.get(name)
-            if value not in (None, False, {}, []) and not (name == "best_of" and value == 1):
-                raise InvalidRequestError(f"{name} is not supported{_HINTS.get(name, '')}", name)
-    return data
-
-
-class _SamplingFields(_Body):
+class _SamplingFields(Body):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
@@ -167,12 +68,12 @@ class _SamplingFields(_Body):
     # blockserve's: usage.cache_explanation says where the prefix-cache match stopped and why
     return_cache_explanation: bool = False
 
-    unsupported_fields: ClassVar[tuple[str, ...]] = _UNSUPPORTED_FIELDS
+    unsupported_fields: ClassVar[tuple[str, ...]] = UNSUPPORTED_FIELDS
 
     @model_validator(mode="before")
     @classmethod
     def _refuse(cls, data: Any) -> Any:
-        return _refuse_unsupported(data, cls.unsupported_fields)
+        return refuse_unsupported(data, cls.unsupported_fields)
 
     @model_validator(mode="after")
     def _check(self) -> _SamplingFields:
@@ -233,7 +134,7 @@ class _SamplingFields(_Body):
 
 
 class CompletionRequest(_SamplingFields):
-    unsupported_fields = (*_UNSUPPORTED_FIELDS, "suffix", "best_of")
+    unsupported_fields = (*UNSUPPORTED_FIELDS, "suffix", "best_of")
 
     prompt: Text | list[Text] | list[int] | list[list[int]]
     max_tokens: int | None = 16
@@ -245,7 +146,7 @@ class CompletionRequest(_SamplingFields):
         return as_prompt_list(self.prompt)
 
 
-class ChatMessage(_Body):
+class ChatMessage(Body):
     model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
@@ -262,39 +163,15 @@ class ChatMessage(_Body):
                     f"content part type {part.get('type')!r} is not supported"
                 )
             try:
-                parts.append(_encodable(str(part.get("text", ""))))
+                parts.append(encodable(str(part.get("text", ""))))
             except ValueError as exc:
                 raise InvalidRequestError(str(exc), "messages") from None
         return "".join(parts)
 
 
-class FunctionDefinition(_Body):
-    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class ChatTool(_Body):
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class NamedFunction(_Body):
-    name: str
-
-
-class NamedToolChoice(_Body):
-    type: Literal["function"]
-    function: NamedFunction
-
-
-ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
-
-
 class ChatCompletionRequest(_SamplingFields):
     unsupported_fields = (
-        *_UNSUPPORTED_FIELDS,
+        *UNSUPPORTED_FIELDS,
         "functions",
         "function_call",
         "audio",
@@ -324,7 +201,7 @@ class ChatCompletionRequest(_SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(Body):
     model: str | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
@@ -337,6 +214,6 @@ class TokenizeRequest(_Body):
         return self
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(Body):
     model: str | None = None
     tokens: list[int]

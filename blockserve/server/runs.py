@@ -54,6 +54,9 @@ class ServingContext:
     trust_chat_special_tokens: bool = False  # --trust-chat-special-tokens
     drain: Drain = field(default_factory=lambda: Drain(0.0))
     served_names: tuple[str, ...] = ()  # every name a request may use
+    # --tool-call-parser when --enable-auto-tool-choice is on: tool_choice "auto" reads calls
+    # out of the model's text in this format (None: "auto" is refused).
+    tool_call_parser: str | None = None
     # The model's generation-config defaults (--generation-config): field -> value.
     default_sampling: Mapping[str, float | int] = field(default_factory=dict)
 

@@ -5,9 +5,11 @@
 it to that function's arguments. Either way the output parses by construction, and the reply
 carries OpenAI's `tool_calls` (with `finish_reason: "tool_calls"` for "required", and "stop"
 for a named function, as OpenAI and vLLM answer). `"none"` generates text. `"auto"` (OpenAI's
-default once tools are given) needs a parser for the model's own tool-call syntax, which
-blockserve does not have: it is a 400 naming `tool_choice`, as vLLM answers when started
-without a tool parser.
+default once tools are given) lets the model choose, and reads its calls out of its text in the
+model's own format: it needs `--enable-auto-tool-choice --tool-call-parser hermes` (vLLM's
+flags; the hermes format, `<tool_call>{"name": ..., "arguments": ...}</tool_call>`, is the one
+Qwen2.5, Hermes and many others are trained on), and without them is a 400 naming
+`tool_choice`, as vLLM answers.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from typing import Any
 
 from blockserve.errors import InvalidRequestError
 from blockserve.sampling_params import StructuredOutputsParams
-from blockserve.server.protocol import ChatCompletionRequest, NamedToolChoice
+from blockserve.server.constraints import NamedToolChoice
+from blockserve.server.protocol import ChatCompletionRequest
 
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
@@ -28,14 +31,15 @@ _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 class ToolPlan:
     """What a chat request's tools ask of generation and of the reply."""
 
-    mode: str  # "none", "required" or "named"
+    mode: str  # "none", "required", "named" or "auto"
     function: str | None = None  # the named function
     constraint: StructuredOutputsParams | None = None
     tools: tuple[dict[str, Any], ...] = ()  # for the chat template, in OpenAI's shape
 
 
-def plan_tools(body: ChatCompletionRequest) -> ToolPlan:
-    """The request's tool plan; InvalidRequestError naming the field at fault."""
+def plan_tools(body: ChatCompletionRequest, tool_call_parser: str | None = None) -> ToolPlan:
+    """The request's tool plan; InvalidRequestError naming the field at fault. "auto" needs
+    the server's `tool_call_parser` (None: auto tool choice is off)."""
     tools = body.tools or []
     choice = body.tool_choice
     if not tools:
@@ -44,12 +48,14 @@ def plan_tools(body: ChatCompletionRequest) -> ToolPlan:
         return ToolPlan("none")
     shapes = tuple(tool.model_dump(by_alias=True, exclude_none=True) for tool in tools)
     if choice is None or choice == "auto":
-        raise InvalidRequestError(
-            'tool_choice "auto" (the default once tools are given) needs a parser for this '
-            "model's tool-call format, which blockserve does not have; send "
-            '"required", a named function, or "none"',
-            "tool_choice",
-        )
+        if tool_call_parser is None:
+            raise InvalidRequestError(
+                'tool_choice "auto" (the default once tools are given) needs the server '
+                "started with --enable-auto-tool-choice --tool-call-parser; send "
+                '"required", a named function, or "none"',
+                "tool_choice",
+            )
+        return ToolPlan("auto", tools=shapes)
     if choice == "none":
         return ToolPlan("none", tools=shapes)
     if body.constraint() is not None:
@@ -100,27 +106,44 @@ def _call(name: str, arguments: str, index: int | None = None) -> dict[str, Any]
     return call if index is None else {"index": index, **call}
 
 
-def tool_calls(plan: ToolPlan, text: str) -> list[dict[str, Any]] | None:
-    """The calls in a finished output (None when the plan calls no tool). An output cut short
-    by max_tokens keeps what the stream would have sent: a named function's partial
-    arguments, or the "required" calls that completed."""
+def reply_message(plan: ToolPlan, text: str) -> tuple[dict[str, Any], bool]:
+    """A finished output's assistant message, and whether it calls tools. An output cut
+    short by max_tokens keeps what the stream would have sent: a named function's partial
+    arguments, or the calls that completed."""
+    if plan.mode == "none":
+        return {"role": "assistant", "content": text}, False
     if plan.mode == "named":
         assert plan.function is not None
-        return [_call(plan.function, text)]
-    if plan.mode == "required":
-        return ToolCallStream(plan).delta(text).get("tool_calls", [])
-    return None
+        calls = [_call(plan.function, text)]
+        return {"role": "assistant", "content": None, "tool_calls": calls}, True
+    stream = ToolCallStream(plan)
+    delta = stream.delta(text, finished=True)
+    calls = [
+        {k: v for k, v in call.items() if k != "index"} for call in delta.get("tool_calls", [])
+    ]
+    message: dict[str, Any] = {"role": "assistant", "content": delta.get("content") or None}
+    if calls:
+        message["tool_calls"] = calls
+    return message, bool(calls)
 
 
 def finish_reason(plan: ToolPlan, reason: str | None, called: bool) -> str | None:
-    return "tool_calls" if plan.mode == "required" and called and reason == "stop" else reason
+    """OpenAI's: "tool_calls" when the model chose to call ("required", "auto"); a named
+    function's forced call keeps "stop"."""
+    if called and reason == "stop" and plan.mode in ("required", "auto"):
+        return "tool_calls"
+    return reason
+
+
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 
 
 @dataclass
 class ToolCallStream:
-    """Turns one choice's text deltas into `tool_calls` deltas. A named function's arguments
-    stream as they are generated; "required" calls are sent whole, one delta per call, as
-    each element of the array completes."""
+    """Turns one choice's text deltas into chat deltas. A named function's arguments stream
+    as they are generated; "required" calls are sent whole, one delta per call, as each
+    element of the array completes; under "auto" (the hermes format) text outside
+    `<tool_call>` blocks is content, and each block is sent whole as it closes."""
 
     plan: ToolPlan
     _text: str = ""
@@ -129,7 +152,7 @@ class ToolCallStream:
     _sent: int = 0
     _decoder: json.JSONDecoder = field(default_factory=json.JSONDecoder)
 
-    def delta(self, text: str) -> dict[str, Any]:
+    def delta(self, text: str, finished: bool = False) -> dict[str, Any]:
         """The chat delta for `text` (empty when nothing is ready to send)."""
         if self.plan.mode == "named":
             assert self.plan.function is not None
@@ -139,6 +162,8 @@ class ToolCallStream:
                 self._sent = 1
                 return {"tool_calls": [_call(self.plan.function, text, 0)]}
             return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
+        if self.plan.mode == "auto":
+            return self._hermes(text, finished)
         calls = []
         for call in self._complete_elements(text):
             arguments = json.dumps(call["parameters"], ensure_ascii=False)
@@ -149,6 +174,48 @@ class ToolCallStream:
     @property
     def called(self) -> bool:
         return self._sent > 0
+
+    def _hermes(self, text: str, finished: bool) -> dict[str, Any]:
+        """Content up to the next `<tool_call>` (holding back what may be the start of one),
+        and each block that closed, parsed as {"name", "arguments"}; a block that does not
+        parse is content. At the end, whatever is held is content."""
+        self._text += text
+        content: list[str] = []
+        calls: list[dict[str, Any]] = []
+
+        def add(segment: str) -> None:
+            if segment.strip() or not self._sent:  # whitespace after a call is not content
+                content.append(segment)
+
+        while True:
+            rest = self._text[self._pos :]
+            start = rest.find(_OPEN)
+            if start < 0:
+                keep = 0 if finished else _partial_suffix(rest, _OPEN)
+                add(rest[: len(rest) - keep])
+                self._pos += len(rest) - keep
+                break
+            add(rest[:start])
+            end = rest.find(_CLOSE, start)
+            if end < 0:
+                self._pos += start
+                if finished:  # a block never closed: it is text
+                    add(rest[start:])
+                    self._pos = len(self._text)
+                break
+            call = _hermes_call(rest[start + len(_OPEN) : end])
+            if call is None:
+                add(rest[start : end + len(_CLOSE)])
+            else:
+                calls.append(_call(*call, self._sent))
+                self._sent += 1
+            self._pos += end + len(_CLOSE)
+        delta: dict[str, Any] = {}
+        if "".join(content):
+            delta["content"] = "".join(content)
+        if calls:
+            delta["tool_calls"] = calls
+        return delta
 
     def _complete_elements(self, text: str) -> list[Any]:
         """Elements of the JSON array that completed with `text` (the grammar guarantees
@@ -172,6 +239,27 @@ class ToolCallStream:
                 return found
             found.append(value)
             self._pos = end
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """The length of the longest end of `text` that begins `marker`."""
+    for size in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-size:]):
+            return size
+    return 0
+
+
+def _hermes_call(body: str) -> tuple[str, str] | None:
+    """(name, arguments JSON) of one `<tool_call>` block, or None if it is not one."""
+    try:
+        value = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = value.get("arguments", {})
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return value["name"], text
 
 
 def _skip_space(text: str, i: int) -> int:

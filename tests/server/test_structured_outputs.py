@@ -53,6 +53,68 @@ def client(
         yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
 
 
+@pytest.fixture(scope="module")
+def auto_client(
+    tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[openai.OpenAI]:
+    flags = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    for server in tiny_server(tiny_llama_dir, tmp_path_factory, flags):
+        yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+# What a hermes-format model writes when it calls a tool; a regex makes the tiny model write it.
+HERMES_CALL = (
+    'Checking.<tool_call>{"name": "get_weather", "arguments": {"unit": "c", "rain": true}}'
+    "</tool_call>"
+)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_tool_choice_reads_the_models_hermes_calls(
+    auto_client: openai.OpenAI, stream: bool
+) -> None:
+    """With --tool-call-parser hermes, tools without tool_choice ("auto") run free, and a
+    `<tool_call>` block in the output becomes a tool call (streamed or not)."""
+    kwargs: dict[str, Any] = {
+        "model": None,
+        "messages": USER,
+        "tools": TOOLS,
+        "max_tokens": 128,
+        "extra_body": {"structured_outputs": {"regex": re.escape(HERMES_CALL)}},
+    }
+    if stream:
+        calls, finish = collect_stream(auto_client, **kwargs)
+        content = "".join(
+            chunk.choices[0].delta.content or ""
+            for chunk in auto_client.chat.completions.create(stream=True, **kwargs)
+            if chunk.choices
+        )
+    else:
+        choice = auto_client.chat.completions.create(**kwargs).choices[0]
+        content, finish = choice.message.content or "", choice.finish_reason
+        calls = [
+            {"name": c.function.name, "arguments": c.function.arguments}  # type: ignore[union-attr]
+            for c in choice.message.tool_calls or []
+        ]
+    assert content == "Checking."
+    assert calls == [{"name": "get_weather", "arguments": '{"unit": "c", "rain": true}'}]
+    assert finish == "tool_calls"
+
+
+def test_auto_tool_choice_without_a_call_answers_in_text(auto_client: openai.OpenAI) -> None:
+    out = auto_client.chat.completions.create(
+        model=None,  # type: ignore[arg-type]
+        messages=USER,  # type: ignore[arg-type]
+        tools=TOOLS,  # type: ignore[arg-type]
+        tool_choice="auto",
+        max_tokens=32,
+        extra_body={"structured_outputs": {"choice": ["It is sunny."]}},
+    )
+    assert out.choices[0].message.content == "It is sunny."
+    assert out.choices[0].message.tool_calls is None
+    assert out.choices[0].finish_reason == "stop"
+
+
 def test_named_tool_call_has_openai_shape(client: openai.OpenAI) -> None:
     out = client.chat.completions.create(
         model=None,  # type: ignore[arg-type]
@@ -151,7 +213,7 @@ def test_tool_choice_none_answers_in_text(client: openai.OpenAI) -> None:
         ({"guided_json": {"type": "object"}}, "guided_json", "use structured_outputs.json"),
         ({"functions": [{"name": "f"}]}, "functions", "functions is not supported"),
         ({"tools": TOOLS}, "tool_choice", 'tool_choice "auto" (the default once tools'),
-        ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", "needs a parser"),
+        ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", "--enable-auto-tool-choice"),
         ({"tool_choice": "required"}, "tool_choice", "tool_choice needs tools"),
         (
             {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
