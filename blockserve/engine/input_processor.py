@@ -104,11 +104,15 @@ class InputProcessor:
             raise InvalidRequestError("prompt_logprobs are not supported yet", "prompt_logprobs")
         constraint = spec.params.structured_outputs
         if constraint is not None:
-            if spec.params.ignore_eos:
-                # The constraint ends the output with EOS; ignoring it would leave no token.
-                raise InvalidRequestError(
-                    "ignore_eos cannot be combined with structured outputs", "ignore_eos"
-                )
+            # The constraint decides where the output ends (with EOS): ignoring or banning EOS
+            # would leave a finished constraint no token to draw.
+            for name in ("ignore_eos", "min_tokens"):
+                if getattr(spec.params, name):
+                    raise InvalidRequestError(
+                        f"{name} cannot be combined with structured outputs: the constraint "
+                        "decides where the output ends",
+                        name,
+                    )
             if self.grammar is None:
                 raise InvalidRequestError(
                     "structured outputs are not available in this engine", "structured_outputs"

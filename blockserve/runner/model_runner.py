@@ -252,12 +252,9 @@ class ModelRunner:
                 continue
             state = self.requests[request_id]
             if state.matcher is not None and not state.matcher.consume_token(token_id):
-                # Only a constraint that leaves no token (min_tokens banning the end the
-                # grammar has reached) gets here: the row had nothing left to draw.
-                failed[request_id] = (
-                    f"structured outputs: no token satisfies the constraint here (drew "
-                    f"{token_id}); min_tokens may forbid the end the constraint reached"
-                )
+                # The mask allowed only what the matcher takes: a refusal here is a broken
+                # matcher, and fails this sample alone.
+                failed[request_id] = f"structured outputs: the constraint refused token {token_id}"
                 continue
             state.output_token_ids.append(token_id)
             sampled[request_id] = token_id

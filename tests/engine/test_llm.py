@@ -173,6 +173,10 @@ def test_structured_output_rows_leave_their_neighbours_alone(tiny_llama_dir: Pat
             SamplingParams(ignore_eos=True, structured_outputs=StructuredOutputsParams(regex="a")),
             "ignore_eos",
         ),
+        (
+            SamplingParams(min_tokens=2, structured_outputs=StructuredOutputsParams(regex="a")),
+            "min_tokens",
+        ),
     ],
 )
 def test_bad_constraint_is_refused_before_queueing(

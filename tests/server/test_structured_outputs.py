@@ -239,6 +239,11 @@ def test_tool_choice_none_answers_in_text(client: openai.OpenAI) -> None:
             "ignore_eos",
             "ignore_eos cannot be combined with structured outputs",
         ),
+        (
+            {"structured_outputs": {"choice": ["a"]}, "min_tokens": 3},
+            "min_tokens",
+            "the constraint decides where the output ends",
+        ),
     ],
 )
 def test_unsupported_or_conflicting_fields_are_400s_naming_the_field(
