@@ -1,0 +1,92 @@
+"""The tier-store interface: one block's K and V for every layer, keyed by its block hash.
+
+A store below the device tier holds whole blocks — a [layers, 2, block_size, kv_heads,
+head_dim] tensor each — under the same hash bytes the device pool's hash map uses, so a key
+means the same in memory, on disk, after a restart and in another process. Every store keeps
+its own LRU order and a byte bound: `put` of a new key evicts least recently used blocks until
+the new one fits, `put` of a key already held only refreshes it (the block is not written
+again), `get` refreshes the key it returns. A store never raises for a missing or damaged block:
+`get` answers None and the caller computes those tokens instead.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class BlockShape:
+    """What one stored block is: its tensor shape and dtype, the same for every block."""
+
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(slots=True)
+class StoreStats:
+    """Counters since the store was opened."""
+
+    hits: int = 0
+    misses: int = 0
+    stores: int = 0  # blocks written (a put of a key already held is not one)
+    evictions: int = 0
+    corrupt: int = 0  # blocks found damaged on read or open, and dropped
+
+
+class BlockStore(Protocol):
+    """A bounded, LRU-ordered map from block hash to one block's KV."""
+
+    shape: BlockShape
+    capacity_bytes: int
+    stats: StoreStats
+
+    def __contains__(self, key: bytes) -> bool: ...
+
+    def __len__(self) -> int: ...
+
+    @property
+    def used_bytes(self) -> int: ...
+
+    def put(self, key: bytes, block: torch.Tensor) -> list[bytes]:
+        """Hold `block` under `key`; returns the keys evicted to make room (oldest first)."""
+        ...
+
+    def get(self, key: bytes) -> torch.Tensor | None:
+        """The block under `key` (a CPU tensor of `shape`), or None if absent or damaged."""
+        ...
+
+    def remove(self, key: bytes) -> bool:
+        """Drop `key`; whether it was held."""
+        ...
+
+    def keys(self) -> list[bytes]:
+        """Held keys, least recently used first."""
+        ...
+
+
+def check_block(shape: BlockShape, block: torch.Tensor) -> None:
+    """A block must have the store's shape and dtype: a wrong one is a caller's bug."""
+    if tuple(block.shape) != shape.shape or block.dtype != shape.dtype:
+        raise ValueError(
+            f"a block of shape {tuple(block.shape)} and dtype {block.dtype}; this store holds "
+            f"{shape.shape} {shape.dtype}"
+        )
+
+
+def capacity_in_blocks(shape: BlockShape, capacity_bytes: int) -> int:
+    return capacity_bytes // shape.nbytes
