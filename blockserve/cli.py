@@ -104,6 +104,13 @@ def _add_replay_parser(subparsers: argparse._SubParsersAction) -> None:
         help="where replay.json and replay.png go (default: a new folder under the system's "
         "temporary directory, printed at the end)",
     )
+    replay.add_argument(
+        "--tiers",
+        default=None,
+        help="device=N,host=M,disk=K (blocks): replay the device tier (each --eviction-policy) "
+        "over LRU host and disk tiers written through, and report each tier's hit rate instead "
+        "of the capacity sweep",
+    )
     replay.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -129,9 +136,22 @@ def run_replay(args: argparse.Namespace) -> int:
     if unknown:
         raise InvalidConfigError(f"unknown eviction policies: {', '.join(unknown)}")
     trace = load_trace(args.trace)
+    out_dir = Path(args.out_dir or tempfile.mkdtemp(prefix="blockserve-replay-"))
+    if args.tiers is not None:
+        from blockserve.replay.tiers import (
+            format_tier_table,
+            parse_tiers,
+            run_tiers,
+            write_tier_report,
+        )
+
+        tiered, infinite = run_tiers(trace, parse_tiers(args.tiers), policies, block_size)
+        print(format_tier_table(tiered, infinite))
+        path = write_tier_report(tiered, infinite, out_dir, args.trace, block_size)
+        print(f"wrote {path}")
+        return 0
     results = run_lab(trace, capacities, policies, block_size, progress=not args.no_progress)
     print(format_table(results, block_size))
-    out_dir = Path(args.out_dir or tempfile.mkdtemp(prefix="blockserve-replay-"))
     json_path, png_path = write_reports(results, out_dir, args.trace, block_size)
     print(f"wrote {json_path} and {png_path}")
     return 0

@@ -55,7 +55,7 @@ class ReplayResult:
 
 
 @dataclass(slots=True)
-class _ReplayRequest:
+class ReplayRequest:
     """The `KVCacheRequest` face of one trace request (its hashes are given, not computed)."""
 
     request_id: str
@@ -123,7 +123,7 @@ def replay_policy(
         if layout.num_blocks > capacity:
             tally.num_skipped += 1
             continue
-        replayed = _ReplayRequest(str(index), layout.block_hashes, request.input_length)
+        replayed = ReplayRequest(str(index), layout.block_hashes, request.input_length)
         hit_blocks, num_hits = manager.get_computed_blocks(replayed)
         allocated = manager.allocate_slots(
             replayed, request.input_length - num_hits, num_hits, hit_blocks
