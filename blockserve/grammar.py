@@ -118,8 +118,12 @@ class GrammarCompiler:
         self, params: StructuredOutputsParams, output_token_ids: Sequence[int] = ()
     ) -> llguidance.LLMatcher:
         """A matcher for one sample, advanced over the tokens it already generated (a sample
-        resumed after preemption)."""
-        matcher = llguidance.LLMatcher(self.tokenizer, self.compile(params), log_level=0)
+        resumed after preemption). The constraint passed `compile` when the request came in,
+        so it is not validated again (that would parse it twice on the engine thread); a
+        matcher that still fails raises."""
+        matcher = llguidance.LLMatcher(self.tokenizer, self._grammar(params), log_level=0)
+        if matcher.is_error():
+            raise RuntimeError(f"the constraint does not compile: {_one_line(matcher.get_error())}")
         for token_id in output_token_ids:
             if not matcher.consume_token(token_id):
                 raise RuntimeError(f"token {token_id} breaks the sample's own constraint")

@@ -186,3 +186,10 @@ def test_a_finished_constraint_allows_every_eos_token(tokenizer: Any) -> None:
     logits = torch.zeros(1, len(tokenizer))
     apply_token_masks(logits, [matcher])
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == sorted(eos)
+
+
+def test_a_matcher_for_a_bad_constraint_raises(compiler: GrammarCompiler) -> None:
+    """The runner builds matchers without validating again; one that fails still raises (and
+    fails that sample alone)."""
+    with pytest.raises(RuntimeError, match=r'does not compile: .*unknown name: "foo"'):
+        compiler.matcher(StructuredOutputsParams(grammar="start: foo"))
