@@ -23,6 +23,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from blockserve.core.free_queue import KVCacheBlock
 from blockserve.core.hashing import BlockHash
 from blockserve.core.kv_cache_manager import KVCacheManager
 from blockserve.core.miss_ratio import MissRatioCurve
@@ -103,6 +104,26 @@ class _Tally:
         )
 
 
+def run_request(
+    manager: KVCacheManager,
+    replayed: ReplayRequest,
+    request: TraceRequest,
+    hit_blocks: Sequence[KVCacheBlock],
+    num_hits: int,
+) -> None:
+    """One request after its lookup: allocate the prompt past its `num_hits` cached tokens
+    (its full blocks become cached), grow by the output, free."""
+    allocated = manager.allocate_slots(
+        replayed, request.input_length - num_hits, num_hits, hit_blocks
+    )
+    assert allocated is not None, "an idle pool of enough blocks must fit one request"
+    replayed.num_computed_tokens = request.input_length
+    replayed.num_tokens = request.input_length + request.output_length
+    if request.output_length:
+        assert manager.allocate_slots(replayed, request.output_length) is not None
+    manager.free(replayed)
+
+
 def replay_policy(
     trace: Sequence[TraceRequest],
     layouts: Sequence[BlockLayout],
@@ -125,15 +146,7 @@ def replay_policy(
             continue
         replayed = ReplayRequest(str(index), layout.block_hashes, request.input_length)
         hit_blocks, num_hits = manager.get_computed_blocks(replayed)
-        allocated = manager.allocate_slots(
-            replayed, request.input_length - num_hits, num_hits, hit_blocks
-        )
-        assert allocated is not None, "an idle pool of enough blocks must fit one request"
-        replayed.num_computed_tokens = request.input_length
-        replayed.num_tokens = request.input_length + request.output_length
-        if request.output_length:
-            assert manager.allocate_slots(replayed, request.output_length) is not None
-        manager.free(replayed)
+        run_request(manager, replayed, request, hit_blocks, num_hits)
         tally.count(request, layout, num_hits // block_size, block_size)
     return tally.result(policy, capacity, len(trace), manager.block_pool.num_evictions), manager
 

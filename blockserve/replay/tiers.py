@@ -24,7 +24,12 @@ from pathlib import Path
 from blockserve.core.hashing import BlockHash
 from blockserve.core.kv_cache_manager import KVCacheManager
 from blockserve.errors import InvalidConfigError
-from blockserve.replay.simulate import ReplayRequest, ReplayResult, replay_infinite
+from blockserve.replay.simulate import (
+    ReplayRequest,
+    ReplayResult,
+    replay_infinite,
+    run_request,
+)
 from blockserve.replay.trace import BlockLayout, TraceRequest, block_layouts
 
 TIER_NAMES = ("device", "host", "disk")
@@ -107,21 +112,14 @@ def replay_tiers(
         hits["device"] += position
         while position < layout.num_hittable_blocks:
             block_hash = layout.block_hashes[position]
-            tier = next((name for name, t in lower.items() if block_hash in t), None)
-            if tier is None:
+            holder = next((name for name, t in lower.items() if block_hash in t), None)
+            if holder is None:
                 break
-            lower[tier].touch(block_hash)
-            hits[tier] += 1
+            lower[holder].touch(block_hash)
+            hits[holder] += 1
             position += 1
-        allocated = manager.allocate_slots(
-            replayed, request.input_length - num_device_hits, num_device_hits, device_blocks
-        )
-        assert allocated is not None, "an idle pool of enough blocks must fit one request"
-        replayed.num_computed_tokens = request.input_length
-        replayed.num_tokens = request.input_length + request.output_length
-        if request.output_length:
-            assert manager.allocate_slots(replayed, request.output_length) is not None
-        manager.free(replayed)
+        # The tiers' blocks are loaded, not computed, but land in the device the same way.
+        run_request(manager, replayed, request, device_blocks, num_device_hits)
         for tier in lower.values():  # written through as the blocks are cached
             for block_hash in layout.block_hashes:
                 tier.store(block_hash)
