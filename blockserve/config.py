@@ -36,6 +36,11 @@ class CacheConfig:
     tlru_threshold_tokens: int = 512  # tlru's xi: the prefill a turn may pay within its budget
     tlru_next_prompt_tokens: int = 128  # tlru's q: the expected length of a next turn
     miss_ratio_samples: int = 4096  # the online miss-ratio curve's hash budget; 0: no curve
+    # Tiers below the device (kv_tiers/): a host-memory store and a disk store; 0 / None: off.
+    kv_offloading_bytes: int = 0
+    kv_cache_dir: str | None = None
+    kv_disk_bytes: int = 16 << 30
+    kv_cache_dir_clear_mismatch: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -181,13 +181,15 @@ class BlockHasher:
     construction, so one hasher can be shared by the engine and by routers that hash prompts.
     """
 
-    __slots__ = ("algo", "hash_fn", "none_hash")
+    __slots__ = ("algo", "hash_fn", "none_hash", "random_seed")
 
     def __init__(self, algo: str = "sha256", seed: str | None = None) -> None:
         self.algo = algo
         self.hash_fn = get_hash_fn(algo)
         if seed is None:
             seed = resolve_seed(algo)
+        # A per-process seed: no other process (nor this one after a restart) shares a hash.
+        self.random_seed = seed is None
         if seed is None:
             seed = os.urandom(32).hex()
         self.none_hash = BlockHash(self.hash_fn(seed))

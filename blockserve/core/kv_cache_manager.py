@@ -8,11 +8,16 @@ scheduling decisions: `allocate_slots` answers "does it fit", the scheduler deci
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
-from typing import NamedTuple, Protocol, TypeAlias
+from collections.abc import Callable, Sequence
 
 from blockserve.core.block_pool import BlockPool
+from blockserve.core.cache_types import (
+    NO_HIT,
+    ComputedBlocks,
+    KVCacheRequest,
+    PrefixCacheStats,
+    RequestId,
+)
 from blockserve.core.events import KVEvent, KVEventRecorder
 from blockserve.core.eviction import TailLRUConfig
 from blockserve.core.explain import CacheExplainer, CacheExplanation
@@ -20,71 +25,6 @@ from blockserve.core.free_queue import KVCacheBlock
 from blockserve.core.hashing import BlockHash
 from blockserve.core.miss_ratio import MissRatioCurve
 from blockserve.errors import InvalidRequestError
-
-RequestId: TypeAlias = Hashable
-"""A request's key: any hashable value its owner chooses (the engine uses structured ids)."""
-
-
-class KVCacheRequest(Protocol):
-    """What the manager reads from a request (sched.Request satisfies it)."""
-
-    @property
-    def request_id(self) -> RequestId: ...
-
-    @property
-    def block_hashes(self) -> Sequence[BlockHash]: ...
-
-    @property
-    def all_token_ids(self) -> Sequence[int]: ...
-
-    @property
-    def num_tokens(self) -> int: ...
-
-    @property
-    def num_computed_tokens(self) -> int: ...
-
-    @property
-    def lora_name(self) -> str | None: ...
-
-    @property
-    def skip_reading_prefix_cache(self) -> bool: ...
-
-    @property
-    def num_preemptions(self) -> int: ...
-
-    @property
-    def priority(self) -> int: ...
-
-
-class ComputedBlocks(NamedTuple):
-    """The result of a prefix-cache lookup: the hit blocks (in order) and the tokens they cover."""
-
-    blocks: tuple[KVCacheBlock, ...]
-    num_hit_tokens: int
-
-
-NO_HIT = ComputedBlocks((), 0)
-
-
-@dataclass(slots=True)
-class PrefixCacheStats:
-    """Cumulative prefix-cache counters, in tokens.
-
-    `queries` counts every token of each admitted request (the last included) and `hits` the
-    tokens found in the cache. A request re-admitted after preemption re-hits its own blocks;
-    that is recomputation avoided, not a cache hit, so it is counted in the `preempted_*` fields.
-    """
-
-    requests: int = 0
-    queries: int = 0
-    hits: int = 0
-    preempted_requests: int = 0
-    preempted_queries: int = 0
-    preempted_hits: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
 
 
 class KVCacheManager:
@@ -149,6 +89,50 @@ class KVCacheManager:
                 break
             hits.append(block)
         return ComputedBlocks(tuple(hits), len(hits) * self.block_size)
+
+    def get_tier_hits(
+        self,
+        request: KVCacheRequest,
+        num_device_blocks: int,
+        lookup: Callable[[Sequence[BlockHash]], list[str]],
+    ) -> list[str]:
+        """Where the blocks after the device hit live below the device: `lookup` names the
+        tier of each leading hash it holds. Same rules as `get_computed_blocks` (the last
+        token is recomputed; prompt-logprob requests read no cache). Mutates nothing."""
+        if not self.enable_caching or request.skip_reading_prefix_cache:
+            return []
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        return lookup(request.block_hashes[num_device_blocks:max_hit_blocks])
+
+    def allocate_loading(
+        self, request: KVCacheRequest, hit_blocks: Sequence[KVCacheBlock], num_load_blocks: int
+    ) -> list[KVCacheBlock] | None:
+        """First allocation of a request whose `num_load_blocks` blocks after its device hits
+        come from a lower tier: touches the hits and allocates the blocks to load into, which
+        stay out of the prefix cache until `finish_loading` (nothing may read them before).
+        Returns the blocks to load into; None, mutating nothing, when they do not fit."""
+        assert request.request_id not in self.req_to_blocks, "loading is a first allocation"
+        num_evictable_hits = sum(1 for block in hit_blocks if block.ref_cnt == 0)
+        if num_load_blocks + num_evictable_hits > self.block_pool.num_free_blocks:
+            return None
+        self.block_pool.touch(hit_blocks)
+        new_blocks = self.block_pool.get_new_blocks(num_load_blocks)
+        self.req_to_blocks[request.request_id] = [*hit_blocks, *new_blocks]
+        self.num_cached_blocks[request.request_id] = len(hit_blocks)
+        return new_blocks
+
+    def finish_loading(self, request: KVCacheRequest, num_loaded_blocks: int) -> int:
+        """Cache the first `num_loaded_blocks` loaded blocks (a failed load stops early: the
+        blocks after it are computed like any others) and count the admission. Returns the
+        request's hit in tokens, device and loaded blocks together."""
+        request_id = request.request_id
+        num_cached = self.num_cached_blocks[request_id]
+        num_hit_blocks = num_cached + num_loaded_blocks
+        blocks = self.req_to_blocks[request_id]
+        self.block_pool.cache_full_blocks(request, blocks, num_cached, num_hit_blocks)
+        self.num_cached_blocks[request_id] = num_hit_blocks
+        self._record_admission(request, num_hit_blocks * self.block_size)
+        return num_hit_blocks * self.block_size
 
     def explain(self, request: KVCacheRequest, num_hit_tokens: int) -> CacheExplanation:
         """Why `request`'s lookup found exactly `num_hit_tokens` (from `get_computed_blocks`):

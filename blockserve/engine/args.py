@@ -28,6 +28,8 @@ from blockserve.errors import InvalidConfigError
 from blockserve.events.config import KVEventsConfig
 from blockserve.options import add_arguments, at_least, from_namespace, option, positive, validate
 
+GIB = 1 << 30
+
 
 def _device(value: str) -> str | None:
     name, _, index = value.partition(":")
@@ -119,6 +121,26 @@ class EngineArgs:
         check=at_least(2),
         exclusive_group="kv-cache-size",
     )
+    kv_offloading_size: float = option(
+        0.0,
+        "GiB of host memory for a KV tier below the device cache (vLLM's flag); blocks "
+        "evicted from the device come back from it instead of being recomputed. Rarely "
+        "useful on a CPU device (docs/kv-tiers.md); 0: off",
+        check=_finite_non_negative,
+    )
+    kv_cache_dir: str | None = option(
+        None,
+        "a directory for a disk KV tier: blocks are written there as they are computed and "
+        "served from there after eviction and after a restart (docs/kv-tiers.md)",
+    )
+    kv_disk_size: float = option(
+        16.0, "GiB the disk KV tier may hold (with --kv-cache-dir)", check=_finite_non_negative
+    )
+    kv_cache_dir_clear_mismatch: bool = option(
+        False,
+        "empty a --kv-cache-dir written for another model or cache setup instead of leaving "
+        "it alone and running without the disk tier",
+    )
     dtype: str = option(
         "auto",
         "weight and activation dtype (auto: bfloat16)",
@@ -164,6 +186,11 @@ class EngineArgs:
         """Validate every field, then build the frozen configs; InvalidConfigError names the
         first bad field and its flag. Touches no disk or network."""
         validate(self)
+        if (self.kv_offloading_size or self.kv_cache_dir) and not self.enable_prefix_caching:
+            raise InvalidConfigError(
+                "kv_offloading_size and kv_cache_dir (--kv-offloading-size, --kv-cache-dir) "
+                "are prefix-cache tiers: they need enable_prefix_caching"
+            )
         return EngineConfig(
             model=ModelConfig(
                 model=self.model,
@@ -185,6 +212,10 @@ class EngineArgs:
                 tlru_threshold_tokens=self.tlru_threshold_tokens,
                 tlru_next_prompt_tokens=self.tlru_next_prompt_tokens,
                 miss_ratio_samples=self.miss_ratio_samples,
+                kv_offloading_bytes=int(self.kv_offloading_size * GIB),
+                kv_cache_dir=self.kv_cache_dir,
+                kv_disk_bytes=int(self.kv_disk_size * GIB),
+                kv_cache_dir_clear_mismatch=self.kv_cache_dir_clear_mismatch,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,

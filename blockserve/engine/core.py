@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from blockserve.config import EngineConfig
-from blockserve.core.events import KVEventRecorder
+from blockserve.core.events import KVEventBatch, KVEventRecorder
 from blockserve.core.eviction import TailLRUConfig
 from blockserve.core.explain import CacheExplanation
 from blockserve.core.hashing import BlockHasher, BlockKeyInputs, RequestBlockHasher
@@ -27,8 +27,10 @@ from blockserve.engine.outputs import (
     KVCacheReport,
     MissRatioPoint,
     MissRatioReport,
+    TierStats,
 )
 from blockserve.engine.request import EngineCoreRequest, SampleId
+from blockserve.engine.tiers import create_kv_tiers, filled_blocks, tier_stats
 from blockserve.errors import InvalidConfigError
 from blockserve.events.publisher import create_event_publisher
 from blockserve.runner.model_runner import ModelRunner
@@ -37,16 +39,19 @@ from blockserve.sched.scheduler import RequestUpdate, Scheduler
 
 logger = logging.getLogger(__name__)
 
+_LOAD_WAIT_S = 0.05
+
 
 @dataclass(frozen=True, slots=True)
 class EngineCoreOutputs:
     """What one step did: token updates, samples admitted (or re-admitted) this step with
-    their prefix-cache hit, and samples that failed, with the error. Ids are the ones the
+    their prefix-cache hit (in tokens, and the part of it from each lower tier), and samples
+    that failed, with the error. Ids are the ones the
     samples were added with (`SampleId`s, from the engine)."""
 
     timestamp: float
     updates: tuple[RequestUpdate, ...] = ()
-    started: tuple[tuple[RequestId, int, CacheExplanation | None], ...] = ()
+    started: tuple[tuple[RequestId, int, CacheExplanation | None, dict[str, int]], ...] = ()
     errors: Mapping[RequestId, str] = field(default_factory=dict)
 
 
@@ -94,11 +99,16 @@ class EngineCore:
                 cache.block_size, points, cache.miss_ratio_samples
             )
             self.kv_cache_manager.track_miss_ratio(self.miss_ratio_curve)
-        self.block_hasher = RequestBlockHasher(
-            BlockHasher(cache.prefix_caching_hash_algo), cache.block_size
+        hasher = BlockHasher(cache.prefix_caching_hash_algo)
+        self.block_hasher = RequestBlockHasher(hasher, cache.block_size)
+        self.kv_tiers, self._kv_dir = create_kv_tiers(
+            cache, self.runner, hasher, recorder.hash_format if recorder is not None else None
         )
         self.scheduler = Scheduler(
-            self.scheduler_config, self.kv_cache_manager, self.runner.eos_token_ids
+            self.scheduler_config,
+            self.kv_cache_manager,
+            self.runner.eos_token_ids,
+            self.kv_tiers,
         )
         self.info = CoreInfo(
             model_name=loaded.name,
@@ -139,10 +149,17 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         """Schedule, run the model, apply its tokens and publish the step's KV events."""
         scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty and self.kv_tiers is not None and self.scheduler.num_loading:
+            self.kv_tiers.wait_for_loads(_LOAD_WAIT_S)  # nothing to run until a load is in
         now = time.monotonic()
         requests = self.scheduler.requests
         started = tuple(
-            (s.request_id, s.num_computed_tokens, requests[s.request_id].cache_explanation)
+            (
+                s.request_id,
+                s.num_computed_tokens,
+                requests[s.request_id].cache_explanation,
+                requests[s.request_id].tier_cached_tokens,
+            )
             for s in scheduler_output.scheduled
             if s.new_request is not None
         )
@@ -158,6 +175,12 @@ class EngineCore:
             # another request's input) stays in the log.
             error = f"the model step failed ({type(exc).__name__}); the server log has details"
             return EngineCoreOutputs(now, started=started, errors=dict.fromkeys(failed, error))
+        if self.kv_tiers is not None:  # before the finished requests' blocks are reused
+            self.kv_tiers.store(
+                filled_blocks(
+                    scheduler_output, requests, runner_output.failed, self.info.block_size
+                )
+            )
         # Requests whose own sampling failed end here; their neighbours got their tokens.
         self.scheduler.finish_requests(list(runner_output.failed), RequestStatus.FINISHED_ERROR)
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
@@ -224,12 +247,25 @@ class EngineCore:
         self._publish_kv_events()
         return True
 
+    def tier_stats(self) -> tuple[TierStats, ...]:
+        return tier_stats(self.kv_tiers)
+
     def _publish_kv_events(self) -> None:
         batch = self.scheduler.take_kv_event_batch()
+        tier_events = self.kv_tiers.take_events() if self.kv_tiers is not None else []
+        if batch is None and tier_events:
+            batch = KVEventBatch(ts=time.time(), events=[], data_parallel_rank=0)
         if batch is not None:
+            batch.events.extend(tier_events)
             self.event_publisher.publish(batch)
 
     def shutdown(self) -> None:
+        """Finish the tiers' queued writes, then close them and the event publisher."""
+        if self.kv_tiers is not None:
+            self.kv_tiers.close()
+            self._publish_kv_events()
+        if self._kv_dir is not None:
+            self._kv_dir.close()
         self.event_publisher.shutdown()
 
 

@@ -82,6 +82,7 @@ class LLMEngine:
             num_prompt_tokens=self.output_processor.num_prompt_tokens,
             num_generation_tokens=self.output_processor.num_generation_tokens,
             estimated_hit_rates=self.core.estimated_hit_rates(),
+            kv_tiers=self.core.tier_stats(),
         )
 
     def kv_cache_report(self) -> KVCacheReport:

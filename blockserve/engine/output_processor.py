@@ -43,6 +43,7 @@ class _RequestState:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_cached_tokens: int | None = None
+    tier_cached_tokens: dict[str, int] = field(default_factory=dict)
     cache_explanation: CacheExplanation | None = None
     error: str | None = None
 
@@ -125,11 +126,12 @@ class OutputProcessor:
 
     def process(self, core_outputs: EngineCoreOutputs) -> ProcessedOutputs:
         """Apply one step: an output for every request it changed."""
-        for core_id, num_cached_tokens, explanation in core_outputs.started:
+        for core_id, num_cached_tokens, explanation, per_tier in core_outputs.started:
             state = self._state_of(core_id)
             if state is not None and state.first_scheduled_time is None:
                 state.first_scheduled_time = core_outputs.timestamp
                 state.num_cached_tokens = num_cached_tokens
+                state.tier_cached_tokens = per_tier
                 state.cache_explanation = explanation
         touched: dict[str, _RequestState] = {}
         to_abort: list[SampleId] = []
@@ -189,6 +191,7 @@ class OutputProcessor:
             prompt=request.prompt_text,
             prompt_token_ids=request.prompt_token_ids,
             num_cached_tokens=state.num_cached_tokens or 0,
+            tier_cached_tokens=state.tier_cached_tokens,
             outputs=tuple(
                 CompletionOutput(
                     index=index,

@@ -58,6 +58,8 @@ class RequestOutput:
     error: str | None = None
     # Why the prefix-cache match stopped; only for requests that asked (explain_cache).
     cache_explanation: CacheExplanation | None = None
+    # The part of num_cached_tokens loaded from each tier below the device ("host", "disk").
+    tier_cached_tokens: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +75,22 @@ class CoreStats:
 
 
 @dataclass(frozen=True, slots=True)
+class TierStats:
+    """One KV tier below the device (host or disk): counters since start and gauges."""
+
+    name: str
+    hits: int  # blocks read
+    stores: int  # blocks written
+    evictions: int
+    corrupt: int  # blocks found damaged and dropped
+    used_bytes: int
+    capacity_bytes: int
+    loads: int  # loads that read from this tier
+    load_seconds: float  # their total time reading from it
+    dropped_writes: int  # blocks not written because the write queue was full (all tiers)
+
+
+@dataclass(frozen=True, slots=True)
 class EngineStats(CoreStats):
     """The core's stats and the output processor's token counts: what metrics and the stats
     log line read."""
@@ -82,6 +100,7 @@ class EngineStats(CoreStats):
     # The online miss-ratio curve at a few cache sizes: (capacity in blocks, LRU token hit
     # rate it would have had on all traffic so far); empty when prefix caching is off.
     estimated_hit_rates: tuple[tuple[int, float], ...] = ()
+    kv_tiers: tuple[TierStats, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

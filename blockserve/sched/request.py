@@ -22,6 +22,7 @@ class RequestStatus(enum.IntEnum):
 
     WAITING = enum.auto()
     RUNNING = enum.auto()
+    LOADING = enum.auto()  # admitted; its next blocks are being loaded from a lower KV tier
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH_CAPPED = enum.auto()
@@ -77,6 +78,7 @@ class Request:
         "skip_reading_prefix_cache",
         "status",
         "stop_reason",
+        "tier_cached_tokens",
     )
 
     def __init__(
@@ -102,6 +104,8 @@ class Request:
         self.stop_reason: int | str | None = None
         self.num_computed_tokens = 0
         self.num_cached_tokens: int | None = None
+        # The part of num_cached_tokens loaded from each lower tier, by its name.
+        self.tier_cached_tokens: dict[str, int] = {}
         self.explain_cache = False
         self.cache_explanation: CacheExplanation | None = None
         self.num_preemptions = 0

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from blockserve.config import SchedulerConfig
 from blockserve.core.events import KVEventBatch
 from blockserve.core.kv_cache_manager import KVCacheManager, RequestId
+from blockserve.sched.loading import TierLoader, TierLoads
 from blockserve.sched.output import (
     ModelRunnerOutput,
     NewRequestData,
@@ -46,6 +47,9 @@ class Scheduler:
     admitted; priority: the largest `(priority, arrival_time)`), possibly itself. Waiting
     requests are admitted only if nothing was preempted this step, while budget remains and
     fewer than `max_num_seqs` run; admission stops at the first request that does not fit.
+
+    With `tiers`, a request whose prefix continues in a lower tier is admitted LOADING: it
+    holds its blocks, takes no token budget, and joins the running list once its load ends.
     """
 
     def __init__(
@@ -53,6 +57,7 @@ class Scheduler:
         config: SchedulerConfig,
         kv_cache_manager: KVCacheManager,
         eos_token_ids: tuple[int, ...] = (),
+        tiers: TierLoader | None = None,
     ) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
@@ -62,6 +67,9 @@ class Scheduler:
         self.requests: dict[RequestId, Request] = {}
         self.finished_request_ids: set[RequestId] = set()
         self.num_preemptions = 0
+        self.loads = TierLoads(tiers, kv_cache_manager) if tiers is not None else None
+        # Requests that finished loading and have not yet been sent to the runner.
+        self._loaded: set[RequestId] = set()
 
     # -- requests in and out ------------------------------------------------------------
 
@@ -82,6 +90,9 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request.status == RequestStatus.LOADING:
+                assert self.loads is not None
+                self.loads.cancel(request)
             else:
                 self.waiting.remove(request)
             self._finish(request, status)
@@ -92,6 +103,7 @@ class Scheduler:
         request.status = status
         self.kv_cache_manager.free(request)
         self.finished_request_ids.add(request.request_id)
+        self._loaded.discard(request.request_id)
         del self.requests[request.request_id]
 
     @property
@@ -101,6 +113,10 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return len(self.running)
+
+    @property
+    def num_loading(self) -> int:
+        return len(self.loads) if self.loads is not None else 0
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -112,6 +128,10 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[RequestId, int] = {}
         preempted_any = False
+        if self.loads is not None:
+            for request in self.loads.finish():  # loaded: they run, sent to the runner anew
+                self.running.append(request)
+                self._loaded.add(request.request_id)
 
         index = 0
         while index < len(self.running) and budget > 0:
@@ -139,10 +159,19 @@ class Scheduler:
             not preempted_any
             and self.waiting
             and budget > 0
-            and len(self.running) < self.config.max_num_seqs
+            and len(self.running) + self.num_loading < self.config.max_num_seqs
         ):
             request = self.waiting.peek()
             hit_blocks, num_hits = self.kv_cache_manager.get_computed_blocks(request)
+            tier_hits = (
+                self.loads.lookup(request, len(hit_blocks)) if self.loads is not None else []
+            )
+            if tier_hits:  # admitted LOADING: it takes no budget until its blocks are in
+                assert self.loads is not None
+                if not self.loads.start(request, hit_blocks, tier_hits):
+                    break  # strict head-of-line, as below
+                self.waiting.pop()
+                continue
             first_admission = request.num_cached_tokens is None
             # Explained before allocating, which stores the request's own blocks.
             explanation = (
@@ -192,7 +221,8 @@ class Scheduler:
             start = request.num_computed_tokens
             end = start + num_new
             new_data = None
-            if request.request_id in new_ids:
+            if request.request_id in new_ids or request.request_id in self._loaded:
+                self._loaded.discard(request.request_id)
                 new_data = NewRequestData(
                     tuple(request.prompt_token_ids),
                     tuple(request.output_token_ids),

@@ -97,6 +97,44 @@ class EngineCollector(Collector):
             counter = CounterMetricFamily(f"blockserve:{name}", doc, labels=["model_name"])
             counter.add_metric(labels, value)
             yield counter
+        if stats.kv_tiers:
+            yield from _tier_metrics(stats, labels)
+
+
+_TIER_COUNTERS = {
+    "hits": "Blocks read from the tier.",
+    "stores": "Blocks written to the tier.",
+    "evictions": "Blocks the tier evicted to make room.",
+    "corrupt": "Blocks found damaged in the tier and dropped (their tokens were computed).",
+    "loads": "Request loads that read blocks from the tier.",
+    "load_seconds": "Total seconds those loads spent reading from the tier.",
+}
+
+
+def _tier_metrics(stats: EngineStats, labels: list[str]) -> Iterator[Metric]:
+    """One family per counter with a `tier` label (host, disk), and the tiers' bytes."""
+    for name, doc in _TIER_COUNTERS.items():
+        family = CounterMetricFamily(
+            f"blockserve:kv_tier_{name}", doc, labels=["model_name", "tier"]
+        )
+        for tier in stats.kv_tiers:
+            family.add_metric([*labels, tier.name], getattr(tier, name))
+        yield family
+    for name, doc in (
+        ("used_bytes", "Bytes of KV the tier holds."),
+        ("capacity_bytes", "Bytes of KV the tier may hold."),
+    ):
+        gauge = GaugeMetricFamily(f"blockserve:kv_tier_{name}", doc, labels=["model_name", "tier"])
+        for tier in stats.kv_tiers:
+            gauge.add_metric([*labels, tier.name], getattr(tier, name))
+        yield gauge
+    dropped = CounterMetricFamily(
+        "blockserve:kv_tier_dropped_writes",
+        "Blocks not written to the tiers because the write queue was full.",
+        labels=["model_name"],
+    )
+    dropped.add_metric(labels, stats.kv_tiers[0].dropped_writes)
+    yield dropped
 
 
 class ServerMetrics:

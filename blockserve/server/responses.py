@@ -15,7 +15,8 @@ from blockserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 def usage(outputs: Sequence[RequestOutput]) -> dict[str, Any]:
-    """OpenAI usage, with `prompt_tokens_details.cached_tokens` always present, and
+    """OpenAI usage, with `prompt_tokens_details.cached_tokens` always present (and split
+    into `cached_tokens_per_tier` when a tier below the device served some), and
     `cache_explanation` when the request asked: an object for one prompt, a list in prompt
     order for several."""
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
@@ -26,6 +27,14 @@ def usage(outputs: Sequence[RequestOutput]) -> dict[str, Any]:
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outputs)},
     }
+    if any(o.tier_cached_tokens for o in outputs):
+        per_tier = {"device": 0, "host": 0, "disk": 0}
+        for output in outputs:
+            below = output.tier_cached_tokens
+            per_tier["device"] += output.num_cached_tokens - sum(below.values())
+            for tier, count in below.items():
+                per_tier[tier] += count
+        body["prompt_tokens_details"]["cached_tokens_per_tier"] = per_tier
     explanations = [asdict(o.cache_explanation) for o in outputs if o.cache_explanation is not None]
     if explanations:
         body["cache_explanation"] = explanations[0] if len(outputs) == 1 else explanations

@@ -37,6 +37,10 @@ GOOD: dict[str, tuple[object, list[str]]] = {
     "attention_backend": ("torch", ["--attention-backend", "torch"]),
     "device": ("cuda:1", ["--device", "cuda:1"]),
     "seed": (7, ["--seed", "7"]),
+    "kv_offloading_size": (1.5, ["--kv-offloading-size", "1.5"]),
+    "kv_cache_dir": ("/var/kv", ["--kv-cache-dir", "/var/kv"]),
+    "kv_disk_size": (2.0, ["--kv-disk-size", "2"]),
+    "kv_cache_dir_clear_mismatch": (True, ["--kv-cache-dir-clear-mismatch"]),
     "kv_events_config": (
         '{"enable_kv_cache_events": true, "publisher": "zmq"}',
         ["--kv-events-config", '{"enable_kv_cache_events": true, "publisher": "zmq"}'],
@@ -74,6 +78,10 @@ BAD: dict[str, list[tuple[object, list[str] | None]]] = {
     "attention_backend": [("flash", ["--attention-backend", "flash"])],
     "device": [("tpu", ["--device", "tpu"])],
     "seed": [("x", ["--seed", "x"])],
+    "kv_offloading_size": [(-1.0, ["--kv-offloading-size", "-1"]), (float("nan"), None)],
+    "kv_cache_dir": [(3, None)],
+    "kv_disk_size": [(-2.0, ["--kv-disk-size", "-2"])],
+    "kv_cache_dir_clear_mismatch": [("yes", None)],
     "kv_events_config": [
         ('{"publisher": "kafka"}', ["--kv-events-config", '{"publisher": "kafka"}']),
         ("{not json", ["--kv-events-config", "{not json"]),

@@ -42,8 +42,8 @@ def test_token_ids_in_token_ids_out_with_hits(core: EngineCore) -> None:
         outputs.append(run_to_end(core))
     (first_a, second_a), (first_b, second_b) = outputs
     assert (first_a.started, first_b.started) == (
-        ((SampleId("a", 0), 0, None),),
-        ((SampleId("b", 0), 32, None),),
+        ((SampleId("a", 0), 0, None, {}),),
+        ((SampleId("b", 0), 32, None, {}),),
     )
     tokens_a = [u.new_token_ids[0] for u in (*first_a.updates, *second_a.updates)]
     tokens_b = [u.new_token_ids[0] for u in (*first_b.updates, *second_b.updates)]
@@ -147,7 +147,7 @@ def test_cache_explanations_on_a_real_engine(tiny_llama_dir: Path) -> None:
         core.add_request(
             EngineCoreRequest(SampleId(name, 0), prompt, TWO_TOKENS, 0, salt, None, True)
         )
-        ((_, num_cached, explanation),) = run_to_end(core)[0].started
+        ((_, num_cached, explanation, _),) = run_to_end(core)[0].started
         return num_cached, explanation
 
     assert started("a", PROMPT_33) == (0, CacheExplanation(0, "never_stored"))
@@ -159,4 +159,4 @@ def test_cache_explanations_on_a_real_engine(tiny_llama_dir: Path) -> None:
     assert (num_cached, explanation.first_missing_block, explanation.reason) == (0, 0, "evicted")
     assert 0.0 <= explanation.evicted_seconds_ago < 60.0
     core.add_request(EngineCoreRequest(SampleId("quiet", 0), PROMPT_33, TWO_TOKENS))
-    assert run_to_end(core)[0].started == ((SampleId("quiet", 0), 32, None),)  # did not ask
+    assert run_to_end(core)[0].started == ((SampleId("quiet", 0), 32, None, {}),)  # did not ask

@@ -54,7 +54,7 @@ def test_updates_fan_in_to_one_output_per_request() -> None:
     processor = OutputProcessor(CharTokenizer())
     first, second = add(processor, "r", SamplingParams(n=2, max_tokens=2))
     explanation = CacheExplanation(1, "partial_block")
-    started = ((first, 16, explanation), (second, 16, explanation))
+    started = ((first, 16, explanation, {}), (second, 16, explanation, {}))
     tokens = (RequestUpdate(first, (104,), RUNNING), RequestUpdate(second, (105,), RUNNING))
     (output,) = processor.process(step(*tokens, started=started)).request_outputs
     assert [c.text for c in output.outputs] == ["h", "i"]

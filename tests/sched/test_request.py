@@ -43,10 +43,11 @@ def test_statuses_after_preempted_are_final_with_openai_reasons() -> None:
     assert reasons == {
         "WAITING": None,
         "RUNNING": None,
+        "LOADING": None,
         "PREEMPTED": None,
         "FINISHED_STOPPED": "stop",
         "FINISHED_LENGTH_CAPPED": "length",
         "FINISHED_ABORTED": "abort",
         "FINISHED_ERROR": "error",
     }
-    assert [s.is_finished for s in RequestStatus] == [False] * 3 + [True] * 4
+    assert [s.is_finished for s in RequestStatus] == [False] * 4 + [True] * 4

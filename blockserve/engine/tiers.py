@@ -1,0 +1,123 @@
+"""The engine's side of the KV tiers: building them from the config, telling them which
+blocks a step filled, and reporting their state (the tiers themselves live in kv_tiers/)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Mapping
+
+from blockserve.config import CacheConfig
+from blockserve.core.cache_types import RequestId
+from blockserve.core.hashing import BlockHasher
+from blockserve.engine.outputs import TierStats
+from blockserve.kv_tiers.disk import DiskStore
+from blockserve.kv_tiers.host import HostStore
+from blockserve.kv_tiers.manifest import (
+    DiskDirectory,
+    Fingerprint,
+    model_content_hash,
+    open_directory,
+)
+from blockserve.kv_tiers.offload import FilledBlock, KVTiers, Tier
+from blockserve.kv_tiers.store import BlockShape
+from blockserve.runner.model_runner import ModelRunner
+from blockserve.sched.output import SchedulerOutput
+from blockserve.sched.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+def create_kv_tiers(
+    cache: CacheConfig,
+    runner: ModelRunner,
+    hasher: BlockHasher,
+    events_hash_format: str | None,
+) -> tuple[KVTiers | None, DiskDirectory | None]:
+    """The tiers the config asks for (None when none), and the disk directory it holds."""
+    loaded = runner.loaded
+    arch = loaded.arch
+    shape = BlockShape(
+        arch.num_layers, cache.block_size, arch.num_kv_heads, arch.head_dim, loaded.dtype
+    )
+    tiers = []
+    if cache.kv_offloading_bytes:
+        pin = runner.device.type == "cuda"
+        tiers.append(Tier("host", "CPU", HostStore(shape, cache.kv_offloading_bytes, pin)))
+    directory = None
+    if cache.kv_cache_dir is not None and cache.kv_disk_bytes:
+        fingerprint = Fingerprint(
+            model_hash=model_content_hash(loaded.model_dir),
+            dtype=str(loaded.dtype).removeprefix("torch."),
+            block_size=cache.block_size,
+            hash_algo=hasher.algo,
+            none_hash=hasher.none_hash.hex(),
+            num_layers=arch.num_layers,
+            num_kv_heads=arch.num_kv_heads,
+            head_dim=arch.head_dim,
+            reusable=not hasher.random_seed,
+        )
+        directory = open_directory(
+            cache.kv_cache_dir, fingerprint, cache.kv_cache_dir_clear_mismatch
+        )
+        if directory.usable:
+            store = DiskStore(directory.root, shape, cache.kv_disk_bytes)
+            tiers.append(Tier("disk", "DISK", store))
+            logger.info("KV disk tier: %d blocks held in %s", len(store), directory.root)
+    if not tiers:
+        return None, directory
+    kv_tiers = KVTiers(tiers, runner.kv_caches, cache.block_size, events_hash_format)
+    return kv_tiers, directory
+
+
+def filled_blocks(
+    scheduler_output: SchedulerOutput,
+    requests: Mapping[RequestId, Request],
+    failed: Collection[RequestId],
+    block_size: int,
+) -> list[FilledBlock]:
+    """The full blocks a successful step computed: block i of a request is filled when the
+    step's tokens end at or past its last position and start before it."""
+    filled = []
+    for scheduled in scheduler_output.scheduled:
+        request = requests.get(scheduled.request_id)
+        if request is None or scheduled.request_id in failed:
+            continue
+        start = scheduled.num_computed_tokens
+        end = start + len(scheduled.token_ids)
+        hashes = request.block_hashes
+        for index in range(start // block_size, min(end // block_size, len(hashes))):
+            tokens = request.all_token_ids[index * block_size : (index + 1) * block_size]
+            filled.append(
+                FilledBlock(
+                    block_id=scheduled.block_ids[index],
+                    block_hash=hashes[index],
+                    parent_hash=hashes[index - 1] if index else None,
+                    token_ids=tuple(tokens),
+                    lora_name=request.lora_name,
+                )
+            )
+    return filled
+
+
+def tier_stats(kv_tiers: KVTiers | None) -> tuple[TierStats, ...]:
+    if kv_tiers is None:
+        return ()
+    result = []
+    for tier in kv_tiers.tiers:
+        stats = tier.store.stats
+        loads, seconds = kv_tiers.load_totals(tier)
+        result.append(
+            TierStats(
+                name=tier.name,
+                hits=stats.hits,
+                stores=stats.stores,
+                evictions=stats.evictions,
+                corrupt=stats.corrupt,
+                used_bytes=tier.store.used_bytes,
+                capacity_bytes=tier.store.capacity_bytes,
+                loads=loads,
+                load_seconds=seconds,
+                dropped_writes=kv_tiers.num_dropped_writes,
+            )
+        )
+    return tuple(result)
