@@ -87,6 +87,9 @@ class KVTiers:
             if events_hash_format is not None
         }
         self._lock = threading.Lock()  # events, pending writes, finished loads
+        # Held around each store change and the events it records: the two threads' events
+        # then come in the order the stores changed.
+        self._tier_locks = {tier.name: threading.Lock() for tier in self.tiers}
         self._pending: set[BlockHash] = set()
         self._pending_bytes = 0
         self._finished: dict[RequestId, int] = {}
@@ -167,16 +170,17 @@ class KVTiers:
                 break
             block, tier = None, None
             for tier in self.tiers:
-                held = block_hash in tier.store
                 started = time.perf_counter()
-                block = tier.store.get(block_hash)
+                with self._tier_locks[tier.name]:  # a drop and its event, before any put
+                    held = block_hash in tier.store
+                    block = tier.store.get(block_hash)
+                    if held and block is None:  # found damaged and dropped by the store
+                        self._record_removed(tier, [block_hash])
                 if held:
                     spent = time.perf_counter() - started
                     seconds[tier.name] = seconds.get(tier.name, 0.0) + spent
                 if block is not None:
                     break
-                if held:  # found damaged and dropped by the store
-                    self._record_removed(tier, [block_hash])
             if block is None or tier is None:
                 break
             for layer, kv in enumerate(self.kv_caches):
@@ -233,17 +237,24 @@ class KVTiers:
         self, tier: Tier, block_hash: BlockHash, data: torch.Tensor, block: FilledBlock | None
     ) -> None:
         """Put one block into one tier and record what it stored and evicted."""
-        evicted = tier.store.put(block_hash, data)
-        self._record_removed(tier, evicted)
+        with self._tier_locks[tier.name]:  # events in the order the store changed
+            stores = tier.store.stats.stores
+            evicted = tier.store.put(block_hash, data)
+            self._record_removed(tier, evicted)
+            if tier.store.stats.stores > stores:  # written now, not only refreshed
+                self._record_stored(tier, block_hash, block)
+
+    def _record_stored(self, tier: Tier, block_hash: BlockHash, block: FilledBlock | None) -> None:
+        """A block promoted from disk to host has no FilledBlock: its event has no parent and
+        no tokens (the hash is what a router indexes)."""
         recorder = self._recorders.get(tier.name)
         if recorder is None:
             return
+        parent = block.parent_hash if block is not None else None
+        tokens = list(block.token_ids) if block is not None else []
+        lora = block.lora_name if block is not None else None
         with self._lock:
-            if block_hash in tier.store:
-                parent = block.parent_hash if block is not None else None
-                tokens = list(block.token_ids) if block is not None else []
-                lora = block.lora_name if block is not None else None
-                recorder.block_stored([block_hash], parent, tokens, self.block_size, lora)
+            recorder.block_stored([block_hash], parent, tokens, self.block_size, lora)
 
     def _record_removed(self, tier: Tier, keys: Sequence[bytes]) -> None:
         recorder = self._recorders.get(tier.name)
@@ -265,11 +276,12 @@ class KVTiers:
         return int(count), seconds
 
     def flush(self, timeout: float) -> bool:
-        """Wait until every queued write is done (at most `timeout` s); whether it was."""
+        """Wait until every queued write and every load in flight is done (at most `timeout`
+        s); whether they were."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with self._lock:
-                if not self._pending:
+                if not self._pending and not self._loads_by_id:
                     return True
             time.sleep(0.005)
         return False

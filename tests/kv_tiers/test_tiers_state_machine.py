@@ -92,6 +92,9 @@ class TiersMachine(RuleBasedStateMachine):
         self.tiers.store(filled_blocks(output, requests, {}, BLOCK))
         sampled = {s.request_id: token for s in output.scheduled if s.sample}
         self.scheduler.update_from_output(output, ModelRunnerOutput(sampled))
+        # Loads started this step end before the next one: the run is the same every time
+        # (hypothesis replays it), and the invariants see no thread mid-way.
+        assert self.tiers.flush(10.0)
 
     def _execute(self, output: SchedulerOutput) -> None:
         for scheduled in output.scheduled:
