@@ -26,6 +26,7 @@ import os
 import platform
 import shutil
 import statistics
+import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -68,14 +69,27 @@ def directory() -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def drop_page_cache(root: Path) -> None:
-    """Ask the kernel to drop the block files' clean pages (no root needed)."""
-    for path in root.glob("blocks/*/*.kv"):
+def drop_page_cache(root: Path) -> int:
+    """Drop the block files from the page cache (no root needed): write back their dirty
+    pages, then advise the kernel it may drop them. Returns the bytes still resident after
+    (by `fincore`, when the host has it; -1 when it does not)."""
+    paths = sorted(root.glob("blocks/*/*.kv"))
+    for path in paths:
         fd = os.open(path, os.O_RDONLY)
         try:
+            os.fsync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+    if shutil.which("fincore") is None or not paths:
+        return -1
+    listing = subprocess.run(
+        ["fincore", "--bytes", "--noheadings", "--output", "RES", *map(str, paths)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return sum(int(line) for line in listing.stdout.split())
 
 
 def summary(values: list[float]) -> dict[str, float]:
@@ -88,7 +102,7 @@ def summary(values: list[float]) -> dict[str, float]:
 
 
 def bench_restore(args: argparse.Namespace) -> dict[str, Any]:
-    computed, warm, cold, hits = [], [], [], []
+    computed, warm, cold, hits, resident = [], [], [], [], []
     with directory() as root:
         llm = LLM(dtype=args.dtype, kv_cache_dir=str(root), kv_disk_size=args.disk_gib)
         serve(llm, random_prompt(999, 64))  # warm-up
@@ -99,7 +113,7 @@ def bench_restore(args: argparse.Namespace) -> dict[str, Any]:
             for page_cache, times in (("warm", warm), ("cold", cold)):
                 assert llm.reset_prefix_cache()
                 if page_cache == "cold":
-                    drop_page_cache(root)
+                    resident.append(drop_page_cache(root))
                 output = serve(llm, prompt)
                 hits.append(output.tier_cached_tokens.get("disk", 0))
                 times.append(ttft(output))
@@ -111,6 +125,7 @@ def bench_restore(args: argparse.Namespace) -> dict[str, Any]:
         "recompute_ttft_s": round(recompute, 4),
         "disk_warm_ttft_s": round(statistics.median(warm), 4),
         "disk_cold_ttft_s": round(statistics.median(cold), 4),
+        "resident_bytes_after_drop": max(resident),
         "speedup_warm": round(recompute / statistics.median(warm), 1),
         "speedup_cold": round(recompute / statistics.median(cold), 1),
     }
@@ -233,9 +248,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--disk-gib", type=float, default=8.0)
     parser.add_argument("--conversations", type=int, default=6)
-    parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--turn-tokens", type=int, default=256)
-    parser.add_argument("--answer-tokens", type=int, default=16)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--turn-tokens", type=int, default=128)
+    parser.add_argument("--answer-tokens", type=int, default=64)
     parser.add_argument("--device-blocks", type=int, default=160)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--decode-tokens", type=int, default=32)

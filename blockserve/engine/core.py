@@ -46,8 +46,8 @@ _LOAD_WAIT_S = 0.05
 class EngineCoreOutputs:
     """What one step did: token updates, samples admitted (or re-admitted) this step with
     their prefix-cache hit (in tokens, and the part of it from each lower tier), and samples
-    that failed, with the error. Ids are the ones the
-    samples were added with (`SampleId`s, from the engine)."""
+    that failed, with the error. Ids are the ones the samples were added with (`SampleId`s,
+    from the engine)."""
 
     timestamp: float
     updates: tuple[RequestUpdate, ...] = ()
