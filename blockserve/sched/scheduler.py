@@ -125,14 +125,21 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Choose this step's batch and allocate its KV blocks."""
-        budget = self.config.max_num_batched_tokens
         num_scheduled: dict[RequestId, int] = {}
-        preempted_any = False
         if self.loads is not None:
             for request in self.loads.finish():  # loaded: they run, sent to the runner anew
                 self.running.append(request)
                 self._loaded.add(request.request_id)
+        budget, preempted_any = self._schedule_running(num_scheduled)
+        # No admission after a preemption: the freed blocks go to the preempted first.
+        new_request_ids = set() if preempted_any else self._admit(budget, num_scheduled)
+        return self._build_output(num_scheduled, new_request_ids)
 
+    def _schedule_running(self, num_scheduled: dict[RequestId, int]) -> tuple[int, bool]:
+        """Give each running request its tokens, preempting when blocks run out; returns the
+        budget left and whether anything was preempted."""
+        budget = self.config.max_num_batched_tokens
+        preempted_any = False
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -152,12 +159,13 @@ class Scheduler:
                 num_scheduled[request.request_id] = num_new
                 budget -= num_new
                 index += 1
+        return budget, preempted_any
 
+    def _admit(self, budget: int, num_scheduled: dict[RequestId, int]) -> set[RequestId]:
+        """Admit waiting requests in queue order while they fit; returns the admitted ids."""
         new_request_ids: set[RequestId] = set()
-        # No admission after a preemption: the freed blocks go to the preempted first.
         while (
-            not preempted_any
-            and self.waiting
+            self.waiting
             and budget > 0
             and len(self.running) + self.num_loading < self.config.max_num_seqs
         ):
@@ -192,8 +200,7 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             new_request_ids.add(request.request_id)
             budget -= num_new
-
-        return self._build_output(num_scheduled, new_request_ids)
+        return new_request_ids
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
