@@ -21,9 +21,16 @@ def cpu_flags() -> list[str]:
 
 
 def emit(results: dict[str, Any], out: Path | None) -> None:
-    """Print `results` as JSON, with the host's CPU flags, and when `out` is given write it
-    there too."""
-    text = json.dumps({**results, "cpu_flags": cpu_flags()}, indent=2)
+    """Print `results` as JSON, with the host's CPU flags, torch's ISA level and threads, and
+    when `out` is given write it there too."""
+    import torch
+
+    host = {
+        "cpu_flags": cpu_flags(),
+        "isa": torch.backends.cpu.get_cpu_capability(),
+        "threads": torch.get_num_threads(),
+    }
+    text = json.dumps({**results, **host}, indent=2)
     print(text)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -143,7 +143,8 @@ class EngineArgs:
     )
     dtype: str = option(
         "auto",
-        "weight and activation dtype (auto: bfloat16)",
+        "weight and activation dtype (auto: bfloat16 where the host computes it natively — "
+        "AVX512-BF16 or AMX on x86, BF16 on Arm, a CUDA device with bf16 — else float32)",
         choices=DTYPES,
     )
     attention_backend: str = option(

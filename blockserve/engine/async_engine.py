@@ -70,6 +70,7 @@ class AsyncEngine:
             processor.vocab_size,
             copy.deepcopy(processor.tokenizer),
             engine.default_sampling,
+            engine.core.info.runtime,
         )
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}

@@ -26,6 +26,8 @@ class ModelInfo:
     tokenizer: Any
     # Defaults from the model's generation config: request field -> value (max_tokens a cap).
     default_sampling: Mapping[str, float | int] = field(default_factory=dict)
+    # Where the engine runs (device, ISA level, dtype, threads), for /version.
+    runtime: Mapping[str, str | int | bool] = field(default_factory=dict)
 
 
 class EngineClient(Protocol):

@@ -66,6 +66,8 @@ class CoreInfo:
     vocab_size: int
     num_blocks: int
     block_size: int
+    # Where it runs: device, CPU architecture and ISA level, native bf16, dtype, threads.
+    runtime: Mapping[str, str | int | bool] = field(default_factory=dict)
 
 
 class EngineCore:
@@ -118,6 +120,7 @@ class EngineCore:
             vocab_size=loaded.arch.vocab_size,
             num_blocks=self.runner.num_blocks,
             block_size=cache.block_size,
+            runtime=self.runner.host.report(loaded.dtype),
         )
 
     @property

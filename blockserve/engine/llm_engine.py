@@ -104,11 +104,12 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     core = EngineCore(config)
     info = core.info
     logger.info(
-        "model %s (%s, dtype %s), context %d tokens",
+        "model %s (%s, dtype %s), context %d tokens, on %s",
         info.model_name,
         info.model_path,
         info.dtype,
         info.max_model_len,
+        core.runner.host.describe(),
     )
     logger.info(
         "KV cache: %d blocks of %d tokens = %d tokens; prefix caching %s (%s)",

@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 from blockserve.attention.metadata import AttentionBackend
 from blockserve.errors import InvalidConfigError, ModelNotFoundError
 from blockserve.model.arch import LlamaArchConfig
+from blockserve.model.dtype import HostCapabilities, auto_dtype, probe_host
 from blockserve.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -69,10 +70,11 @@ def default_model_path() -> Path:
     return path
 
 
-def resolve_dtype(dtype: str) -> torch.dtype:
-    """`auto` → bfloat16 on this project's CPUs and on GPUs (measured: docs/benchmarks.md)."""
+def resolve_dtype(dtype: str, capabilities: HostCapabilities | None = None) -> torch.dtype:
+    """The torch dtype of `--dtype`: `auto` is bfloat16 where `capabilities` (default: this
+    host's CPU) compute it natively, float32 elsewhere (model/dtype.py)."""
     if dtype == "auto":
-        return torch.bfloat16
+        return auto_dtype(capabilities or probe_host(torch.device("cpu")))
     if dtype not in DTYPES:
         raise InvalidConfigError(f"dtype must be auto, float32 or bfloat16, got {dtype!r}")
     return DTYPES[dtype]
@@ -145,16 +147,17 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
 def load_model(
     model: str | None,
     backend: AttentionBackend,
-    dtype: str = "auto",
+    dtype: str | torch.dtype = "auto",
     device: str = "cpu",
     cache_dir: Path | None = None,
 ) -> LoadedModel:
-    """Load weights, config and tokenizer; every parameter must be present in the files."""
+    """Load weights, config and tokenizer; every parameter must be present in the files.
+    `dtype` is a `--dtype` name or an already resolved torch dtype."""
     from transformers import AutoTokenizer
 
     model_dir = resolve_model_dir(model, cache_dir)
     arch = LlamaArchConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
-    torch_dtype = resolve_dtype(dtype)
+    torch_dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype)
     with torch.device(device):
         llama = LlamaForCausalLM(arch, backend)
     loaded = llama.load_weights(iter_safetensors(model_dir))

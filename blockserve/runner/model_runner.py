@@ -18,6 +18,7 @@ from blockserve.attention.selector import get_attention_backend
 from blockserve.config import CacheConfig, ModelConfig
 from blockserve.core.kv_cache_manager import RequestId
 from blockserve.grammar import GrammarCompiler, apply_token_masks
+from blockserve.model.dtype import probe_host, warn_if_slow
 from blockserve.model.loader import LoadedModel, load_model, resolve_dtype
 from blockserve.model.sampler import Sampler, SamplerOutput, SamplingBatch, SamplingRow
 from blockserve.runner.kv_cache import allocate_kv_caches, num_blocks_for
@@ -53,13 +54,13 @@ class ModelRunner:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
         self.backend = get_attention_backend(model_config.attention_backend, device)
-        self.loaded: LoadedModel = load_model(
-            model_config.model, self.backend, model_config.dtype, device
-        )
+        self.host = probe_host(self.device)
+        dtype = resolve_dtype(model_config.dtype, self.host)
+        warn_if_slow(dtype, self.host)
+        self.loaded: LoadedModel = load_model(model_config.model, self.backend, dtype, device)
         self.model = self.loaded.model
         self.arch = self.loaded.arch
         self.block_size = cache_config.block_size
-        dtype = resolve_dtype(model_config.dtype)
         self.num_blocks = num_blocks_for(
             self.arch,
             self.block_size,

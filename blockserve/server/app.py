@@ -165,7 +165,8 @@ def _add_status_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     @app.get("/version")
     async def version() -> dict:
-        return {"version": __version__}
+        """The version, and where the engine runs: device, ISA level, dtype, threads."""
+        return {"version": __version__, **ctx.engine.model_info().runtime}
 
 
 def _add_debug_routes(app: FastAPI, ctx: ServingContext) -> None:

@@ -10,11 +10,14 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
+import blockserve
 from blockserve.config import ServerConfig
 from blockserve.engine.client import ModelInfo
+from blockserve.model.dtype import probe_host
 from blockserve.server.app import build_app
 from tests.server.conftest import tiny_server
 from tests.server.server_process import ServerProcess
@@ -46,10 +49,16 @@ def test_tokenize_and_detokenize(server: ServerProcess) -> None:
 
 
 def test_health_version_and_unknown_route(server: ServerProcess) -> None:
-    """/health is 200 with an empty body; /version answers; unknown routes are 404 JSON."""
+    """/health is 200 with an empty body; /version answers with where the engine runs;
+    unknown routes are 404 JSON."""
     health = httpx.get(f"{server.url}/health")
     assert (health.status_code, health.content) == (200, b"")
-    assert httpx.get(f"{server.url}/version").json()["version"]
+    version = httpx.get(f"{server.url}/version").json()
+    threads = version.pop("threads")  # the server process's own torch threads
+    expected = probe_host(torch.device("cpu")).report(torch.float32)  # it runs --dtype float32
+    del expected["threads"]
+    assert version == {"version": blockserve.__version__, **expected}
+    assert isinstance(threads, int) and threads >= 1
     missing = httpx.get(f"{server.url}/v1/nothing")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == 404
 

@@ -1,0 +1,93 @@
+"""Which dtype `--dtype auto` means on this host, and what the host can compute natively.
+
+bfloat16 halves the weights' and the KV cache's bytes, but only hardware with bf16 arithmetic
+turns that into speed: a CUDA device with bf16, an x86 CPU with AVX512-BF16 or AMX-BF16, an Arm
+CPU with the BF16 extension. Elsewhere torch's bf16 matmul takes a generic path — measured at
+1.2 GFLOP/s against 125–165 GFLOP/s for float32 on a 2-vCPU AVX2 EPYC, about 100× slower — so
+`auto` is float32 there. float16 is never chosen on a CPU. `auto_dtype` is a pure function of
+the capabilities `probe_host` reads, so the table is tested without the hardware.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+X86_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+ARM_BF16_FLAGS = frozenset({"bf16", "sve_bf16", "svebf16"})
+X86 = frozenset({"x86_64", "amd64", "i386", "i686"})
+ARM = frozenset({"aarch64", "arm64"})
+
+
+@dataclass(frozen=True, slots=True)
+class HostCapabilities:
+    """What the device computes: its kind, the CPU's architecture, torch's ISA level for its
+    CPU kernels, the CPU's feature flags (torch's names), and CUDA bf16 support."""
+
+    device: str  # "cpu" or "cuda"
+    machine: str  # x86_64, aarch64, ...
+    isa: str  # torch.backends.cpu.get_cpu_capability(): AVX2, AVX512, SVE256, DEFAULT, ...
+    cpu_flags: frozenset[str] = frozenset()
+    cuda_bf16: bool = False
+    threads: int = 1
+
+    @property
+    def native_bf16(self) -> bool:
+        if self.device == "cuda":
+            return self.cuda_bf16
+        machine = self.machine.lower()
+        if machine in X86:
+            return bool(self.cpu_flags & X86_BF16_FLAGS)
+        if machine in ARM:
+            return bool(self.cpu_flags & ARM_BF16_FLAGS)
+        return False
+
+    def report(self, dtype: torch.dtype) -> dict[str, str | int | bool]:
+        """The facts the start-up log, /version and the benchmarks report."""
+        return {
+            "device": self.device,
+            "machine": self.machine,
+            "isa": self.isa,
+            "native_bf16": self.native_bf16,
+            "dtype": str(dtype).removeprefix("torch."),
+            "threads": self.threads,
+        }
+
+    def describe(self) -> str:
+        """One phrase for the start-up log: `cpu x86_64 AVX512, native bf16, 2 threads`."""
+        bf16 = "native bf16" if self.native_bf16 else "no native bf16"
+        if self.device == "cuda":
+            return f"cuda, {bf16}"
+        return f"cpu {self.machine} {self.isa}, {bf16}, {self.threads} threads"
+
+
+def auto_dtype(capabilities: HostCapabilities) -> torch.dtype:
+    """bfloat16 where the device computes it natively, float32 everywhere else."""
+    return torch.bfloat16 if capabilities.native_bf16 else torch.float32
+
+
+def probe_host(device: torch.device) -> HostCapabilities:
+    """This host's capabilities, as torch reports them."""
+    isa = torch.backends.cpu.get_cpu_capability()
+    threads = torch.get_num_threads()
+    if device.type == "cuda":
+        bf16 = torch.cuda.is_bf16_supported()
+        return HostCapabilities("cuda", platform.machine(), isa, cuda_bf16=bf16, threads=threads)
+    flags = frozenset(name for name, value in torch.cpu.get_capabilities().items() if value is True)
+    return HostCapabilities("cpu", platform.machine(), isa, flags, threads=threads)
+
+
+def warn_if_slow(dtype: torch.dtype, capabilities: HostCapabilities) -> None:
+    """An explicit bfloat16 on a host without native bf16 runs, with a warning saying so."""
+    if dtype == torch.bfloat16 and not capabilities.native_bf16:
+        logger.warning(
+            "--dtype bfloat16 on a host without native bf16 (%s): its matmuls take a generic "
+            "path, about 100x slower than float32 on an AVX2 CPU; --dtype auto picks float32 "
+            "here",
+            capabilities.describe(),
+        )
