@@ -1,0 +1,115 @@
+"""This host's matmul peak, and the compute floor of the offline shared-prefix workload.
+
+Peak: GFLOP/s of `torch.mm` in float32 and bfloat16 on a large square product and on the
+default model's own GEMM shapes (a 2,048-token prefill chunk and a 64-sequence decode step
+through the attention and MLP projections and the LM head); the best of --repeats runs each.
+
+Floor: the FLOPs of bench_offline.py's shared-prefix workload (64 × (1,024 shared + 32 own)
+prompt tokens → 32 output tokens, prefix caching on, so the shared prefix is computed once):
+linear layers for every computed token, the LM head for every sampled one, and attention
+(QK^T and PV) at each token's context; divided by the peak, that is the least time the work
+could take on this host. With --wall S (a measured run of that workload) it reports the run as
+a fraction of the floor.
+
+    .venv/bin/python benchmarks/bench_matmul.py [--wall 17.7 --dtype float32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from report import emit
+
+from blockserve.model.arch import LlamaArchConfig
+from blockserve.model.loader import resolve_model_dir
+
+PREFIX, SUFFIX, OUTPUT, REQUESTS = 1024, 32, 32, 64
+
+
+def gflops(m: int, k: int, n: int, dtype: torch.dtype, repeats: int) -> float:
+    a = torch.randn(m, k).to(dtype)
+    b = torch.randn(k, n).to(dtype)
+    torch.mm(a, b)  # warm-up (and oneDNN's first-call set-up)
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - started)
+    return 2 * m * k * n / best / 1e9
+
+
+def model_shapes(arch: LlamaArchConfig) -> dict[str, tuple[int, int, int]]:
+    hidden, inter = arch.hidden_size, arch.intermediate_size
+    qkv = (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
+    return {
+        "prefill qkv (2048 tokens)": (2048, hidden, qkv),
+        "prefill gate+up (2048 tokens)": (2048, hidden, 2 * inter),
+        "prefill down (2048 tokens)": (2048, inter, hidden),
+        "decode gate+up (64 seqs)": (64, hidden, 2 * inter),
+        "lm head (64 seqs)": (64, hidden, arch.vocab_size),
+    }
+
+
+def workload_gflop(arch: LlamaArchConfig) -> dict[str, float]:
+    """The shared-prefix workload's FLOPs, in GFLOP, by kind."""
+    hidden, inter, layers = arch.hidden_size, arch.intermediate_size, arch.num_layers
+    q_width = arch.num_heads * arch.head_dim
+    kv_width = arch.num_kv_heads * arch.head_dim
+    per_token_linear = 2 * layers * (hidden * (q_width + 2 * kv_width) + q_width * hidden)
+    per_token_linear += 2 * layers * 3 * hidden * inter
+    # Tokens whose KV is computed, with the context each attends to (itself included).
+    contexts = list(range(1, PREFIX + 1))  # the shared prefix, once
+    for _ in range(REQUESTS):
+        contexts += range(PREFIX + 1, PREFIX + SUFFIX + 1)  # its own suffix
+        contexts += range(PREFIX + SUFFIX + 1, PREFIX + SUFFIX + OUTPUT)  # 31 decode steps
+    attention = sum(4 * layers * q_width * c for c in contexts)  # QK^T and PV
+    lm_head = 2 * hidden * arch.vocab_size * REQUESTS * OUTPUT
+    return {
+        "computed_tokens": len(contexts),
+        "linear": per_token_linear * len(contexts) / 1e9,
+        "attention": attention / 1e9,
+        "lm_head": lm_head / 1e9,
+        "total": (per_token_linear * len(contexts) + attention + lm_head) / 1e9,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--wall", type=float, help="a measured shared-prefix run, seconds")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/matmul.json"))
+    args = parser.parse_args()
+    config = json.loads((resolve_model_dir(None) / "config.json").read_text())
+    arch = LlamaArchConfig.from_hf(config)
+    peaks: dict[str, dict[str, float]] = {}
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        shapes = {"square 2048": (2048, 2048, 2048), **model_shapes(arch)}
+        peaks[name] = {
+            label: round(gflops(*shape, dtype, args.repeats), 1) for label, shape in shapes.items()
+        }
+        print(name, peaks[name], flush=True)
+    work = workload_gflop(arch)
+    peak = max(peaks[args.dtype].values())
+    floor = work["total"] / peak
+    results: dict[str, Any] = {
+        "torch": torch.__version__,
+        "gflops": peaks,
+        "workload_gflop": {k: round(v, 1) for k, v in work.items()},
+        "floor_dtype": args.dtype,
+        "floor_peak_gflops": peak,
+        "floor_s": round(floor, 2),
+    }
+    if args.wall is not None:
+        results["wall_s"] = args.wall
+        results["fraction_of_floor"] = round(floor / args.wall, 3)
+    emit(results, args.out)
+
+
+if __name__ == "__main__":
+    main()
