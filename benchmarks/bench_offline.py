@@ -9,7 +9,7 @@ Also times the scheduler (schedule + update_from_output) and the rest of the eng
 bookkeeping against the model runner, to show what the control plane costs per step.
 
     .venv/bin/python benchmarks/bench_offline.py [--workload shared-prefix random]
-        [--caching on off] [--requests 64] [--dtype auto|float32] [--out FILE]
+        [--caching on off] [--requests 64] [--dtype auto|float32] [--profile N] [--out FILE]
 """
 
 from __future__ import annotations
@@ -20,10 +20,12 @@ import random
 import statistics
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 from report import emit
+from torch.profiler import ProfilerActivity, profile
 
 from blockserve import LLM, SamplingParams
 
@@ -71,7 +73,7 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
 
 
-def run(workload: str, caching: bool, num_requests: int, dtype: str) -> dict:
+def run(workload: str, caching: bool, num_requests: int, dtype: str, top_ops: int = 0) -> dict:
     llm = LLM(enable_prefix_caching=caching, max_num_seqs=num_requests, dtype=dtype)
     engine = llm.engine
     prompts = make_prompts(workload, num_requests, engine.core.info.vocab_size)
@@ -83,8 +85,10 @@ def run(workload: str, caching: bool, num_requests: int, dtype: str) -> dict:
     execute = Timer(engine.core.runner, "execute")
     schedule = Timer(engine.core.scheduler, "schedule")
     update = Timer(engine.core.scheduler, "update_from_output")
+    profiler = profile(activities=[ProfilerActivity.CPU]) if top_ops else nullcontext()
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    with profiler:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - start
     stats = llm.get_stats()
     ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outputs]  # type: ignore[operator]
@@ -93,10 +97,11 @@ def run(workload: str, caching: bool, num_requests: int, dtype: str) -> dict:
     queries = stats.prefix_cache_queries - before.prefix_cache_queries
     hits = stats.prefix_cache_hits - before.prefix_cache_hits
     scheduler_s = schedule.total + update.total
-    return {
+    result = {
         "workload": workload,
         "prefix_caching": caching,
         "requests": num_requests,
+        "dtype": engine.core.info.dtype,
         "wall_s": round(wall, 2),
         "output_tokens_per_s": round(num_output / wall, 1),
         "total_tokens_per_s": round((num_output + num_prompt) / wall, 1),
@@ -112,6 +117,25 @@ def run(workload: str, caching: bool, num_requests: int, dtype: str) -> dict:
         "engine_overhead_share_of_step": round((steps.total - execute.total) / steps.total, 4),
         "engine_overhead_ms_per_step": round((steps.total - execute.total) / steps.calls * 1e3, 3),
     }
+    if isinstance(profiler, profile):
+        result["profile_top_ops"] = top_operators(profiler, top_ops)
+    return result
+
+
+def top_operators(profiler: profile, count: int) -> list[dict[str, Any]]:
+    """The `count` torch operators with the most self CPU time in the run (its wall time then
+    includes the profiler's own overhead)."""
+    events = sorted(profiler.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events)
+    return [
+        {
+            "op": e.key,
+            "self_s": round(e.self_cpu_time_total / 1e6, 3),
+            "share": round(e.self_cpu_time_total / total, 4),
+            "calls": e.count,
+        }
+        for e in events[:count]
+    ]
 
 
 def main() -> None:
@@ -119,11 +143,18 @@ def main() -> None:
     parser.add_argument("--workload", nargs="+", default=["shared-prefix", "random"])
     parser.add_argument("--caching", nargs="+", default=["on", "off"])
     parser.add_argument("--requests", type=int, default=64)
-    parser.add_argument("--dtype", default="auto", help="auto (bf16) or float32 (AVX2 hosts)")
+    parser.add_argument("--dtype", default="auto", help="auto (the host's native dtype) or float32")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run under torch.profiler; keep top N ops",
+    )
     args = parser.parse_args()
     runs = [
-        run(workload, caching == "on", args.requests, args.dtype)
+        run(workload, caching == "on", args.requests, args.dtype, args.profile)
         for workload in args.workload
         for caching in args.caching
     ]
