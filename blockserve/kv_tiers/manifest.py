@@ -96,7 +96,8 @@ def open_directory(
     except BlockingIOError:
         lock.close()
         raise InvalidConfigError(
-            f"the KV cache directory {root} is in use by another process"
+            f"the KV cache directory {root} is in use by another process (or by another "
+            "engine of this one that was not shut down)"
         ) from None
     found = _read_manifest(root)
     wanted = fingerprint.to_json()
