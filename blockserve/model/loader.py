@@ -29,6 +29,7 @@ from blockserve.errors import InvalidConfigError, ModelNotFoundError
 from blockserve.model.arch import LlamaArchConfig
 from blockserve.model.dtype import HostCapabilities, auto_dtype, probe_host
 from blockserve.model.llama import LlamaForCausalLM
+from blockserve.model.packed import can_prepack, prepack_linears
 
 logger = logging.getLogger(__name__)
 
@@ -167,6 +168,8 @@ def load_model(
     llama = llama.to(dtype=torch_dtype).eval()
     # RoPE tables stay float32: positions must be exact at long contexts.
     llama.rotary.float()
+    if can_prepack(device):
+        prepack_linears(llama)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     name = DEFAULT_MODEL_NAME if model is None else Path(model).name.removesuffix(".gguf")
     return LoadedModel(llama, tokenizer, arch, model_dir, name, torch_dtype)

@@ -1,0 +1,53 @@
+"""Linear layers with their weights reordered once into oneDNN's blocked layout (CPU).
+
+`F.linear` hands oneDNN a plain row-major weight, which it reorders on every call; a weight
+reordered once at load time skips that. Measured with torch 2.13 on a 2-vCPU EPYC
+(`benchmarks/bench_matmul.py`'s shapes): bfloat16 271 → 383 GFLOP/s for a 16-row decode
+product and 317 → 384 for the 64-row LM head, float32 114 → 210 and 108 → 203, prefill
+products +2–23%. Results equal `F.linear`'s bit for bit in bfloat16 and within float32
+rounding (accumulation order) in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def can_prepack(device: torch.device | str) -> bool:
+    return torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available()
+
+
+class PackedLinear(nn.Module):
+    """An `nn.Linear`'s forward over a weight reordered for oneDNN (the original is dropped)."""
+
+    packed: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        weight = linear.weight.detach()
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        self.register_buffer("packed", packed, persistent=False)
+        bias = None if linear.bias is None else linear.bias.detach()
+        self.register_buffer("bias", bias, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+def prepack_linears(model: nn.Module) -> int:
+    """Replace every `nn.Linear` under `model` by a `PackedLinear`; returns how many."""
+    targets = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, nn.Linear)
+    ]
+    for parent, name, child in targets:
+        setattr(parent, name, PackedLinear(child))
+    return len(targets)
