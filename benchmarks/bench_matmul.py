@@ -3,13 +3,15 @@
 Peak: GFLOP/s of `torch.mm` in float32 and bfloat16 on a large square product and on the
 default model's own GEMM shapes (a 2,048-token prefill chunk and a 64-sequence decode step
 through the attention and MLP projections and the LM head); the best of --repeats runs each.
+On the model's shapes also `F.linear` over a row-major weight (an nn.Linear) against the
+engine's `PackedLinear` (weights reordered once for oneDNN, model/packed.py).
 
 Floor: the FLOPs of bench_offline.py's shared-prefix workload (64 × (1,024 shared + 32 own)
 prompt tokens → 32 output tokens, prefix caching on, so the shared prefix is computed once):
 linear layers for every computed token, the LM head for every sampled one, and attention
-(QK^T and PV) at each token's context; divided by the peak, that is the least time the work
-could take on this host. With --wall S (a measured run of that workload) it reports the run as
-a fraction of the floor.
+(QK^T and PV) at each token's context; divided by the peak (the fastest product measured,
+either way), that is the least time the work could take on this host. With --wall S (a
+measured run of that workload) it reports the run as a fraction of the floor.
 
     .venv/bin/python benchmarks/bench_matmul.py [--wall 17.7 --dtype float32]
 """
@@ -27,19 +29,29 @@ from report import emit
 
 from blockserve.model.arch import LlamaArchConfig
 from blockserve.model.loader import resolve_model_dir
+from blockserve.model.packed import PackedLinear
 
 PREFIX, SUFFIX, OUTPUT, REQUESTS = 1024, 32, 32, 64
 
 
-def gflops(m: int, k: int, n: int, dtype: torch.dtype, repeats: int) -> float:
+def gflops(m: int, k: int, n: int, dtype: torch.dtype, repeats: int, how: str = "mm") -> float:
+    """Best-of-`repeats` GFLOP/s of an [m, k] × [k, n] product: `torch.mm`, `F.linear` over a
+    row-major [n, k] weight (what an nn.Linear does), or the model's `PackedLinear`."""
     a = torch.randn(m, k).to(dtype)
     b = torch.randn(k, n).to(dtype)
-    torch.mm(a, b)  # warm-up (and oneDNN's first-call set-up)
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - started)
+    linear = torch.nn.Linear(k, n, bias=False).to(dtype)
+    layer = PackedLinear(linear) if how == "packed" else linear
+
+    def call() -> torch.Tensor:
+        return torch.mm(a, b) if how == "mm" else layer(a)
+
+    with torch.no_grad():
+        call()  # warm-up (and oneDNN's first-call set-up)
+        best = float("inf")
+        for _ in range(repeats):
+            started = time.perf_counter()
+            call()
+            best = min(best, time.perf_counter() - started)
     return 2 * m * k * n / best / 1e9
 
 
@@ -88,18 +100,29 @@ def main() -> None:
     config = json.loads((resolve_model_dir(None) / "config.json").read_text())
     arch = LlamaArchConfig.from_hf(config)
     peaks: dict[str, dict[str, float]] = {}
+    linears: dict[str, dict[str, dict[str, float]]] = {}
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
         shapes = {"square 2048": (2048, 2048, 2048), **model_shapes(arch)}
         peaks[name] = {
             label: round(gflops(*shape, dtype, args.repeats), 1) for label, shape in shapes.items()
         }
-        print(name, peaks[name], flush=True)
+        linears[name] = {
+            label: {
+                how: round(gflops(*shape, dtype, args.repeats, how), 1)
+                for how in ("linear", "packed")
+            }
+            for label, shape in model_shapes(arch).items()
+        }
+        print(name, peaks[name], linears[name], flush=True)
     work = workload_gflop(arch)
-    peak = max(peaks[args.dtype].values())
+    # The fastest product measured either way: torch.mm or the prepacked linear.
+    packed = (v["packed"] for v in linears[args.dtype].values())
+    peak = max(*peaks[args.dtype].values(), *packed)
     floor = work["total"] / peak
     results: dict[str, Any] = {
         "torch": torch.__version__,
         "gflops": peaks,
+        "linear_vs_packed_gflops": linears,
         "workload_gflop": {k: round(v, 1) for k, v in work.items()},
         "floor_dtype": args.dtype,
         "floor_peak_gflops": peak,

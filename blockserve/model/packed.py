@@ -1,11 +1,10 @@
 """Linear layers with their weights reordered once into oneDNN's blocked layout (CPU).
 
-`F.linear` hands oneDNN a plain row-major weight, which it reorders on every call; a weight
-reordered once at load time skips that. Measured with torch 2.13 on a 2-vCPU EPYC
-(`benchmarks/bench_matmul.py`'s shapes): bfloat16 271 → 383 GFLOP/s for a 16-row decode
-product and 317 → 384 for the 64-row LM head, float32 114 → 210 and 108 → 203, prefill
-products +2–23%. Results equal `F.linear`'s bit for bit in bfloat16 and within float32
-rounding (accumulation order) in float32.
+`F.linear` hands oneDNN the row-major weight on every call; a weight reordered once at load
+into oneDNN's own layout is faster on this model's shapes. `benchmarks/bench_matmul.py` measures both on the
+model's shapes (docs/benchmarks.md, "Compute floor"): the small decode and LM-head products
+gain most. Results equal `F.linear`'s bit for bit in bfloat16 and within float32 rounding
+(accumulation order) in float32.
 """
 
 from __future__ import annotations
