@@ -1,8 +1,8 @@
 """Linear layers with their weights reordered once into oneDNN's blocked layout (CPU).
 
 `F.linear` hands oneDNN the row-major weight on every call; a weight reordered once at load
-into oneDNN's own layout is faster on this model's shapes. `benchmarks/bench_matmul.py` measures both on the
-model's shapes (docs/benchmarks.md, "Compute floor"): the small decode and LM-head products
+into oneDNN's own layout is faster on this model's shapes. `benchmarks/bench_matmul.py`
+measures both (docs/benchmarks.md, "Compute floor"): the small decode and LM-head products
 gain most. Results equal `F.linear`'s bit for bit in bfloat16 and within float32 rounding
 (accumulation order) in float32.
 """
