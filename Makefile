@@ -50,7 +50,7 @@ lint: setup
 	$(BIN)/ruff format --check blockserve tests benchmarks
 
 typecheck: setup
-	$(BIN)/mypy blockserve/core blockserve/sched blockserve/engine blockserve/server blockserve/kv_tiers blockserve/replay blockserve/config.py blockserve/options.py
+	$(BIN)/mypy blockserve/core blockserve/sched blockserve/engine blockserve/server blockserve/kv_tiers blockserve/replay blockserve/cluster blockserve/events blockserve/config.py blockserve/options.py
 
 pytest: setup
 	$(BIN)/pytest

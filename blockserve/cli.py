@@ -10,8 +10,11 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from blockserve import __version__
+from blockserve.cluster.config import ClusterConfig
+from blockserve.cluster.policies import POLICIES as ROUTERS
 from blockserve.config import ServerConfig
 from blockserve.core.eviction import EVICTION_POLICIES
 from blockserve.engine.args import EngineArgs
@@ -34,6 +37,7 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     add_arguments(serve, ServerConfig)
     EngineArgs.add_cli_args(serve)
+    add_arguments(serve, ClusterConfig)
 
 
 def _add_events_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -111,12 +115,22 @@ def _add_replay_parser(subparsers: argparse._SubParsersAction) -> None:
         "over LRU host and disk tiers written through, and report each tier's hit rate instead "
         "of the capacity sweep",
     )
+    replay.add_argument(
+        "--replicas",
+        default=None,
+        help="comma-separated replica counts (e.g. 1,4,16,64): replay a cluster of that many "
+        "pools of the first --capacities each, behind each --router, instead of the sweep",
+    )
+    replay.add_argument(
+        "--router",
+        default=",".join(ROUTERS),
+        help=f"with --replicas: comma-separated routers (default: {','.join(ROUTERS)})",
+    )
     replay.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def run_replay(args: argparse.Namespace) -> int:
     import tempfile
-    from pathlib import Path
 
     from blockserve.replay.report import format_table, run_lab, write_reports
     from blockserve.replay.trace import load_trace
@@ -137,6 +151,8 @@ def run_replay(args: argparse.Namespace) -> int:
         raise InvalidConfigError(f"unknown eviction policies: {', '.join(unknown)}")
     trace = load_trace(args.trace)
     out_dir = Path(args.out_dir or tempfile.mkdtemp(prefix="blockserve-replay-"))
+    if args.replicas is not None:
+        return _run_cluster_replay(args, trace, capacities[0], out_dir)
     if args.tiers is not None:
         from blockserve.replay.tiers import (
             format_tier_table,
@@ -154,6 +170,31 @@ def run_replay(args: argparse.Namespace) -> int:
     print(format_table(results, block_size))
     json_path, png_path = write_reports(results, out_dir, args.trace, block_size)
     print(f"wrote {json_path} and {png_path}")
+    return 0
+
+
+def _run_cluster_replay(args: argparse.Namespace, trace: list, capacity: int, out_dir: Path) -> int:
+    from blockserve.replay.cluster import ServiceModel
+    from blockserve.replay.cluster_report import (
+        format_cluster_table,
+        run_cluster_lab,
+        write_cluster_report,
+    )
+
+    try:
+        counts = [int(v) for v in args.replicas.split(",") if v.strip()]
+    except ValueError:
+        raise InvalidConfigError(f"--replicas must be integers: {args.replicas!r}") from None
+    routers = [r.strip() for r in args.router.split(",") if r.strip()]
+    unknown = [r for r in routers if r not in ROUTERS]
+    if not counts or min(counts) < 1 or not routers or unknown:
+        raise InvalidConfigError(
+            f"--replicas takes counts >= 1 and --router names from {', '.join(ROUTERS)}"
+        )
+    service = ServiceModel()
+    results = run_cluster_lab(trace, counts, routers, capacity, args.trace_block_size, service)
+    print(format_cluster_table(results, args.trace_block_size))
+    print(f"wrote {write_cluster_report(results, out_dir, args.trace, service)}")
     return 0
 
 
@@ -202,9 +243,14 @@ def run_serve(args: argparse.Namespace) -> int:
             )
         args.model = args.model_tag
 
-    engine_config = EngineArgs.from_cli_args(args).create_configs()
+    engine_args = EngineArgs.from_cli_args(args)
     server_config = resolve_api_keys(from_namespace(ServerConfig, args), os.environ)
-    return serve(engine_config, server_config)
+    cluster = from_namespace(ClusterConfig, args)
+    if cluster.replicas > 0:
+        from blockserve.cluster.launch import serve_cluster
+
+        return serve_cluster(engine_args, server_config, cluster)
+    return serve(engine_args.create_configs(), server_config)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import msgspec
 import zmq
 
 from blockserve.core.events import (
+    MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -25,7 +26,15 @@ from blockserve.events.zmq_publisher import END_SEQ
 
 
 class ReplayUnavailableError(RuntimeError):
-    """A gap could not be filled: no replay endpoint, or the batches left the buffer."""
+    """A gap could not be filled: no replay endpoint, or the batches left the buffer.
+
+    `resume_seq`: where the subscriber stands after a failed gap fill in `poll` (the batch
+    that revealed the gap, still replayable); what came before it is lost to this subscriber,
+    so a mirror built from it must be rebuilt (cleared) before going on."""
+
+    def __init__(self, message: str, resume_seq: int | None = None) -> None:
+        super().__init__(message)
+        self.resume_seq = resume_seq
 
 
 class KVEventSubscriber:
@@ -63,7 +72,11 @@ class KVEventSubscriber:
             if seq < self.next_seq:
                 continue  # already delivered (through replay)
             if seq > self.next_seq:
-                batches.extend(self.replay(self.next_seq, until=seq))
+                try:
+                    batches.extend(self.replay(self.next_seq, until=seq))
+                except ReplayUnavailableError as exc:
+                    self.next_seq = seq
+                    raise ReplayUnavailableError(str(exc), resume_seq=seq) from None
             batches.append((seq, decode_batch(payload)))
             self.next_seq = seq + 1
         return batches
@@ -100,20 +113,47 @@ class KVEventSubscriber:
 
 
 class CacheMirror:
-    """The set of block hashes one server holds in its prefix cache, rebuilt from events."""
+    """The block hashes one server holds, rebuilt from its events, per medium.
+
+    `hashes` is the device tier (medium "GPU", or no medium: vLLM's events before tiers);
+    `lower` holds each lower tier's hashes ("CPU", "DISK"). A hash is held while any tier
+    holds it. Its size is bounded by the server's own capacity: it holds nothing the server
+    does not.
+    """
 
     def __init__(self) -> None:
         self.hashes: set[ExternalBlockHash] = set()
+        self.lower: dict[str, set[ExternalBlockHash]] = {}
+
+    def __contains__(self, block_hash: object) -> bool:
+        if block_hash in self.hashes:
+            return True
+        return any(block_hash in tier for tier in self.lower.values())
+
+    def __len__(self) -> int:
+        return len(self.hashes) + sum(len(tier) for tier in self.lower.values())
 
     def apply(self, batches: Iterable[KVEventBatch]) -> None:
         for batch in batches:
             for event in batch.events:
                 if isinstance(event, BlockStored):
-                    self.hashes.update(event.block_hashes)
+                    self._tier(event.medium).update(event.block_hashes)
                 elif isinstance(event, BlockRemoved):
-                    self.hashes.difference_update(event.block_hashes)
+                    self._tier(event.medium).difference_update(event.block_hashes)
                 elif isinstance(event, AllBlocksCleared):
+                    # A prefix-cache reset empties the device pool; lower tiers keep their
+                    # blocks (and say so with their own BlockRemoved events when they drop any).
                     self.hashes.clear()
+
+    def clear(self) -> None:
+        """Forget everything: the server is gone, or its stream cannot be recovered."""
+        self.hashes.clear()
+        self.lower.clear()
+
+    def _tier(self, medium: str | None) -> set[ExternalBlockHash]:
+        if medium is None or medium == MEDIUM_GPU:
+            return self.hashes
+        return self.lower.setdefault(medium, set())
 
 
 def format_event(seq: int, batch: KVEventBatch, event: object, as_json: bool) -> str:
@@ -129,7 +169,7 @@ def format_event(seq: int, batch: KVEventBatch, event: object, as_json: bool) ->
     if isinstance(event, BlockStored):
         return (
             f"seq={seq} BlockStored blocks={len(event.block_hashes)} "
-            f"hashes={event.block_hashes} parent={event.parent_block_hash} "
+            f"hashes={event.block_hashes} parent={event.parent_block_hash!r} "
             f"tokens={len(event.token_ids)} block_size={event.block_size} "
             f"medium={event.medium} lora={event.lora_name}"
         )

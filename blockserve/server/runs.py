@@ -22,6 +22,7 @@ from blockserve.engine.outputs import CompletionOutput, RequestOutput
 from blockserve.engine.request import Prompt, RequestSpec
 from blockserve.errors import (
     ClientDisconnectedError,
+    EngineDeadError,
     ModelNotFoundError,
     RequestFailedError,
     ServerShuttingDownError,
@@ -261,7 +262,9 @@ def stream_response(
                 if usage_base is not None and len(finals) == len(run.prompts):
                     totals = usage([finals[i] for i in sorted(finals)])
                     yield sse({**usage_base([]), "usage": totals})
-            except ServerShuttingDownError as exc:  # the drain deadline passed mid-stream
+            except (ServerShuttingDownError, EngineDeadError) as exc:
+                # Mid-stream: the drain deadline passed, or the engine (a replica) died. The
+                # status line is sent already; the error goes in the stream, which then ends.
                 yield sse(error_body(exc.http_status, str(exc)))
             yield sse("[DONE]")
         finally:

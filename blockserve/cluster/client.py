@@ -1,0 +1,174 @@
+"""`ClusterEngineClient`: the `EngineClient` of the ingress, backed by N engine replicas.
+
+The HTTP app (server/app.py) runs unchanged on top of it. Prompts are tokenized here, once,
+so the router can hash them and the replicas receive token ids; each replica validates the
+request again as it would alone. A replica that dies before a request's first output gets
+the request again elsewhere; one that dies mid-stream ends it with a clean 503.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, cast
+
+from ray.exceptions import RayActorError, RayTaskError
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+
+from blockserve.cluster.replica import FrontEnd
+from blockserve.engine.chat import Message
+from blockserve.engine.client import ModelInfo
+from blockserve.engine.input_processor import InputProcessor
+from blockserve.engine.outputs import EngineStats, KVCacheReport, MissRatioReport, RequestOutput
+from blockserve.engine.request import RequestSpec
+from blockserve.engine.tokenizer_pool import TokenizerPool
+from blockserve.errors import BlockserveError, EngineDeadError, InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+MAX_ATTEMPTS = 3  # a request is sent again while no output reached the client
+
+
+class ClusterEngineClient:
+    """Implements `EngineClient` over a deployment handle of `EngineReplica`s."""
+
+    def __init__(self, replicas: DeploymentHandle, front: FrontEnd, tokenizer_workers: int) -> None:
+        self.replicas = replicas.options(stream=True)
+        processor = InputProcessor(
+            front.tokenizer,
+            front.vocab_size,
+            front.max_model_len,
+            front.scheduling_policy,
+            front.max_n,
+            front.max_chars_per_token,
+        )
+        self._tokenizers = TokenizerPool(processor, tokenizer_workers)
+        self._model_info = ModelInfo(
+            front.model_name,
+            front.max_model_len,
+            front.vocab_size,
+            processor.tokenizer,
+            front.default_sampling,
+            {**front.runtime, "replicas": "ray-serve"},
+        )
+        # request id -> the replica's response stream
+        self._streams: dict[str, DeploymentResponseGenerator] = {}
+        self._counts = _Counts()
+
+    def start(self) -> None:
+        pass  # the replicas are Ray Serve's to start
+
+    def shutdown(self) -> None:
+        self._tokenizers.shutdown()
+        for stream in list(self._streams.values()):
+            stream.cancel()
+
+    async def generate(self, spec: RequestSpec) -> AsyncIterator[RequestOutput]:
+        if spec.request_id in self._streams:
+            raise InvalidRequestError(f"request id {spec.request_id!r} is already in use")
+        if isinstance(spec.prompt, str):
+            text = spec.prompt
+            tokens = await self._tokenizers.run(lambda p: p.encode_text(text))
+            spec = dataclasses.replace(spec, prompt=tokens)
+        self._counts.num_running += 1
+        try:
+            async for output in self._generate(spec):
+                yield output
+        finally:
+            self._counts.num_running -= 1
+            stream = self._streams.pop(spec.request_id, None)
+            if stream is not None:
+                stream.cancel()  # a client gone early: the replica aborts the request
+
+    async def _generate(self, spec: RequestSpec) -> AsyncIterator[RequestOutput]:
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            stream = cast(DeploymentResponseGenerator, self.replicas.generate.remote(spec))
+            self._streams[spec.request_id] = stream
+            streamed = False
+            try:
+                async for output in stream:
+                    streamed = True
+                    if output.finished:
+                        self._counts.count(output)
+                    yield output
+                return
+            except RayTaskError as exc:
+                if isinstance(exc.cause, BlockserveError):
+                    raise exc.cause from None  # the replica refused it: its own error, no trace
+                raise
+            except RayActorError:
+                if streamed or attempt == MAX_ATTEMPTS:
+                    raise EngineDeadError("the replica serving this request died") from None
+                logger.warning("replica died before request %s started; retrying", spec.request_id)
+
+    def abort(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.cancel()
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> tuple[int, ...]:
+        return await self._tokenizers.run(lambda p: p.encode_text(text, add_special_tokens))
+
+    async def tokenize_chat(
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = True,
+        special_tokens_in_content: bool = False,
+        tools: Sequence[dict[str, Any]] | None = None,
+    ) -> tuple[int, ...]:
+        return await self._tokenizers.run(
+            lambda p: p.chat_prompt(
+                messages, add_generation_prompt, special_tokens_in_content, tools
+            )
+        )
+
+    async def detokenize(self, token_ids: Sequence[int]) -> str:
+        return await self._tokenizers.run(lambda p: str(p.tokenizer.decode(list(token_ids))))
+
+    def is_healthy(self) -> bool:
+        return True  # replicas are health-checked and restarted by Ray Serve
+
+    def model_info(self) -> ModelInfo:
+        return self._model_info
+
+    def stats(self) -> EngineStats:
+        """What passed through this ingress: requests in flight, tokens, prefix-cache hits."""
+        return self._counts.snapshot()
+
+    async def debug_kv_cache(self) -> KVCacheReport:
+        raise InvalidRequestError("the KV cache report is per replica: ask a replica's engine")
+
+    async def debug_miss_ratio_curve(self) -> MissRatioReport:
+        raise InvalidRequestError("the miss-ratio curve is per replica: ask a replica's engine")
+
+
+@dataclasses.dataclass(slots=True)
+class _Counts:
+    num_running: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generation_tokens: int = 0
+
+    def count(self, output: RequestOutput) -> None:
+        self.prompt_tokens += len(output.prompt_token_ids)
+        self.cached_tokens += output.num_cached_tokens
+        self.generation_tokens += sum(len(o.token_ids) for o in output.outputs)
+
+    def snapshot(self) -> EngineStats:
+        return EngineStats(
+            num_running=self.num_running,
+            num_waiting=0,
+            kv_cache_usage=0.0,
+            prefix_cache_queries=self.prompt_tokens,
+            prefix_cache_hits=self.cached_tokens,
+            num_preemptions=0,
+            num_prompt_tokens=self.prompt_tokens,
+            num_generation_tokens=self.generation_tokens,
+        )
+
+
+async def fetch_front_end(replicas: DeploymentHandle) -> FrontEnd:
+    """The model as the replicas serve it (any replica: they are identical)."""
+    front: FrontEnd = await replicas.front_end.remote()
+    return front

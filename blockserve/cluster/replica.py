@@ -1,0 +1,130 @@
+"""`EngineReplica`: one engine inside one Ray Serve replica, publishing its KV events.
+
+The replica takes token ids (the ingress tokenized them), streams `RequestOutput`s back, and
+advertises where its KV events are published through Ray Serve's routing stats, which the
+router polls. Events go out on two ports chosen by the OS on this node, so any number of
+replicas can share a machine. Holds no routing logic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from blockserve.engine.args import EngineArgs
+from blockserve.engine.async_engine import AsyncEngine
+from blockserve.engine.outputs import RequestOutput
+from blockserve.engine.request import RequestSpec
+from blockserve.errors import EngineDeadError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FrontEnd:
+    """What the ingress needs to tokenize and check requests as the replicas would."""
+
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    tokenizer: Any
+    default_sampling: dict[str, float | int]
+    runtime: dict[str, str | int | bool]
+    scheduling_policy: str
+    max_n: int
+    max_chars_per_token: int | None
+    block_size: int
+    hash_algo: str
+    num_blocks: int
+
+
+def events_config() -> dict[str, Any]:
+    """KV events on OS-chosen ports, with a replay socket for gaps and late joiners."""
+    return {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": "tcp://*:0",
+        "replay_endpoint": "tcp://*:0",
+    }
+
+
+def advertised(endpoint: str | None, host: str) -> str | None:
+    """A bound endpoint (`tcp://0.0.0.0:PORT`) as others on the network reach it."""
+    if endpoint is None:
+        return None
+    port = endpoint.rsplit(":", 1)[1]
+    return f"tcp://{host}:{port}"
+
+
+class EngineReplica:
+    """The body of the replica deployment (cluster/app.py applies Ray's decorator)."""
+
+    def __init__(self, engine_args: EngineArgs, threads: int) -> None:
+        import ray
+        import torch
+
+        torch.set_num_threads(threads)
+        args = dataclasses.replace(engine_args, kv_events_config=events_config())
+        self.engine = AsyncEngine.from_config(args.create_configs())
+        self._started = False
+        core = self.engine.engine.core
+        publisher = core.event_publisher
+        host = ray.util.get_node_ip_address()
+        self.kv_events_endpoint = advertised(getattr(publisher, "endpoint", None), host)
+        self.kv_replay_endpoint = advertised(getattr(publisher, "replay_endpoint", None), host)
+        info, processor = core.info, self.engine.engine.input_processor
+        model_info = self.engine.model_info()
+        self.front_end_info = FrontEnd(
+            model_info.name,
+            model_info.max_model_len,
+            model_info.vocab_size,
+            processor.tokenizer,
+            dict(model_info.default_sampling),
+            dict(model_info.runtime),
+            processor.scheduling_policy,
+            processor.max_n,
+            processor.max_chars_per_token,
+            info.block_size,
+            args.prefix_caching_hash_algo,
+            info.num_blocks,
+        )
+        logger.info("replica ready; KV events on %s", self.kv_events_endpoint)
+
+    def _ensure_started(self) -> None:
+        # The engine delivers outputs to the loop that starts it: Serve's, known only here.
+        if not self._started:
+            self.engine.start()
+            self._started = True
+
+    async def generate(self, spec: RequestSpec) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs (its prompt is token ids; it is validated here)."""
+        self._ensure_started()
+        async for output in self.engine.generate(spec):
+            yield output
+
+    async def front_end(self) -> FrontEnd:
+        return self.front_end_info
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Polled by Ray Serve for the router: where this replica's KV events are."""
+        stats = self.engine.stats()
+        return {
+            "kv_events_endpoint": self.kv_events_endpoint,
+            "kv_replay_endpoint": self.kv_replay_endpoint,
+            "num_blocks": self.front_end_info.num_blocks,
+            "num_running": stats.num_running,
+            "num_waiting": stats.num_waiting,
+        }
+
+    async def check_health(self) -> None:
+        """Ray Serve's health probe: a dead engine loop fails it, and Serve restarts us."""
+        if self._started and not self.engine.is_healthy():
+            raise EngineDeadError("the engine loop died")
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown(timeout=2.0)

@@ -1,0 +1,191 @@
+"""Ray Serve request routers running blockserve's policies (cluster/policies.py).
+
+`PolicyRouter` runs any policy on Ray Serve's `RequestRouter` API: it counts each replica's
+requests in flight from this router (its load), asks the policy for a ranking, and tells the
+policy where requests went. `KVCacheAwareRouter` adds the replicas' KV events: for every
+replica that advertises an event endpoint (its routing stats), a subscriber on one background
+thread keeps that replica's `PrefixIndex` current — gaps replayed, a replica that died dropped
+at once, a restarted one followed from an empty index.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from ray.serve.request_router import (
+    FIFOMixin,
+    PendingRequest,
+    ReplicaID,
+    RequestRouter,
+    RunningReplica,
+)
+
+from blockserve.cluster.policies import (
+    DEFAULT_PREFIX_WEIGHT,
+    KVAwarePolicy,
+    ReplicaLoad,
+    RouteRequest,
+    RoutingPolicy,
+    make_policy,
+    route_request,
+)
+from blockserve.core.hashing import BlockHasher
+from blockserve.events.subscriber import KVEventSubscriber, ReplayUnavailableError
+
+logger = logging.getLogger(__name__)
+
+_POLL_MS = 50
+_IDLE_S = 0.05
+
+
+class PolicyRouter(FIFOMixin, RequestRouter):
+    """A blockserve policy on Ray Serve. `request_router_kwargs`: policy (a name from
+    cluster/policies.py), block_size, hash_algo, hash_seed (None: the engines' default),
+    prefix_weight and max_blocks_per_replica (kv)."""
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        self.block_size: int = kwargs.get("block_size", 16)
+        self.hasher = BlockHasher(kwargs.get("hash_algo", "sha256"), kwargs.get("hash_seed"))
+        self.policy: RoutingPolicy = make_policy(
+            kwargs.get("policy", "kv"),
+            kwargs.get("max_blocks_per_replica", 1 << 20),
+            kwargs.get("prefix_weight", DEFAULT_PREFIX_WEIGHT),
+        )
+        self.lock = threading.Lock()  # the policy's state: this loop and the event thread
+        self._in_flight: dict[str, set[str]] = {}  # replica -> internal request ids
+        self._routes: dict[str, RouteRequest] = {}  # internal request id -> its route
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        route = self._route_of(pending_request)
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        loads = [ReplicaLoad(rid, len(self._in_flight.get(rid, ()))) for rid in by_id]
+        with self.lock:
+            ranked = self.policy.rank(route, loads, time.monotonic())
+        # The best alone first; the rest after, should Serve find it full.
+        return [[by_id[ranked[0]]], [by_id[rid] for rid in ranked[1:]]]
+
+    def on_request_routed(
+        self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
+    ) -> None:
+        request_id = pending_request.metadata.internal_request_id
+        self._in_flight.setdefault(replica_id.unique_id, set()).add(request_id)
+        route = self._routes.pop(request_id, None)
+        if route is not None:
+            with self.lock:
+                self.policy.on_routed(route, replica_id.unique_id, time.monotonic())
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self._in_flight.get(replica_id.unique_id, set()).discard(internal_request_id)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._forget(replica_id.unique_id)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        live = {r.replica_id.unique_id for r in replicas}
+        for replica_id in set(self._in_flight) - live:
+            self._forget(replica_id)
+
+    def _forget(self, replica_id: str) -> None:
+        self._in_flight.pop(replica_id, None)
+        with self.lock:
+            self.policy.forget(replica_id)
+
+    def _route_of(self, pending_request: PendingRequest | None) -> RouteRequest:
+        if pending_request is None or not pending_request.args:
+            return RouteRequest(())
+        request_id = pending_request.metadata.internal_request_id
+        route = self._routes.get(request_id)
+        if route is None:
+            spec = pending_request.args[0]
+            route = route_request(spec, self.hasher, self.block_size)
+            self._routes[request_id] = route
+        return route
+
+
+class KVCacheAwareRouter(PolicyRouter):
+    """Exact prefix overlap (from every replica's KV events) minus load; see KVAwarePolicy."""
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        super().initialize_state(**{**kwargs, "policy": "kv"})
+        assert isinstance(self.policy, KVAwarePolicy)
+        self.kv_policy: KVAwarePolicy = self.policy
+        self._subscribers: dict[str, KVEventSubscriber] = {}
+        # zmq sockets belong to one thread: the event thread closes those forgotten.
+        self._retired: list[KVEventSubscriber] = []
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._follow_events, name="kv-router", daemon=True)
+        self._thread.start()
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        # Routing stats (the event endpoints) can arrive after the replica itself.
+        self._subscribe(candidate_replicas)
+        return await super().choose_replicas(candidate_replicas, pending_request)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        self._subscribe(replicas)
+
+    def _subscribe(self, replicas: list[RunningReplica]) -> None:
+        for replica in replicas:
+            replica_id = replica.replica_id.unique_id
+            stats = replica.routing_stats or {}
+            endpoint = stats.get("kv_events_endpoint")
+            if endpoint is None or replica_id in self._subscribers:
+                continue
+            subscriber = KVEventSubscriber(endpoint, stats.get("kv_replay_endpoint"))
+            with self.lock:
+                self._subscribers[replica_id] = subscriber
+                # Credits are bounded like the mirror: by what the replica can hold.
+                index = self.kv_policy.index(replica_id)
+                index.max_credits = stats.get("num_blocks", index.max_credits)
+            logger.info("following the KV events of replica %s at %s", replica_id, endpoint)
+
+    def _forget(self, replica_id: str) -> None:
+        with self.lock:
+            subscriber = self._subscribers.pop(replica_id, None)
+            if subscriber is not None:
+                self._retired.append(subscriber)
+        super()._forget(replica_id)
+
+    def _follow_events(self) -> None:
+        """Apply every replica's event batches to its index, in order, until stopped."""
+        while not self._stopping.is_set():
+            with self.lock:
+                subscribers = list(self._subscribers.items())
+                retired, self._retired = self._retired, []
+            for subscriber in retired:
+                subscriber.close()
+            if not subscribers:
+                time.sleep(_IDLE_S)
+            for replica_id, subscriber in subscribers:
+                self._poll_one(replica_id, subscriber, _POLL_MS // max(len(subscribers), 1))
+
+    def _poll_one(self, replica_id: str, subscriber: KVEventSubscriber, timeout_ms: int) -> None:
+        try:
+            batches = subscriber.poll(timeout_ms)
+        except ReplayUnavailableError:
+            # Batches were lost for good: what the index says may be wrong. Start over empty
+            # (an undercount only costs hits) from the batch that revealed the gap.
+            logger.warning("KV events of replica %s lost; its index starts over", replica_id)
+            with self.lock:
+                self.kv_policy.index(replica_id).clear()
+            return
+        if batches:
+            with self.lock:
+                if replica_id in self._subscribers:
+                    self.kv_policy.index(replica_id).apply(batch for _, batch in batches)

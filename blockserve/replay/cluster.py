@@ -1,0 +1,196 @@
+"""Replaying a trace through N replicas behind a routing policy: the router at scale, simulated.
+
+Each replica is a real `KVCacheManager` whose KV events feed the router's index exactly as a
+live replica's ZMQ stream does; the policy is the one the Ray Serve router runs
+(cluster/policies.py), not a copy. What is simulated is time, from the trace's timestamps:
+
+    a replica prefills one request at a time, FIFO, at `prefill_tokens_per_s` (cached tokens
+    are free); decoding then takes `output_length / decode_tokens_per_s`, overlapped with
+    other work. A request is in flight (the load a router sees) from arrival to its last token.
+
+TTFT = queueing + prefill. As in the single-cache replay, a request's blocks are allocated and
+freed at once, so what is cached depends only on the policy and the routing.
+"""
+
+from __future__ import annotations
+
+import heapq
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from blockserve.cluster.policies import KVAwarePolicy, ReplicaLoad, RouteRequest, RoutingPolicy
+from blockserve.core.events import KVEventBatch, KVEventRecorder
+from blockserve.core.kv_cache_manager import KVCacheManager
+from blockserve.errors import InvalidConfigError
+from blockserve.replay.simulate import ReplayRequest, run_request
+from blockserve.replay.trace import BlockLayout, TraceRequest
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceModel:
+    prefill_tokens_per_s: float = 8_000.0
+    decode_tokens_per_s: float = 40.0
+
+
+DEFAULT_SERVICE = ServiceModel()
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterShape:
+    num_replicas: int
+    capacity_blocks: int  # per replica
+    block_size: int  # tokens per block (per trace hash id)
+
+    def __post_init__(self) -> None:
+        if self.num_replicas < 1 or self.capacity_blocks < 1 or self.block_size < 1:
+            raise InvalidConfigError("the cluster needs at least one replica of at least one block")
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterReplayResult:
+    router: str
+    num_replicas: int
+    capacity_blocks: int  # per replica
+    num_requests: int
+    num_skipped: int
+    hit_tokens: int
+    query_tokens: int
+    requests_per_replica: tuple[int, ...]
+    computed_tokens_per_replica: tuple[int, ...]  # prompt tokens prefilled (misses)
+    ttft_p50_s: float
+    ttft_p90_s: float
+    route_seconds: float  # in the policy: ranking and bookkeeping, per request summed
+    seconds: float
+
+    @property
+    def token_hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+    @property
+    def load_imbalance(self) -> float:
+        """max / mean of the prompt tokens each replica computed (1.0: perfectly even)."""
+        mean = statistics.fmean(self.computed_tokens_per_replica)
+        return max(self.computed_tokens_per_replica) / mean if mean else 1.0
+
+    @property
+    def route_us_per_request(self) -> float:
+        routed = self.num_requests - self.num_skipped
+        return 1e6 * self.route_seconds / routed if routed else 0.0
+
+
+@dataclass(slots=True)
+class _Replica:
+    replica_id: str
+    manager: KVCacheManager
+    recorder: KVEventRecorder
+    finishes: list[float] = field(default_factory=list)  # heap: in-flight requests' ends
+    prefill_free_at: float = 0.0
+    num_requests: int = 0
+    computed_tokens: int = 0
+
+    def load_at(self, now: float) -> int:
+        while self.finishes and self.finishes[0] <= now:
+            heapq.heappop(self.finishes)
+        return len(self.finishes)
+
+
+def replay_cluster(
+    trace: Sequence[TraceRequest],
+    layouts: Sequence[BlockLayout],
+    policy: RoutingPolicy,
+    shape: ClusterShape,
+    service: ServiceModel = DEFAULT_SERVICE,
+) -> ClusterReplayResult:
+    """Route every request of `trace` (in timestamp order) to one of the shape's replicas,
+    run it there, and feed that pool's events back to the policy. A request needing more
+    blocks than one replica has is skipped."""
+    capacity = shape.capacity_blocks
+    replicas = [
+        _new_replica(f"replica-{i}", capacity, shape.block_size) for i in range(shape.num_replicas)
+    ]
+    by_id = {r.replica_id: r for r in replicas}
+    kv_policy = policy if isinstance(policy, KVAwarePolicy) else None
+    ttfts: list[float] = []
+    hit_tokens = query_tokens = num_skipped = 0
+    route_seconds = 0.0
+    to_external = replicas[0].recorder.external_hash
+    started = time.perf_counter()
+    order = sorted(range(len(trace)), key=lambda i: trace[i].timestamp)
+    for index in order:
+        request, layout = trace[index], layouts[index]
+        if layout.num_blocks > capacity:
+            num_skipped += 1
+            continue
+        now = request.timestamp / 1000
+        route = RouteRequest(
+            tuple(to_external(h) for h in layout.block_hashes[: layout.num_prompt_blocks]),
+            request.hash_ids,
+        )
+        loads = [ReplicaLoad(r.replica_id, r.load_at(now)) for r in replicas]
+        tick = time.perf_counter()
+        chosen = by_id[policy.rank(route, loads, now)[0]]
+        policy.on_routed(route, chosen.replica_id, now)
+        route_seconds += time.perf_counter() - tick
+        num_hits = _run(chosen, request, layout, str(index))
+        if kv_policy is not None:
+            batch = KVEventBatch(ts=now, events=chosen.recorder.take())
+            kv_policy.index(chosen.replica_id).apply([batch])
+        else:
+            chosen.recorder.take()
+        ttfts.append(_advance_clock(chosen, request, num_hits, now, service))
+        hit_tokens += num_hits
+        query_tokens += request.input_length
+    ttfts.sort()
+    return ClusterReplayResult(
+        policy.name,
+        shape.num_replicas,
+        capacity,
+        len(trace),
+        num_skipped,
+        hit_tokens,
+        query_tokens,
+        tuple(r.num_requests for r in replicas),
+        tuple(r.computed_tokens for r in replicas),
+        _quantile(ttfts, 0.5),
+        _quantile(ttfts, 0.9),
+        route_seconds,
+        time.perf_counter() - started,
+    )
+
+
+def _new_replica(replica_id: str, capacity: int, block_size: int) -> _Replica:
+    recorder = KVEventRecorder()
+    manager = KVCacheManager(capacity + 1, block_size, True, recorder)
+    return _Replica(replica_id, manager, recorder)
+
+
+def _run(replica: _Replica, request: TraceRequest, layout: BlockLayout, request_id: str) -> int:
+    """Look the request up in the replica's pool and run it there; its hit tokens."""
+    replayed = ReplayRequest(request_id, layout.block_hashes, request.input_length)
+    hit_blocks, num_hits = replica.manager.get_computed_blocks(replayed)
+    run_request(replica.manager, replayed, request, hit_blocks, num_hits)
+    return num_hits
+
+
+def _advance_clock(
+    replica: _Replica, request: TraceRequest, num_hits: int, now: float, service: ServiceModel
+) -> float:
+    """Queue the request's prefill on the replica; its TTFT."""
+    computed = request.input_length - num_hits
+    start = max(now, replica.prefill_free_at)
+    first_token = start + computed / service.prefill_tokens_per_s
+    replica.prefill_free_at = first_token
+    heapq.heappush(
+        replica.finishes, first_token + request.output_length / service.decode_tokens_per_s
+    )
+    replica.num_requests += 1
+    replica.computed_tokens += computed
+    return first_token - now
+
+
+def _quantile(sorted_values: Sequence[float], q: float) -> float:
+    if not sorted_values:
+        return 0.0
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]

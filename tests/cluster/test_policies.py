@@ -1,0 +1,180 @@
+"""Routing policies on hand-built indices: the exact replica each request goes to."""
+
+from __future__ import annotations
+
+import pytest
+
+from blockserve.cluster.policies import (
+    KVAwarePolicy,
+    PowerOfTwoPolicy,
+    ReplicaLoad,
+    RoundRobinPolicy,
+    RouteRequest,
+    TextPrefixPolicy,
+    TextTree,
+    make_policy,
+    route_request,
+)
+from blockserve.core.events import BlockStored, KVEventBatch
+from blockserve.core.hashing import BlockHasher
+from blockserve.engine.request import RequestSpec
+from blockserve.errors import InvalidConfigError
+
+HASHES = (11, 12, 13, 14)
+
+
+def stored(*hashes: int) -> KVEventBatch:
+    event = BlockStored(list(hashes), None, [], 4, None, "GPU", None)
+    return KVEventBatch(ts=0.0, events=[event])
+
+
+def kv_policy(weight: float = 4.0, holdings: dict[str, tuple[int, ...]] | None = None):
+    policy = KVAwarePolicy(max_blocks_per_replica=16, prefix_weight=weight, credit_ttl_s=10.0)
+    for replica_id, hashes in (holdings or {}).items():
+        policy.index(replica_id).apply([stored(*hashes)])
+    return policy
+
+
+def loads(**num_requests: int) -> list[ReplicaLoad]:
+    return [ReplicaLoad(replica_id, n) for replica_id, n in num_requests.items()]
+
+
+@pytest.mark.parametrize(
+    ("load_gap", "expected"),
+    [(0, "a"), (3, "a"), (4, "b"), (5, "b")],
+)
+def test_overlap_beats_load_until_the_gap_reaches_the_weight(load_gap: int, expected: str) -> None:
+    """Full overlap on a is worth 4 queued requests: a wins below a gap of 4; at 4 the
+    scores tie and the less loaded b wins; above it b wins outright."""
+    policy = kv_policy(4.0, {"a": HASHES})
+    ranked = policy.rank(RouteRequest(HASHES), loads(a=load_gap, b=0), now=0.0)
+    assert ranked[0] == expected
+
+
+def test_scores_count_leading_blocks_only() -> None:
+    """Overlap stops at the first block a replica lacks: holding blocks 1, 3, 4 is 1 block."""
+    policy = kv_policy(4.0, {"a": (11, 13, 14), "b": (11, 12)})
+    scores = policy.scores(RouteRequest(HASHES), loads(a=0, b=0), now=0.0)
+    assert [(s.replica_id, s.overlap, s.value) for s in scores] == [("a", 1, 1.0), ("b", 2, 2.0)]
+
+
+def test_zero_overlap_goes_to_the_least_loaded_then_the_emptier_cache() -> None:
+    """No replica holds the prompt: the least loaded wins; at equal load, fewer cached blocks."""
+    policy = kv_policy(4.0, {"a": (1, 2, 3), "b": (4,), "c": ()})
+    assert policy.rank(RouteRequest(HASHES), loads(a=0, b=1, c=2), 0.0) == ["a", "b", "c"]
+    assert policy.rank(RouteRequest(HASHES), loads(a=1, b=1, c=1), 0.0) == ["c", "b", "a"]
+
+
+def test_a_request_shorter_than_a_block_goes_to_the_least_loaded() -> None:
+    """No full block, no overlap: load alone decides."""
+    policy = kv_policy(4.0, {"a": HASHES})
+    assert policy.rank(RouteRequest(()), loads(a=2, b=1), 0.0)[0] == "b"
+
+
+def test_credit_keeps_a_burst_together_until_it_expires() -> None:
+    """A routed request credits its blocks at once: the next of its prefix follows it even
+    before any event; after the TTL the credit is gone."""
+    policy = kv_policy(4.0)
+    request = RouteRequest(HASHES)
+    first = policy.rank(request, loads(a=0, b=0), now=0.0)[0]
+    policy.on_routed(request, first, now=0.0)
+    assert policy.rank(request, loads(a=1, b=0), now=1.0)[0] == first == "a"
+    assert policy.index("a").num_credits == 4
+    assert policy.rank(request, loads(a=1, b=0), now=10.5)[0] == "b"
+    assert policy.index("a").num_credits == 0
+
+
+def test_credits_are_bounded_by_the_replica_capacity() -> None:
+    """Oldest credits go first once a replica's credits exceed its block count."""
+    policy = KVAwarePolicy(max_blocks_per_replica=3, credit_ttl_s=10.0)
+    policy.on_routed(RouteRequest(HASHES), "a", now=0.0)
+    assert policy.index("a").num_credits == 3
+    assert policy.index("a").overlap(HASHES, now=0.0) == 0  # block 11, the first, was dropped
+    assert policy.index("a").overlap(HASHES[1:], now=0.0) == 3
+
+
+def test_salted_and_unsalted_prompts_never_share_credit() -> None:
+    """The router hashes as the engines do: a cache salt changes every block hash, so a
+    salted prompt gets no overlap from the unsalted one's replica, nor two salts from
+    each other."""
+    hasher = BlockHasher("sha256")
+    tokens = tuple(range(16))
+    plain = route_request(RequestSpec("r1", tokens), hasher, 4)
+    salted = route_request(RequestSpec("r2", tokens, cache_salt="tenant-1"), hasher, 4)
+    other = route_request(RequestSpec("r3", tokens, cache_salt="tenant-2"), hasher, 4)
+    policy = kv_policy(4.0)
+    policy.on_routed(plain, "a", now=0.0)
+    policy.on_routed(salted, "b", now=0.0)
+    assert len(plain.block_hashes) == 4
+    assert set(plain.block_hashes).isdisjoint(salted.block_hashes)
+    assert policy.index("a").overlap(salted.block_hashes, 0.0) == 0
+    assert policy.index("b").overlap(salted.block_hashes, 0.0) == 4
+    assert policy.index("b").overlap(other.block_hashes, 0.0) == 0
+    assert policy.rank(plain, loads(a=1, b=0), 0.0)[0] == "a"
+
+
+def test_router_hashes_equal_the_engines_hashes() -> None:
+    """The uint64 route hashes are the engine's block hashes in event form (LoRA included)."""
+    hasher = BlockHasher("sha256")
+    tokens = tuple(range(9))
+    route = route_request(RequestSpec("r", tokens, lora_name="adapter"), hasher, 4)
+    first = hasher.hash_block(None, tokens[:4], ("adapter",))
+    second = hasher.hash_block(first, tokens[4:8], ("adapter",))
+    assert route.block_hashes == tuple(int.from_bytes(h[-8:], "big") for h in (first, second))
+
+
+def test_a_forgotten_replica_is_never_chosen_and_loses_its_index() -> None:
+    """A dead replica leaves the candidates, and its mirror is dropped: when a replica of the
+    same id returns, it starts empty."""
+    policy = kv_policy(4.0, {"a": HASHES})
+    policy.forget("a")
+    assert policy.rank(RouteRequest(HASHES), loads(b=3), 0.0) == ["b"]
+    assert policy.index("a").num_blocks == 0
+
+
+def test_round_robin_takes_turns_in_id_order() -> None:
+    """Each request starts one further along the sorted candidates."""
+    policy = RoundRobinPolicy()
+    candidates = loads(b=0, a=5, c=0)
+    firsts = [policy.rank(RouteRequest(()), candidates, 0.0)[0] for _ in range(4)]
+    assert firsts == ["a", "b", "c", "a"]
+
+
+def test_power_of_two_ranks_two_distinct_candidates_less_loaded_first() -> None:
+    """Two different replicas, the one with fewer requests first, whatever the seed."""
+    policy = PowerOfTwoPolicy(seed=3)
+    candidates = loads(a=3, b=1, c=2, d=0)
+    for _ in range(20):
+        first, second = policy.rank(RouteRequest(()), candidates, 0.0)
+        by_id = dict(candidates)
+        assert first != second and by_id[first] <= by_id[second]
+
+
+def test_text_tree_counts_shared_prefixes_once() -> None:
+    """Size = symbols a prefix tree would hold; match = the longest common prefix."""
+    tree = TextTree()
+    tree.insert("hello world")
+    tree.insert("hello there")
+    tree.insert("hello world")  # already there: no growth
+    assert tree.num_symbols == 11 + 5
+    assert (tree.match("hello wor!"), tree.match("help"), tree.match("x")) == (9, 3, 0)
+
+
+def test_text_prefix_follows_matches_and_fills_small_trees() -> None:
+    """Ray Serve LLM's rule: a match of >= 10% goes to the best-matching replica; below, to
+    the replica with the smallest tree; over the imbalance threshold, power of two."""
+    policy = TextPrefixPolicy(imbalanced_threshold=2, seed=0)
+    system = RouteRequest((), "system prompt: be brief. question one")
+    policy.on_routed(system, "a", 0.0)
+    follow_up = RouteRequest((), "system prompt: be brief. question two")
+    assert policy.rank(follow_up, loads(a=1, b=0), 0.0) == ["a"]
+    unrelated = RouteRequest((), "zzz")
+    assert policy.rank(unrelated, loads(a=0, b=0), 0.0) == ["b"]
+    ranked = policy.rank(follow_up, loads(a=5, b=0), 0.0)
+    assert ranked == ["b", "a"]  # imbalanced: both candidates, the less loaded first
+
+
+def test_unknown_router_is_refused() -> None:
+    """A typo in --router is a config error naming the choices."""
+    with pytest.raises(InvalidConfigError, match="kv, pow2, round-robin, text-prefix"):
+        make_policy("random", 16)

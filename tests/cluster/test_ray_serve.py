@@ -1,0 +1,127 @@
+"""`blockserve serve --replicas 2` on a real local Ray instance: two tiny-model replicas behind
+the KV-aware router, driven through the OpenAI client. One cluster for the whole module (Ray
+takes ~30 s to start)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.server.server_process import ServerProcess
+
+pytestmark = pytest.mark.slow
+BLOCK_SIZE = 4
+REPLICA_TITLE = "ServeReplica:blockserve:EngineReplica"
+
+
+def replica_pids() -> list[int]:
+    """The engine replicas' processes (Ray titles them by deployment)."""
+    lines = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [int(line.split()[0]) for line in lines.splitlines() if REPLICA_TITLE in line]
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    log_path = tmp_path_factory.mktemp("ray-cluster") / "serve.log"
+    args = ["--model", str(tiny_llama_dir), "--dtype", "float32", "--block-size", str(BLOCK_SIZE)]
+    server = ServerProcess([*args, "--replicas", "2", "--router", "kv"], log_path)
+    yield server
+    assert server.stop(timeout=90) == 0, server.log()
+    assert replica_pids() == []  # nothing left behind: Serve and the local Ray are shut down
+
+
+@pytest.fixture
+def client(cluster: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0)
+
+
+def tokens(cluster: ServerProcess, prompt: str) -> list[int]:
+    return httpx.post(f"{cluster.url}/tokenize", json={"prompt": prompt}).json()["tokens"]
+
+
+def expected_hit(previous: list[int], current: list[int]) -> int:
+    """Tokens an engine that ran `previous` serves `current` from cache: their common full
+    blocks, the last prompt token always computed."""
+    common = 0
+    for a, b in zip(previous, current, strict=False):
+        if a != b:
+            break
+        common += 1
+    return min(common, len(current) - 1) // BLOCK_SIZE * BLOCK_SIZE
+
+
+def test_each_prefix_group_returns_to_the_replica_that_computed_it(
+    cluster: ServerProcess, client: openai.OpenAI
+) -> None:
+    """Two prefix groups in an order round robin would mix (A B B A A B B A): every repeat is
+    served from its group's cached prefix — which only the replica that computed it holds."""
+    model = client.models.list().data[0].id
+    prefixes = {
+        "A": "the quick brown fox jumps over the lazy dog. " * 4,
+        "B": "what is the capital of france? paris is the capital of france. " * 3,
+    }
+    seen: dict[str, list[int]] = {}
+    for turn, group in enumerate("ABBAABBA"):
+        prompt = f"{prefixes[group]}hello {turn}"
+        completion = client.completions.create(
+            model=model, prompt=prompt, max_tokens=2, temperature=0
+        )
+        details = completion.usage.prompt_tokens_details
+        cached = details.cached_tokens if details is not None else 0
+        current = tokens(cluster, prompt)
+        expected = expected_hit(seen[group], current) if group in seen else 0
+        assert (turn, cached) == (turn, expected)
+        seen[group] = current
+    assert expected_hit(tokens(cluster, prefixes["A"]), tokens(cluster, prefixes["B"])) == 0
+
+
+def stream_one(client: openai.OpenAI, model: str, index: int) -> str:
+    """Stream a long completion; "ok", or the error message the stream ended with."""
+    try:
+        stream = client.completions.create(
+            model=model,
+            prompt=f"hello world {index} " * 5,
+            max_tokens=200,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        for _ in stream:
+            pass
+    except openai.APIError as exc:
+        return exc.message
+    return "ok"
+
+
+def test_a_killed_replica_fails_its_streams_cleanly_and_is_replaced(
+    cluster: ServerProcess, client: openai.OpenAI
+) -> None:
+    """SIGKILL one replica under load: its streams end with an OpenAI-shaped error, the
+    others finish; new requests succeed at once (sent again if they reached the dead one);
+    Ray Serve starts a new replica."""
+    model = client.models.list().data[0].id
+    victim = replica_pids()[0]
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        streams = [pool.submit(stream_one, client, model, i) for i in range(6)]
+        time.sleep(1.0)
+        os.kill(victim, signal.SIGKILL)
+        outcomes = [f.result(timeout=120) for f in streams]
+    assert set(outcomes) <= {"ok", "the replica serving this request died"}
+    assert "ok" in outcomes
+    assert [stream_one(client, model, 100 + i) for i in range(4)] == ["ok"] * 4
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and len(replica_pids()) < 2:
+        time.sleep(1.0)
+    pids = replica_pids()
+    assert len(pids) == 2 and victim not in pids
+    assert stream_one(client, model, 200) == "ok"
