@@ -53,7 +53,14 @@ class Ingress:
         self.server_config = server_config
 
     def __serve_build_asgi_app__(self) -> Any:
-        return build_http_app(self.client, self.server_config)
+        app = build_http_app(self.client, self.server_config)
+
+        @app.get("/cluster/replicas")
+        async def replicas() -> dict:
+            """Per replica: finished requests, their prompt, cached and generated tokens."""
+            return {"replicas": self.client.replica_report()}
+
+        return app
 
 
 def build_application(

@@ -55,6 +55,7 @@ class ClusterEngineClient:
         # request id -> the replica's response stream
         self._streams: dict[str, DeploymentResponseGenerator] = {}
         self._counts = _Counts()
+        self._per_replica: dict[str, _Counts] = {}
 
     def start(self) -> None:
         pass  # the replicas are Ray Serve's to start
@@ -87,10 +88,12 @@ class ClusterEngineClient:
             self._streams[spec.request_id] = stream
             streamed = False
             try:
-                async for output in stream:
+                async for item in stream:
                     streamed = True
+                    output = item.output
                     if output.finished:
                         self._counts.count(output)
+                        self._per_replica.setdefault(item.replica_id, _Counts()).count(output)
                     yield output
                 return
             except RayTaskError as exc:
@@ -136,6 +139,14 @@ class ClusterEngineClient:
         """What passed through this ingress: requests in flight, tokens, prefix-cache hits."""
         return self._counts.snapshot()
 
+    def replica_report(self) -> dict[str, dict[str, int]]:
+        """Finished requests and their tokens per replica (those that died included)."""
+        report = {}
+        for replica_id, counts in sorted(self._per_replica.items()):
+            report[replica_id] = dataclasses.asdict(counts)
+            del report[replica_id]["num_running"]  # counted for the ingress as a whole
+        return report
+
     async def debug_kv_cache(self) -> KVCacheReport:
         raise InvalidRequestError("the KV cache report is per replica: ask a replica's engine")
 
@@ -146,11 +157,13 @@ class ClusterEngineClient:
 @dataclasses.dataclass(slots=True)
 class _Counts:
     num_running: int = 0
+    num_requests: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
     generation_tokens: int = 0
 
     def count(self, output: RequestOutput) -> None:
+        self.num_requests += 1
         self.prompt_tokens += len(output.prompt_token_ids)
         self.cached_tokens += output.num_cached_tokens
         self.generation_tokens += sum(len(o.token_ids) for o in output.outputs)

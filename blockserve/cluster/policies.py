@@ -27,7 +27,7 @@ from blockserve.core.hashing import BlockHasher, block_hash_to_uint64
 from blockserve.engine.request import RequestSpec
 from blockserve.errors import InvalidConfigError
 
-DEFAULT_PREFIX_WEIGHT = 4.0
+DEFAULT_PREFIX_WEIGHT = 8.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,9 +81,8 @@ class KVAwarePolicy:
     in flight. A full prefix hit is worth `prefix_weight` queued requests: the replica holding
     the prefix wins until its queue is longer by more than that. Ties go to the less loaded
     replica, then to the one with fewer cached and credited blocks (new prefixes spread to
-    emptier caches),
-    then to the order given. A request shorter than one block scores 0 everywhere: least
-    loaded wins.
+    emptier caches), then in turn (a start that rotates through the order given). A request
+    shorter than one block scores 0 everywhere: least loaded wins.
     """
 
     name = "kv"
@@ -100,6 +99,7 @@ class KVAwarePolicy:
         self.max_blocks_per_replica = max_blocks_per_replica
         self.credit_ttl_s = credit_ttl_s
         self.indices: dict[str, PrefixIndex] = {}
+        self._turn = itertools.count()
 
     def index(self, replica_id: str) -> PrefixIndex:
         """The replica's index, created empty on first use (a new or restarted replica)."""
@@ -122,13 +122,15 @@ class KVAwarePolicy:
 
     def rank(self, request: RouteRequest, replicas: Sequence[ReplicaLoad], now: float) -> list[str]:
         scored = self.scores(request, replicas, now)
+        # The last tie-break turns: full caches of equal size must not all pick the first.
+        start = next(self._turn) % len(replicas) if replicas else 0
         order = sorted(
             range(len(replicas)),
             key=lambda i: (
                 -scored[i].value,
                 replicas[i].num_requests,
                 self._size(replicas[i].replica_id),
-                i,
+                (i - start) % len(replicas),
             ),
         )
         return [replicas[i].replica_id for i in order]

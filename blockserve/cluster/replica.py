@@ -41,6 +41,14 @@ class FrontEnd:
     num_blocks: int
 
 
+@dataclass(frozen=True, slots=True)
+class ReplicaOutput:
+    """A `RequestOutput` and the replica that produced it (per-replica accounting)."""
+
+    replica_id: str
+    output: RequestOutput
+
+
 def events_config() -> dict[str, Any]:
     """KV events on OS-chosen ports, with a replay socket for gaps and late joiners."""
     return {
@@ -65,8 +73,10 @@ class EngineReplica:
     def __init__(self, engine_args: EngineArgs, threads: int) -> None:
         import ray
         import torch
+        from ray import serve
 
         torch.set_num_threads(threads)
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
         args = dataclasses.replace(engine_args, kv_events_config=events_config())
         self.engine = AsyncEngine.from_config(args.create_configs())
         self._started = False
@@ -99,11 +109,11 @@ class EngineReplica:
             self.engine.start()
             self._started = True
 
-    async def generate(self, spec: RequestSpec) -> AsyncIterator[RequestOutput]:
+    async def generate(self, spec: RequestSpec) -> AsyncIterator[ReplicaOutput]:
         """Stream the request's outputs (its prompt is token ids; it is validated here)."""
         self._ensure_started()
         async for output in self.engine.generate(spec):
-            yield output
+            yield ReplicaOutput(self.replica_id, output)
 
     async def front_end(self) -> FrontEnd:
         return self.front_end_info

@@ -36,6 +36,12 @@ def cluster(
     log_path = tmp_path_factory.mktemp("ray-cluster") / "serve.log"
     args = ["--model", str(tiny_llama_dir), "--dtype", "float32", "--block-size", str(BLOCK_SIZE)]
     server = ServerProcess([*args, "--replicas", "2", "--router", "kv"], log_path)
+    # /health answers once the ingress and one replica run; the CLI says "listening" when
+    # Serve reports the whole application running.
+    deadline = time.monotonic() + 120
+    while "listening on http://" not in log_path.read_text() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert len(replica_pids()) == 2, server.log()
     yield server
     assert server.stop(timeout=90) == 0, server.log()
     assert replica_pids() == []  # nothing left behind: Serve and the local Ray are shut down
@@ -65,7 +71,8 @@ def test_each_prefix_group_returns_to_the_replica_that_computed_it(
     cluster: ServerProcess, client: openai.OpenAI
 ) -> None:
     """Two prefix groups in an order round robin would mix (A B B A A B B A): every repeat is
-    served from its group's cached prefix — which only the replica that computed it holds."""
+    served from its group's cached prefix — which only the replica that computed it holds —
+    and each group has a replica of its own."""
     model = client.models.list().data[0].id
     prefixes = {
         "A": "the quick brown fox jumps over the lazy dog. " * 4,
@@ -84,6 +91,9 @@ def test_each_prefix_group_returns_to_the_replica_that_computed_it(
         assert (turn, cached) == (turn, expected)
         seen[group] = current
     assert expected_hit(tokens(cluster, prefixes["A"]), tokens(cluster, prefixes["B"])) == 0
+    # B's first request had no overlap anywhere: it went to the emptier replica.
+    report = httpx.get(f"{cluster.url}/cluster/replicas").json()["replicas"]
+    assert sorted(r["num_requests"] for r in report.values()) == [4, 4]
 
 
 def stream_one(client: openai.OpenAI, model: str, index: int) -> str:
