@@ -67,9 +67,11 @@ async def run_load(args: argparse.Namespace, url: str) -> tuple[list[RequestResu
         async def converse(index: int) -> None:
             await asyncio.sleep(starts[index])
             history = conversations[index]
+            # Tenants: the same prompts under different cache salts share no blocks.
+            extra = {"cache_salt": f"tenant-{index % args.tenants}"} if args.tenants else None
             for turn in user_turns[index]:
                 history = history + turn
-                result, answer = await one_request(client, url, history, args.output_len)
+                result, answer = await one_request(client, url, history, args.output_len, extra)
                 results.append(result)
                 history = history + answer
 
@@ -195,6 +197,9 @@ def main() -> None:
     )
     parser.add_argument("--skew", type=float, default=1.0, help="Zipf exponent of groups")
     parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument(
+        "--tenants", type=int, default=0, help="conversations take turns among N cache salts"
+    )
     parser.add_argument("--system-len", type=int, default=512)
     parser.add_argument("--user-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=16)
@@ -220,12 +225,13 @@ def main() -> None:
             runs.append({**run, "repeat": repeat})
     summary = summarize(runs, args.replicas)
     config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    stem = f"cluster-{args.replicas}x"
+    stem = f"cluster-{args.replicas}x" + (f"-{args.tenants}tenants" if args.tenants else "")
     plot(
         summary["medians"],
         args.out_dir / f"{stem}.png",
         f"{args.replicas} replicas, {args.groups} groups x "
-        f"{args.per_group} conversations x {args.turns} turns, {args.rate:g} conv/s",
+        f"{args.per_group} conversations x {args.turns} turns, {args.rate:g} conv/s"
+        + (f", {args.tenants} tenants" if args.tenants else ""),
     )
     emit(
         {"benchmark": "cluster", "config": config, "runs": runs, "summary": summary},

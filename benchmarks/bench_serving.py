@@ -72,10 +72,16 @@ def random_prompts(args: argparse.Namespace, rng: random.Random) -> list[list[in
 
 
 async def one_request(
-    client: httpx.AsyncClient, url: str, prompt: list[int], output_len: int
+    client: httpx.AsyncClient,
+    url: str,
+    prompt: list[int],
+    output_len: int,
+    extra: dict | None = None,
 ) -> tuple[RequestResult, list[int]]:
-    """Stream one completion; returns its timings and the answer's token ids (multi-turn)."""
+    """Stream one completion (`extra`: more body fields); returns its timings and the
+    answer's token ids (multi-turn)."""
     body = {
+        **(extra or {}),
         "prompt": prompt,
         "max_tokens": output_len,
         "temperature": 0,

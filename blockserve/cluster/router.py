@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 _POLL_MS = 50
 _IDLE_S = 0.05
+_MAX_UNROUTED = 10_000
 
 
 class PolicyRouter(FIFOMixin, RequestRouter):
@@ -110,6 +111,8 @@ class PolicyRouter(FIFOMixin, RequestRouter):
             spec = pending_request.args[0]
             route = route_request(spec, self.hasher, self.block_size)
             self._routes[request_id] = route
+            if len(self._routes) > _MAX_UNROUTED:  # requests cancelled before being routed
+                del self._routes[next(iter(self._routes))]
         return route
 
 
