@@ -10,19 +10,18 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Sequence
-from typing import Any, cast
+from collections.abc import AsyncIterator
+from typing import cast
 
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from blockserve.cluster.replica import FrontEnd
-from blockserve.engine.chat import Message
 from blockserve.engine.client import ModelInfo
 from blockserve.engine.input_processor import InputProcessor
 from blockserve.engine.outputs import EngineStats, KVCacheReport, MissRatioReport, RequestOutput
 from blockserve.engine.request import RequestSpec
-from blockserve.engine.tokenizer_pool import TokenizerPool
+from blockserve.engine.tokenizer_pool import PoolTokenizing, TokenizerPool
 from blockserve.errors import BlockserveError, EngineDeadError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
@@ -30,7 +29,7 @@ logger = logging.getLogger(__name__)
 MAX_ATTEMPTS = 3  # a request is sent again while no output reached the client
 
 
-class ClusterEngineClient:
+class ClusterEngineClient(PoolTokenizing):
     """Implements `EngineClient` over a deployment handle of `EngineReplica`s."""
 
     def __init__(self, replicas: DeploymentHandle, front: FrontEnd, tokenizer_workers: int) -> None:
@@ -109,25 +108,6 @@ class ClusterEngineClient:
         stream = self._streams.pop(request_id, None)
         if stream is not None:
             stream.cancel()
-
-    async def tokenize(self, text: str, add_special_tokens: bool = True) -> tuple[int, ...]:
-        return await self._tokenizers.run(lambda p: p.encode_text(text, add_special_tokens))
-
-    async def tokenize_chat(
-        self,
-        messages: Sequence[Message],
-        add_generation_prompt: bool = True,
-        special_tokens_in_content: bool = False,
-        tools: Sequence[dict[str, Any]] | None = None,
-    ) -> tuple[int, ...]:
-        return await self._tokenizers.run(
-            lambda p: p.chat_prompt(
-                messages, add_generation_prompt, special_tokens_in_content, tools
-            )
-        )
-
-    async def detokenize(self, token_ids: Sequence[int]) -> str:
-        return await self._tokenizers.run(lambda p: str(p.tokenizer.decode(list(token_ids))))
 
     def is_healthy(self) -> bool:
         return True  # replicas are health-checked and restarted by Ray Serve

@@ -19,17 +19,16 @@ import copy
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from blockserve.config import EngineConfig
-from blockserve.engine.chat import Message
 from blockserve.engine.client import ModelInfo
 from blockserve.engine.llm_engine import LLMEngine, build_engine
 from blockserve.engine.outputs import EngineStats, KVCacheReport, MissRatioReport, RequestOutput
 from blockserve.engine.request import RequestSpec, ValidatedRequest
-from blockserve.engine.tokenizer_pool import TokenizerPool
+from blockserve.engine.tokenizer_pool import PoolTokenizing, TokenizerPool
 from blockserve.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
@@ -54,7 +53,7 @@ class _Stop:
 _Command = ValidatedRequest | _Abort | _Call | _Stop
 
 
-class AsyncEngine:
+class AsyncEngine(PoolTokenizing):
     """Implements `EngineClient`: generate, abort, tokenize, health, model info, stats, KV
     report."""
 
@@ -138,28 +137,6 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         """Abort a request; its blocks are freed before the engine's next step."""
         self._commands.put(_Abort(request_id))
-
-    async def tokenize(self, text: str, add_special_tokens: bool = True) -> tuple[int, ...]:
-        """`text`'s token ids, on a tokenizer worker; text that cannot fit the context is
-        refused (InvalidRequestError) before it is tokenized."""
-        return await self._tokenizers.run(lambda p: p.encode_text(text, add_special_tokens))
-
-    async def tokenize_chat(
-        self,
-        messages: Sequence[Message],
-        add_generation_prompt: bool = True,
-        special_tokens_in_content: bool = False,
-        tools: Sequence[dict[str, Any]] | None = None,
-    ) -> tuple[int, ...]:
-        """A conversation's prompt token ids under the chat template, on a tokenizer worker."""
-        return await self._tokenizers.run(
-            lambda p: p.chat_prompt(
-                messages, add_generation_prompt, special_tokens_in_content, tools
-            )
-        )
-
-    async def detokenize(self, token_ids: Sequence[int]) -> str:
-        return await self._tokenizers.run(lambda p: str(p.tokenizer.decode(list(token_ids))))
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine thread (in-flight requests are aborted) and release resources."""

@@ -14,9 +14,10 @@ import concurrent.futures
 import copy
 import dataclasses
 import threading
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
+from blockserve.engine.chat import Message
 from blockserve.engine.input_processor import InputProcessor
 
 T = TypeVar("T")
@@ -49,3 +50,32 @@ class TokenizerPool:
     def shutdown(self) -> None:
         """Stop the workers; calls still queued are cancelled."""
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+class PoolTokenizing:
+    """The `EngineClient` calls that only tokenize, answered on `self._tokenizers`; shared by
+    every client that owns a pool (the engine's, the cluster ingress's)."""
+
+    _tokenizers: TokenizerPool
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> tuple[int, ...]:
+        """`text`'s token ids, on a tokenizer worker; text that cannot fit the context is
+        refused (InvalidRequestError) before it is tokenized."""
+        return await self._tokenizers.run(lambda p: p.encode_text(text, add_special_tokens))
+
+    async def tokenize_chat(
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = True,
+        special_tokens_in_content: bool = False,
+        tools: Sequence[dict[str, Any]] | None = None,
+    ) -> tuple[int, ...]:
+        """A conversation's prompt token ids under the chat template, on a tokenizer worker."""
+        return await self._tokenizers.run(
+            lambda p: p.chat_prompt(
+                messages, add_generation_prompt, special_tokens_in_content, tools
+            )
+        )
+
+    async def detokenize(self, token_ids: Sequence[int]) -> str:
+        return await self._tokenizers.run(lambda p: str(p.tokenizer.decode(list(token_ids))))

@@ -111,14 +111,12 @@ def replay_cluster(
         _new_replica(f"replica-{i}", capacity, shape.block_size) for i in range(shape.num_replicas)
     ]
     by_id = {r.replica_id: r for r in replicas}
-    kv_policy = policy if isinstance(policy, KVAwarePolicy) else None
     ttfts: list[float] = []
     hit_tokens = query_tokens = num_skipped = 0
     route_seconds = 0.0
     to_external = replicas[0].recorder.external_hash
     started = time.perf_counter()
-    order = sorted(range(len(trace)), key=lambda i: trace[i].timestamp)
-    for index in order:
+    for index in sorted(range(len(trace)), key=lambda i: trace[i].timestamp):
         request, layout = trace[index], layouts[index]
         if layout.num_blocks > capacity:
             num_skipped += 1
@@ -128,17 +126,11 @@ def replay_cluster(
             tuple(to_external(h) for h in layout.block_hashes[: layout.num_prompt_blocks]),
             request.hash_ids,
         )
-        loads = [ReplicaLoad(r.replica_id, r.load_at(now)) for r in replicas]
         tick = time.perf_counter()
-        chosen = by_id[policy.rank(route, loads, now)[0]]
-        policy.on_routed(route, chosen.replica_id, now)
+        chosen = by_id[_choose(policy, route, replicas, now)]
         route_seconds += time.perf_counter() - tick
         num_hits = _run(chosen, request, layout, str(index))
-        if kv_policy is not None:
-            batch = KVEventBatch(ts=now, events=chosen.recorder.take())
-            kv_policy.index(chosen.replica_id).apply([batch])
-        else:
-            chosen.recorder.take()
+        _feed_events(policy, chosen, now)
         ttfts.append(_advance_clock(chosen, request, num_hits, now, service))
         hit_tokens += num_hits
         query_tokens += request.input_length
@@ -158,6 +150,23 @@ def replay_cluster(
         route_seconds,
         time.perf_counter() - started,
     )
+
+
+def _choose(
+    policy: RoutingPolicy, route: RouteRequest, replicas: Sequence[_Replica], now: float
+) -> str:
+    """The policy's choice for `route`, told back to it: the chosen replica's id."""
+    loads = [ReplicaLoad(r.replica_id, r.load_at(now)) for r in replicas]
+    chosen = policy.rank(route, loads, now)[0]
+    policy.on_routed(route, chosen, now)
+    return chosen
+
+
+def _feed_events(policy: RoutingPolicy, replica: _Replica, now: float) -> None:
+    """The replica's KV events since the last call, to the policy's index of it (kv only)."""
+    events = replica.recorder.take()
+    if isinstance(policy, KVAwarePolicy):
+        policy.index(replica.replica_id).apply([KVEventBatch(ts=now, events=events)])
 
 
 def _new_replica(replica_id: str, capacity: int, block_size: int) -> _Replica:
