@@ -1,5 +1,6 @@
 """The KV-aware router's own cost per request: hashing the prompt's blocks and scoring every
-replica's index, at N replicas whose indices hold random leading parts of the prompt.
+replica's index, at N replicas whose indices hold random leading parts of the prompt; and the
+memory of one replica's index per block held.
 
     .venv/bin/python benchmarks/bench_router.py --replicas 64 --prompt-tokens 15300
 """
@@ -7,14 +8,17 @@ replica's index, at N replicas whose indices hold random leading parts of the pr
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import statistics
 import sys
 import time
+import tracemalloc
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.report import emit
+from blockserve.cluster.index import PrefixIndex
 from blockserve.cluster.policies import KVAwarePolicy, ReplicaLoad, route_request
 from blockserve.core.events import BlockStored, KVEventBatch
 from blockserve.core.hashing import BlockHasher
@@ -28,6 +32,24 @@ def median_ms(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return round(statistics.median(times) * 1e3, 3)
+
+
+def mirror_bytes_per_block(num_blocks: int = 100_000) -> float:
+    """Memory of one replica's index holding `num_blocks` uint64 hashes, per block."""
+    rng = random.Random(1)
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    index = PrefixIndex(max_credits=1)
+    hashes = [rng.getrandbits(64) for _ in range(num_blocks)]
+    index.apply(
+        [KVEventBatch(ts=0.0, events=[BlockStored(hashes, None, [], 16, None, "GPU", None)])]
+    )
+    del hashes
+    gc.collect()
+    used = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert index.num_blocks == num_blocks
+    return round(used / num_blocks, 1)
 
 
 def main() -> None:
@@ -61,6 +83,7 @@ def main() -> None:
             "blocks": len(route.block_hashes),
             "hash_ms": hash_ms,
             "rank_ms": rank_ms,
+            "mirror_bytes_per_block": mirror_bytes_per_block(),
         },
         args.out,
     )
