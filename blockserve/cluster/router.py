@@ -58,6 +58,7 @@ class PolicyRouter(FIFOMixin, RequestRouter):
         self.lock = threading.Lock()  # the policy's state: this loop and the event thread
         self._in_flight: dict[str, set[str]] = {}  # replica -> internal request ids
         self._routes: dict[str, RouteRequest] = {}  # internal request id -> its route
+        self._live: set[str] = set()  # the replicas of the last update
 
     async def choose_replicas(
         self,
@@ -94,8 +95,9 @@ class PolicyRouter(FIFOMixin, RequestRouter):
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         live = {r.replica_id.unique_id for r in replicas}
-        for replica_id in set(self._in_flight) - live:
+        for replica_id in self._live - live:  # stopped, or replaced by Serve
             self._forget(replica_id)
+        self._live = live
 
     def _forget(self, replica_id: str) -> None:
         self._in_flight.pop(replica_id, None)
