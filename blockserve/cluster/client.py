@@ -53,6 +53,7 @@ class ClusterEngineClient(PoolTokenizing):
         )
         # request id -> the replica's response stream
         self._streams: dict[str, DeploymentResponseGenerator] = {}
+        self._num_running = 0
         self._counts = _Counts()
         self._per_replica: dict[str, _Counts] = {}
 
@@ -71,12 +72,12 @@ class ClusterEngineClient(PoolTokenizing):
             text = spec.prompt
             tokens = await self._tokenizers.run(lambda p: p.encode_text(text))
             spec = dataclasses.replace(spec, prompt=tokens)
-        self._counts.num_running += 1
+        self._num_running += 1
         try:
             async for output in self._generate(spec):
                 yield output
         finally:
-            self._counts.num_running -= 1
+            self._num_running -= 1
             stream = self._streams.pop(spec.request_id, None)
             if stream is not None:
                 stream.cancel()  # a client gone early: the replica aborts the request
@@ -117,15 +118,14 @@ class ClusterEngineClient(PoolTokenizing):
 
     def stats(self) -> EngineStats:
         """What passed through this ingress: requests in flight, tokens, prefix-cache hits."""
-        return self._counts.snapshot()
+        return self._counts.snapshot(self._num_running)
 
     def replica_report(self) -> dict[str, dict[str, int]]:
         """Finished requests and their tokens per replica (those that died included)."""
-        report = {}
-        for replica_id, counts in sorted(self._per_replica.items()):
-            report[replica_id] = dataclasses.asdict(counts)
-            del report[replica_id]["num_running"]  # counted for the ingress as a whole
-        return report
+        return {
+            replica_id: dataclasses.asdict(counts)
+            for replica_id, counts in sorted(self._per_replica.items())
+        }
 
     async def debug_kv_cache(self) -> KVCacheReport:
         raise InvalidRequestError("the KV cache report is per replica: ask a replica's engine")
@@ -136,7 +136,8 @@ class ClusterEngineClient(PoolTokenizing):
 
 @dataclasses.dataclass(slots=True)
 class _Counts:
-    num_running: int = 0
+    """Finished requests and their tokens."""
+
     num_requests: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -148,9 +149,9 @@ class _Counts:
         self.cached_tokens += output.num_cached_tokens
         self.generation_tokens += sum(len(o.token_ids) for o in output.outputs)
 
-    def snapshot(self) -> EngineStats:
+    def snapshot(self, num_running: int) -> EngineStats:
         return EngineStats(
-            num_running=self.num_running,
+            num_running=num_running,
             num_waiting=0,
             kv_cache_usage=0.0,
             prefix_cache_queries=self.prompt_tokens,

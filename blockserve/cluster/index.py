@@ -35,7 +35,8 @@ class PrefixIndex:
         self.mirror.apply(batches)
 
     def credit(self, block_hashes: Sequence[ExternalBlockHash], now: float) -> None:
-        """Count `block_hashes` as held until `now + credit_ttl_s` (or until events say so)."""
+        """Count `block_hashes` as held until `now + credit_ttl_s`, whatever the events say
+        meanwhile (once the replica stores them, its events keep them held)."""
         deadline = now + self.credit_ttl_s
         credits = self._credits
         for block_hash in block_hashes:

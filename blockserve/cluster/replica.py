@@ -36,9 +36,7 @@ class FrontEnd:
     scheduling_policy: str
     max_n: int
     max_chars_per_token: int | None
-    block_size: int
-    hash_algo: str
-    num_blocks: int
+    num_blocks: int  # this replica's KV blocks: the bound of its mirror and credits
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +83,7 @@ class EngineReplica:
         host = ray.util.get_node_ip_address()
         self.kv_events_endpoint = advertised(getattr(publisher, "endpoint", None), host)
         self.kv_replay_endpoint = advertised(getattr(publisher, "replay_endpoint", None), host)
-        info, processor = core.info, self.engine.engine.input_processor
+        processor = self.engine.engine.input_processor
         model_info = self.engine.model_info()
         self.front_end_info = FrontEnd(
             model_info.name,
@@ -97,9 +95,7 @@ class EngineReplica:
             processor.scheduling_policy,
             processor.max_n,
             processor.max_chars_per_token,
-            info.block_size,
-            args.prefix_caching_hash_algo,
-            info.num_blocks,
+            core.info.num_blocks,
         )
         logger.info("replica ready; KV events on %s", self.kv_events_endpoint)
 
@@ -119,14 +115,12 @@ class EngineReplica:
         return self.front_end_info
 
     def record_routing_stats(self) -> dict[str, Any]:
-        """Polled by Ray Serve for the router: where this replica's KV events are."""
-        stats = self.engine.stats()
+        """Polled by Ray Serve for the router: where this replica's KV events are, and how
+        many blocks it holds at most."""
         return {
             "kv_events_endpoint": self.kv_events_endpoint,
             "kv_replay_endpoint": self.kv_replay_endpoint,
             "num_blocks": self.front_end_info.num_blocks,
-            "num_running": stats.num_running,
-            "num_waiting": stats.num_waiting,
         }
 
     async def check_health(self) -> None:
