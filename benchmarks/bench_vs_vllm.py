@@ -12,7 +12,14 @@ keeps one for itself and roughly halves its speed on 2 cores), its AOT compile c
 fails to load on CPU in 0.32.0) and a 4 GiB KV cache. The model is the embedded
 SmolLM2-135M-Instruct as the Hugging Face directory blockserve converts it to.
 
-    .venv/bin/python benchmarks/bench_vs_vllm.py [--workload shared-prefix no-sharing]
+Serving (`--workload serving`, vs_vllm_serving.py): `blockserve serve` and `vllm serve`, one
+after the other, each under the same Poisson load of multi-turn chats sharing a system prompt,
+streaming, at each of `--rates` chats/s; TTFT p50/p90, TPOT p50 and throughput, as ratios.
+
+    .venv/bin/python benchmarks/bench_vs_vllm.py [--workload shared-prefix no-sharing serving]
+
+`--dry-run --model-dir DIR` runs only the blockserve half, on DIR (a tiny model in the tests)
+and small workloads, so that the script is exercised without vLLM.
 """
 
 from __future__ import annotations
@@ -32,21 +39,26 @@ WORKLOADS = {
     "shared-prefix": (64, 1024, 32, True),
     "no-sharing": (16, 0, 544, False),
 }
+DRY_RUN_WORKLOADS = {"shared-prefix": (4, 64, 16, True), "no-sharing": (2, 0, 48, False)}
+DRY_RUN_IDS = (100, 300)  # token ids every test model's vocabulary holds
 OUTPUT_TOKENS = 32
 
 
-def make_prompts(workload: str) -> list[list[int]]:
-    requests, shared, own, _ = WORKLOADS[workload]
+def make_prompts(workload: str, dry_run: bool = False) -> list[list[int]]:
+    requests, shared, own, _ = (DRY_RUN_WORKLOADS if dry_run else WORKLOADS)[workload]
+    low, high = DRY_RUN_IDS if dry_run else (100, 40000)
     rng = random.Random(0)
-    prefix = [rng.randrange(100, 40000) for _ in range(shared)]
-    return [prefix + [rng.randrange(100, 40000) for _ in range(own)] for _ in range(requests)]
+    prefix = [rng.randrange(low, high) for _ in range(shared)]
+    return [prefix + [rng.randrange(low, high) for _ in range(own)] for _ in range(requests)]
 
 
-def run_blockserve(model_dir: str, prompts: list[list[int]], caching: bool) -> dict[str, Any]:
+def run_blockserve(
+    model_dir: str, prompts: list[list[int]], caching: bool, dtype: str
+) -> dict[str, Any]:
     from blockserve import LLM, SamplingParams
 
     started = time.perf_counter()
-    llm = LLM(model_dir, enable_prefix_caching=caching, max_num_seqs=64)
+    llm = LLM(model_dir, enable_prefix_caching=caching, max_num_seqs=64, dtype=dtype)
     ready = time.perf_counter() - started
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
     llm.generate([prompts[0][:64]], SamplingParams(max_tokens=2), use_tqdm=False)
@@ -101,23 +113,29 @@ def worker(args: argparse.Namespace) -> None:
     (workload,) = args.workload
     _, _, _, caching = WORKLOADS[workload]
     if args.worker == "blockserve":
-        result = run_blockserve(args.model_dir, prompts, caching)
+        result = run_blockserve(args.model_dir, prompts, caching, args.dtype)
     else:
         result = run_vllm(args.model_dir, prompts, caching, args.dtype)
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def launch(engine: str, workload: str, model_dir: str, dtype: str, prompts: Path) -> dict:
+def engine_env(engine: str) -> dict[str, str]:
+    """The environment both halves run in: vLLM's settings (harmless to blockserve)."""
     python = Path(".venv/bin/python") if engine == "blockserve" else Path(".peer/bin/python")
     if not python.exists():
         raise SystemExit(f"{python} is missing: run `make setup` / `make peer-vllm` first")
     cores = os.cpu_count() or 1
-    env = {
+    return {
         **os.environ,
         "VLLM_CPU_KVCACHE_SPACE": "4",
         "VLLM_USE_AOT_COMPILE": "0",
         "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}",
     }
+
+
+def launch(engine: str, workload: str, model_dir: str, dtype: str, prompts: Path) -> dict:
+    python = Path(".venv/bin/python") if engine == "blockserve" else Path(".peer/bin/python")
+    env = engine_env(engine)
     command = [
         str(python),
         __file__,
@@ -139,37 +157,73 @@ def launch(engine: str, workload: str, model_dir: str, dtype: str, prompts: Path
     return dict(json.loads(lines[-1].removeprefix("RESULT ")))
 
 
+def race_offline(
+    workload: str, model_dir: str, dtype: str, engines: tuple[str, ...], dry_run: bool
+) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as scratch:
+        prompts = Path(scratch) / f"{workload}.json"
+        prompts.write_text(json.dumps(make_prompts(workload, dry_run)))
+        runs = {e: launch(e, workload, model_dir, dtype, prompts) for e in engines}
+    if "vllm" in runs:
+        runs["speedup_vs_vllm"] = round(runs["vllm"]["wall_s"] / runs["blockserve"]["wall_s"], 3)
+    return runs
+
+
+def race_serving(
+    model_dir: str, dtype: str, engines: tuple[str, ...], rates: list[float], dry_run: bool
+) -> dict[str, Any]:
+    from vs_vllm_serving import ChatLoad, compare, serve_and_load  # httpx: not in .peer's worker
+
+    load = ChatLoad(2, 2, 32, 8, 4, DRY_RUN_IDS) if dry_run else ChatLoad()
+    runs: dict[str, Any] = {"load": vars(load) | {"rates_per_s": rates}}
+    with tempfile.TemporaryDirectory() as scratch:
+        for engine in engines:
+            log = Path(scratch) / f"{engine}.log"
+            runs[engine] = serve_and_load(
+                engine, model_dir, dtype, engine_env(engine), rates, load, log
+            )
+    if "vllm" in runs:
+        runs["blockserve_vs_vllm"] = compare(runs["blockserve"], runs["vllm"])
+    for engine in engines:  # the answers were for the comparison; the token counts stay
+        for run in runs[engine]["rates"].values():
+            run["answer_tokens"] = sum(len(a) for a in run.pop("answers"))
+    return runs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--workload", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    workloads = [*WORKLOADS, "serving"]
+    parser.add_argument("--workload", nargs="+", choices=workloads, default=workloads)
+    parser.add_argument("--rates", nargs="+", type=float, default=[1.0, 4.0], help="chats/s")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/vs_vllm.json"))
+    parser.add_argument("--dry-run", action="store_true", help="blockserve only, on --model-dir")
+    parser.add_argument("--model-dir", help="default: the embedded model as a HF directory")
+    parser.add_argument("--dtype", help="default: what --dtype auto picks on this host")
     parser.add_argument("--worker", choices=["blockserve", "vllm"], help=argparse.SUPPRESS)
-    parser.add_argument("--model-dir", help=argparse.SUPPRESS)
-    parser.add_argument("--dtype", help=argparse.SUPPRESS)
     parser.add_argument("--prompts", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args)
         return
+    if args.dry_run and not args.model_dir:
+        parser.error("--dry-run needs --model-dir")
     import torch
     from report import emit
 
     from blockserve.model.dtype import auto_dtype, probe_host
     from blockserve.model.loader import resolve_model_dir
 
-    dtype = str(auto_dtype(probe_host(torch.device("cpu")))).removeprefix("torch.")
-    model_dir = str(resolve_model_dir(None))
+    dtype = args.dtype or str(auto_dtype(probe_host(torch.device("cpu")))).removeprefix("torch.")
+    model_dir = args.model_dir or str(resolve_model_dir(None))
+    engines = ("blockserve",) if args.dry_run else ("blockserve", "vllm")
     results: dict[str, Any] = {"dtype": dtype, "model_dir": model_dir, "workloads": {}}
-    with tempfile.TemporaryDirectory() as scratch:
-        for workload in args.workload:
-            prompts = Path(scratch) / f"{workload}.json"
-            prompts.write_text(json.dumps(make_prompts(workload)))
-            runs = {
-                e: launch(e, workload, model_dir, dtype, prompts) for e in ("blockserve", "vllm")
-            }
-            ratio = runs["vllm"]["wall_s"] / runs["blockserve"]["wall_s"]
-            results["workloads"][workload] = {**runs, "speedup_vs_vllm": round(ratio, 3)}
-            print(workload, json.dumps(results["workloads"][workload]), flush=True)
+    for workload in args.workload:
+        if workload == "serving":
+            runs = race_serving(model_dir, dtype, engines, args.rates, args.dry_run)
+        else:
+            runs = race_offline(workload, model_dir, dtype, engines, args.dry_run)
+        results["workloads"][workload] = runs
+        print(workload, json.dumps(runs), flush=True)
     emit(results, args.out)
 
 

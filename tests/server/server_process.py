@@ -29,8 +29,8 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """Starts the CLI (`module`'s `main`) in a subprocess, waits for /health, stops it with
-    SIGINT."""
+    """Starts the CLI (`python -m module subcommand`) in a subprocess, waits for /health,
+    stops it with SIGINT. The benchmarks start vLLM's API server the same way (from .peer/)."""
 
     def __init__(
         self,
@@ -38,18 +38,22 @@ class ServerProcess:
         log_path: Path,
         env: dict[str, str] | None = None,
         module: str = "blockserve.cli",
+        python: str = sys.executable,
+        subcommand: str | None = "serve",
+        ready_timeout: float = 120,
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = log_path.open("wb")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", module, "serve", "--port", str(self.port), *args],
+            [python, "-m", module, *([subcommand] if subcommand else []), "--port", str(self.port)]
+            + args,
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},
         )
-        self._wait_healthy(timeout=120)
+        self._wait_healthy(timeout=ready_timeout)
 
     def _wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -1,0 +1,36 @@
+"""benchmarks/bench_vs_vllm.py cannot rot: its --dry-run drives the blockserve half (an offline
+engine in a worker process, a real `blockserve serve` under the chat load) on a tiny model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_dry_run_races_the_blockserve_half_offline_and_served(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "vs_vllm.json"
+    command = [sys.executable, "benchmarks/bench_vs_vllm.py", "--dry-run"]
+    command += ["--model-dir", str(tiny_llama_dir), "--dtype", "float32"]
+    command += ["--workload", "shared-prefix", "serving", "--rates", "4", "--out", str(out)]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    workloads = json.loads(out.read_text())["workloads"]
+
+    offline = workloads["shared-prefix"]
+    assert set(offline) == {"blockserve"}  # no vLLM half, so no ratio
+    assert offline["blockserve"]["output_tokens"] == 4 * 32
+    assert offline["blockserve"]["dtype"] == "float32"
+
+    serving = workloads["serving"]
+    assert serving["load"]["rates_per_s"] == [4.0]
+    run = serving["blockserve"]["rates"]["4"]
+    assert run["requests"] == 2 * 2  # 2 chats × 2 turns
+    assert run["answer_tokens"] == 2 * 2 * 4
+    # Each second turn resends its first turn's 40 prompt tokens: 2 full blocks are cached.
+    assert run["cached_tokens_reported"] >= 2 * 32
