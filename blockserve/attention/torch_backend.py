@@ -5,10 +5,11 @@ Handles any mix in one batch: fresh prefills, prefill chunks on top of cached pr
 Holds no global state: its per-step plan is built once by `prepare` and passed to every layer.
 
 Decodes are batched. Blocks that every decoding sequence shares (a common prompt prefix) are
-read once and attended by all queries together; each sequence's remaining blocks are gathered
-whole into a workspace reused by every layer; the two partial results are merged by their
-log-sum-exp. Each prefill sequence gets its own call (its query count amortises the call).
-Measured choices are in docs/benchmarks.md ("Attention on the CPU").
+read once and attended by all queries together, when that saves enough reads to pay for its
+extra ops; each sequence's remaining blocks are gathered whole into a workspace reused by
+every layer; the two partial results are merged by their log-sum-exp. Each prefill sequence
+gets its own call (its query count amortises the call).
+Measured choices are in docs/benchmarks.md ("Model executor").
 """
 
 from __future__ import annotations
@@ -157,8 +158,14 @@ class TorchAttentionBackend:
 
     name = "torch"
 
-    def __init__(self) -> None:
+    def __init__(self, min_shared_decode_tokens: int = 4096) -> None:
+        """Decodes take the shared-prefix path only when it saves at least
+        `min_shared_decode_tokens` key reads ((decodes − 1) × common tokens): below that its
+        extra ops cost more than the reads save. Measured per decode step on 2 vCPUs, bf16
+        (benchmarks/bench_shared_decode.py): 2 × 1,024 common tokens 44.2 ms shared, 39.1
+        per-sequence; 16 × 1,024: 78.9 shared, 138.4 per-sequence."""
         self._workspace: torch.Tensor | None = None
+        self.min_shared_decode_tokens = min_shared_decode_tokens
 
     # -- planning (once per step) ---------------------------------------------------------
 
@@ -176,9 +183,8 @@ class TorchAttentionBackend:
             metadata.slot_mapping, decode, all_prefill_plans(metadata, split), None
         )
 
-    @staticmethod
     def _plan_decodes(
-        metadata: AttentionMetadata, rows_list: list[int], token_indices: list[int]
+        self, metadata: AttentionMetadata, rows_list: list[int], token_indices: list[int]
     ) -> DecodePlan:
         block_size = metadata.block_size
         device = metadata.slot_mapping.device
@@ -188,6 +194,8 @@ class TorchAttentionBackend:
         tables = metadata.block_tables[rows, :max_blocks]  # [num_decodes, max_blocks]
         # Each decode's last token is its own: the common part ends before it.
         num_common = num_common_blocks(tables, min(seq_lens) - 1, block_size)
+        if (len(rows_list) - 1) * num_common * block_size < self.min_shared_decode_tokens:
+            num_common = 0
         own = tables[:, num_common:]
         # Position of each gathered key within its sequence; padding reads the null block
         # and is masked out.

@@ -36,10 +36,18 @@ def test_merging_two_partial_softmaxes_equals_one_softmax() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decodes_sharing_prefix_blocks_read_them_once(dtype: torch.dtype) -> None:
-    """Decodes over 4 common blocks use the shared-prefix path and equal dense attention."""
+    """Decodes over 4 common blocks use the shared-prefix path when it saves enough key reads
+    (here (5 − 1) × 4 blocks), and equal dense attention either way."""
     specs = [(64, 1), (64, 1), (70, 1), (99, 1), (65, 1)]
     case = make_case(specs, 6, 2, head_dim=64, dtype=dtype, shared_blocks=4, seed=3)
-    backend = TorchAttentionBackend()
+    saved = (len(specs) - 1) * 4 * case.metadata.block_size
+    below = TorchAttentionBackend(min_shared_decode_tokens=saved + 1)
+    per_sequence = below.prepare(case.metadata)
+    assert per_sequence.decode is not None and per_sequence.decode.common_block_ids is None
+    out = below.forward(case.query, case.key, case.value, case.kv_cache, per_sequence)
+    assert (out.double() - reference_attention(case)).abs().max().item() < TOLERANCE[dtype]
+
+    backend = TorchAttentionBackend(min_shared_decode_tokens=saved)
     plan = backend.prepare(case.metadata)
     assert plan.decode is not None and plan.decode.common_block_ids is not None
     assert plan.decode.common_block_ids.tolist() == case.metadata.block_tables[0, :4].tolist()

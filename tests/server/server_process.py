@@ -46,9 +46,9 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = log_path.open("wb")
+        command = [python, "-m", module, *([subcommand] if subcommand else [])]
         self.process = subprocess.Popen(
-            [python, "-m", module, *([subcommand] if subcommand else []), "--port", str(self.port)]
-            + args,
+            [*command, "--port", str(self.port), *args],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},
