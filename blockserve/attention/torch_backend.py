@@ -1,15 +1,12 @@
 """The torch attention backend: the CPU path and the reference every other backend must match.
 
-Handles any mix in one batch: fresh prefills, prefill chunks on top of cached prefix blocks
-(causal among the new tokens, full over the prefix) and single-token decodes, with GQA.
-Holds no global state: its per-step plan is built once by `prepare` and passed to every layer.
-
-Decodes are batched. Blocks that every decoding sequence shares (a common prompt prefix) are
-read once and attended by all queries together, when that saves enough reads to pay for its
-extra ops; each sequence's remaining blocks are gathered whole into a workspace reused by
-every layer; the two partial results are merged by their log-sum-exp. Each prefill sequence
-gets its own call (its query count amortises the call).
-Measured choices are in docs/benchmarks.md ("Model executor").
+Handles any mix in one batch: fresh prefills, prefill chunks on cached prefix blocks (causal
+among the new tokens, full over the prefix) and single-token decodes, with GQA. Its per-step
+plan is built once by `prepare` and passed to every layer. Decodes are batched: blocks all of
+them share (a common prompt prefix) are read once for all queries when that saves enough
+reads; each sequence's other blocks are gathered whole into a workspace reused by every
+layer; the two partial results merge by their log-sum-exp. Each prefill sequence gets its
+own call. Measured choices: docs/benchmarks.md ("Model executor").
 """
 
 from __future__ import annotations
@@ -152,18 +149,14 @@ def attend_prefills(
 
 
 class TorchAttentionBackend:
-    """Stateless between steps but for a gather workspace, reused so that a step's decode
-    contexts are copied into memory that is already mapped (fresh large allocations fault
-    their pages in on every layer)."""
+    """Stateless between steps but for a gather workspace, reused so that decode contexts are
+    copied into memory already mapped (fresh large allocations fault pages in on every layer).
+    Decodes take the shared-prefix path when it saves ≥ `min_shared_decode_tokens` key reads,
+    (decodes − 1) × common tokens; below, its extra ops cost more (bench_shared_decode.py)."""
 
     name = "torch"
 
     def __init__(self, min_shared_decode_tokens: int = 4096) -> None:
-        """Decodes take the shared-prefix path only when it saves at least
-        `min_shared_decode_tokens` key reads ((decodes − 1) × common tokens): below that its
-        extra ops cost more than the reads save. Measured per decode step on 2 vCPUs, bf16
-        (benchmarks/bench_shared_decode.py): 2 × 1,024 common tokens 44.2 ms shared, 39.1
-        per-sequence; 16 × 1,024: 78.9 shared, 138.4 per-sequence."""
         self._workspace: torch.Tensor | None = None
         self.min_shared_decode_tokens = min_shared_decode_tokens
 
