@@ -179,6 +179,27 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    @classmethod
+    def uninitialized(
+        cls, config: LlamaArchConfig, backend: AttentionBackend, device: str | torch.device
+    ) -> LlamaForCausalLM:
+        """The model with its parameters allocated but not initialized, for `load_weights` to
+        fill (random initialization of every weight cost ~1 s of start-up for SmolLM2-135M);
+        the RoPE tables, computed rather than loaded, are real."""
+        with torch.device("meta"):
+            model = cls(config, backend)
+        model.to_empty(device=device)
+        if config.tie_word_embeddings:  # to_empty made the two their own tensors again
+            model.lm_head.weight = model.model.embed_tokens.weight
+        with torch.device(device):
+            model.rotary = RotaryEmbedding(
+                config.head_dim,
+                config.max_position_embeddings,
+                config.rope_theta,
+                config.rope_scaling,
+            )
+        return model
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [num_tokens]

@@ -1,0 +1,58 @@
+"""Start-up: seconds from launching `blockserve serve` (the default model) to /health answering.
+
+Cold: a fresh, empty BLOCKSERVE_CACHE_DIR, so the embedded GGUF is dequantized into a Hugging
+Face directory first. Warm: the same cache dir again. Each start is a new process, stopped with
+SIGINT; the figure is the median of `--repeats` starts.
+
+    .venv/bin/python benchmarks/bench_startup.py --out benchmarks/results/startup.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from report import emit
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.server.server_process import ServerProcess  # the test harness starts servers
+
+
+def time_start(cache_dir: str, log: Path) -> float:
+    started = time.perf_counter()
+    server = ServerProcess([], log, env={"BLOCKSERVE_CACHE_DIR": cache_dir})
+    ready = time.perf_counter() - started
+    server.stop()
+    return ready
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    cold, warm = [], []
+    with tempfile.TemporaryDirectory() as scratch:
+        for attempt in range(args.repeats):
+            cache_dir = Path(scratch) / f"cache-{attempt}"
+            log = Path(scratch) / "server.log"
+            cold.append(time_start(str(cache_dir), log))
+            warm.append(time_start(str(cache_dir), log))
+    emit(
+        {
+            "benchmark": "startup",
+            "cold_s": [round(s, 2) for s in cold],
+            "warm_s": [round(s, 2) for s in warm],
+            "cold_median_s": round(statistics.median(cold), 2),
+            "warm_median_s": round(statistics.median(warm), 2),
+        },
+        args.out,
+    )
+
+
+if __name__ == "__main__":
+    main()
