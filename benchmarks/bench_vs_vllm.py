@@ -12,7 +12,7 @@ keeps one for itself and roughly halves its speed on 2 cores), its AOT compile c
 fails to load on CPU in 0.32.0) and a 4 GiB KV cache. The model is the embedded
 SmolLM2-135M-Instruct as the Hugging Face directory blockserve converts it to.
 
-Serving (`--workload serving`, vs_vllm_serving.py): `blockserve serve` and `vllm serve`, one
+Serving (`--workload serving`, vs_vllm_serving.py): `blockserve serve` and vLLM's server, one
 after the other, each under the same Poisson load of multi-turn chats sharing a system prompt,
 streaming, at each of `--rates` chats/s; TTFT p50/p90, TPOT p50 and throughput, as ratios.
 
