@@ -28,6 +28,7 @@ from blockserve.attention.metadata import AttentionBackend
 from blockserve.errors import InvalidConfigError, ModelNotFoundError
 from blockserve.model.arch import LlamaArchConfig
 from blockserve.model.dtype import HostCapabilities, auto_dtype, probe_host
+from blockserve.model.gguf_llama import convert_llama
 from blockserve.model.llama import LlamaForCausalLM
 from blockserve.model.packed import can_prepack, prepack_linears
 
@@ -101,20 +102,21 @@ def convert_gguf(gguf_path: Path, cache_dir: Path) -> Path:
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=target.parent))
     try:
         source_dir, name = str(gguf_path.parent), gguf_path.name
-        hf_model = AutoModelForCausalLM.from_pretrained(
-            source_dir, gguf_file=name, dtype=torch.float32
-        )
-        # transformers marks a GGUF-loaded model as quantized and refuses save_pretrained, so
-        # the dequantized tensors and the config are written directly.
-        config = hf_model.config.to_dict()
-        config.pop("quantization_config", None)
-        (staging / "config.json").write_text(json.dumps(config, indent=2))
-        state = {
-            name: tensor.contiguous()
-            for name, tensor in hf_model.state_dict().items()
-            if not (name == "lm_head.weight" and config.get("tie_word_embeddings"))
-        }
-        save_file(state, str(staging / "model.safetensors"))
+        if not convert_llama(gguf_path, staging):  # not plain Llama: transformers' converter
+            hf_model = AutoModelForCausalLM.from_pretrained(
+                source_dir, gguf_file=name, dtype=torch.float32
+            )
+            # transformers marks a GGUF-loaded model as quantized and refuses save_pretrained,
+            # so the dequantized tensors and the config are written directly.
+            config = hf_model.config.to_dict()
+            config.pop("quantization_config", None)
+            (staging / "config.json").write_text(json.dumps(config, indent=2))
+            state = {
+                name: tensor.contiguous()
+                for name, tensor in hf_model.state_dict().items()
+                if not (name == "lm_head.weight" and config.get("tie_word_embeddings"))
+            }
+            save_file(state, str(staging / "model.safetensors"))
         AutoTokenizer.from_pretrained(source_dir, gguf_file=name).save_pretrained(staging)
         os.replace(staging, target)  # atomic: a half-written cache is never seen
     finally:

@@ -1,0 +1,80 @@
+"""The fast Llama GGUF converter writes what transformers' converter writes, tensor for tensor,
+and leaves any other file to transformers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from blockserve.errors import ModelNotFoundError
+from blockserve.model.gguf_llama import convert_llama, read_header
+from blockserve.model.loader import default_model_path
+
+
+def test_the_default_model_converts_exactly_as_transformers_converts_it(tmp_path: Path) -> None:
+    source = default_model_path()
+    assert convert_llama(source, tmp_path)
+    ours = load_file(str(tmp_path / "model.safetensors"))
+    reference = AutoModelForCausalLM.from_pretrained(
+        str(source.parent), gguf_file=source.name, dtype=torch.float32
+    )
+    expected = reference.state_dict()
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["tie_word_embeddings"] is reference.config.tie_word_embeddings is True
+    expected.pop("lm_head.weight")  # tied: the embedding is the head
+    assert set(ours) == set(expected)
+    assert [name for name in expected if not torch.equal(ours[name], expected[name])] == []
+    for field in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "rope_parameters",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+    ):
+        assert config[field] == getattr(reference.config, field), field
+
+
+def test_a_file_of_another_architecture_is_left_to_transformers(tmp_path: Path) -> None:
+    path = tmp_path / "qwen.gguf"
+    writer = gguf.GGUFWriter(str(path), "qwen2")
+    writer.add_uint32("qwen2.block_count", 2)
+    writer.add_array("tokenizer.ggml.tokens", ["a", "b"])
+    writer.add_tensor("token_embd.weight", torch.ones(4, 8).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    target = tmp_path / "out"
+    target.mkdir()
+
+    with path.open("rb") as file:
+        metadata, tensors, _, buffer = read_header(file)
+        buffer.close()
+    assert metadata["general.architecture"] == "qwen2"
+    assert metadata["qwen2.block_count"] == 2
+    assert metadata["tokenizer.ggml.tokens"] == ["a", "b"]
+    assert [(t.name, t.dims) for t in tensors] == [("token_embd.weight", (8, 4))]
+    assert not convert_llama(path, target)
+    assert list(target.iterdir()) == []
+
+
+def test_a_file_that_is_not_gguf_is_refused_with_a_typed_error(tmp_path: Path) -> None:
+    path = tmp_path / "broken.gguf"
+    path.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x01" * 5)  # the header stops mid-count
+    with pytest.raises(ModelNotFoundError, match="not a readable GGUF file"):
+        convert_llama(path, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken.gguf"]
