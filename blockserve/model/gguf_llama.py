@@ -4,8 +4,9 @@ transformers converts a GGUF file by parsing it three times (config, weights, to
 parse reading the 49,152-entry vocabulary of the default model element by element through numpy
 (~4 s each on 2 vCPUs). Here the header is read once with `struct` and the weights are
 dequantized by the `gguf` package; the tokenizer is still transformers' conversion. Only plain
-Llama files take this path (no RoPE scaling); anything else returns False and is left to
-transformers. The result equals transformers' tensor for tensor (tests/model/test_gguf_llama.py).
+Llama files take this path (no RoPE scaling, no tensor it cannot name); anything else returns
+False and is left to transformers. The result equals transformers' tensor for tensor
+(tests/model/test_gguf_llama.py).
 """
 
 from __future__ import annotations
@@ -109,12 +110,13 @@ def _parse(buffer: mmap.mmap) -> tuple[dict[str, Any], list[TensorInfo], int]:
     return metadata, tensors, -(-reader.at // alignment) * alignment
 
 
-def _hf_name(gguf_name: str) -> str:
+def _hf_name(gguf_name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor; None for one this converter does not know."""
     stem, _, kind = gguf_name.rpartition(".")
     parts = stem.split(".")
-    if parts[0] == "blk":
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES['.'.join(parts[2:])]}.{kind}"
-    return f"{_GLOBAL_NAMES[stem]}.{kind}"
+    if parts[0] == "blk" and len(parts) == 3 and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{kind}"
+    return f"{_GLOBAL_NAMES[stem]}.{kind}" if stem in _GLOBAL_NAMES else None
 
 
 def _unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
@@ -176,7 +178,7 @@ def _weights(
             weight = _unpermute(weight, heads)
         elif info.name.endswith("attn_k.weight"):
             weight = _unpermute(weight, kv_heads)
-        state[_hf_name(info.name)] = torch.from_numpy(np.ascontiguousarray(weight))
+        state[str(_hf_name(info.name))] = torch.from_numpy(np.ascontiguousarray(weight))
     return state
 
 
@@ -189,7 +191,8 @@ def convert_llama(gguf_path: Path, target: Path) -> bool:
             plain = meta.get("general.architecture") == "llama" and not any(
                 key.startswith("llama.rope.scaling") for key in meta
             )
-            if not plain or "llama.rope.freq_base" not in meta:
+            known = all(_hf_name(info.name) is not None for info in infos)
+            if not (plain and known and "llama.rope.freq_base" in meta):
                 return False
             state = _weights(meta, infos, buffer, start)
         finally:

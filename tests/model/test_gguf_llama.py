@@ -48,16 +48,21 @@ def test_the_default_model_converts_exactly_as_transformers_converts_it(tmp_path
         assert config[field] == getattr(reference.config, field), field
 
 
-def test_a_file_of_another_architecture_is_left_to_transformers(tmp_path: Path) -> None:
-    path = tmp_path / "qwen.gguf"
-    writer = gguf.GGUFWriter(str(path), "qwen2")
-    writer.add_uint32("qwen2.block_count", 2)
+def write_gguf(path: Path, architecture: str, tensor_name: str) -> None:
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_uint32(f"{architecture}.block_count", 2)
+    writer.add_float32(f"{architecture}.rope.freq_base", 10000.0)
     writer.add_array("tokenizer.ggml.tokens", ["a", "b"])
-    writer.add_tensor("token_embd.weight", torch.ones(4, 8).numpy())
+    writer.add_tensor(tensor_name, torch.ones(4, 8).numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def test_a_file_of_another_architecture_is_left_to_transformers(tmp_path: Path) -> None:
+    path = tmp_path / "qwen.gguf"
+    write_gguf(path, "qwen2", "token_embd.weight")
     target = tmp_path / "out"
     target.mkdir()
 
@@ -69,6 +74,11 @@ def test_a_file_of_another_architecture_is_left_to_transformers(tmp_path: Path) 
     assert metadata["tokenizer.ggml.tokens"] == ["a", "b"]
     assert [(t.name, t.dims) for t in tensors] == [("token_embd.weight", (8, 4))]
     assert not convert_llama(path, target)
+    assert list(target.iterdir()) == []
+
+    unknown = tmp_path / "llama-extra.gguf"  # a llama file with a tensor we cannot name
+    write_gguf(unknown, "llama", "blk.0.attn_q_norm.weight")
+    assert not convert_llama(unknown, target)
     assert list(target.iterdir()) == []
 
 
