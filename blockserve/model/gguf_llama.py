@@ -184,7 +184,8 @@ def _weights(
 
 def convert_llama(gguf_path: Path, target: Path) -> bool:
     """Write config.json and model.safetensors for a plain Llama GGUF file into `target`;
-    False (nothing written) for any other file."""
+    False (nothing written) for any other file; ModelNotFoundError (nothing written) for a
+    Llama file that lacks what a Llama model needs."""
     with gguf_path.open("rb") as file:
         meta, infos, start, buffer = read_header(file)
         try:
@@ -195,10 +196,14 @@ def convert_llama(gguf_path: Path, target: Path) -> bool:
             if not (plain and known and "llama.rope.freq_base" in meta):
                 return False
             state = _weights(meta, infos, buffer, start)
+            vocab_size = state["model.embed_tokens.weight"].shape[0]
+            config = _config(meta, "lm_head.weight" not in state, vocab_size)
+        except (ValueError, KeyError) as exc:  # a key or tensor missing, a type unknown
+            raise ModelNotFoundError(
+                f"{gguf_path} is an incomplete Llama GGUF file ({exc!r})"
+            ) from None
         finally:
             buffer.close()
-    tied = "lm_head.weight" not in state
-    vocab_size = state["model.embed_tokens.weight"].shape[0]
-    (target / "config.json").write_text(json.dumps(_config(meta, tied, vocab_size), indent=2))
+    (target / "config.json").write_text(json.dumps(config, indent=2))
     save_file(state, str(target / "model.safetensors"))
     return True

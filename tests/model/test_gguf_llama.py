@@ -88,3 +88,13 @@ def test_a_file_that_is_not_gguf_is_refused_with_a_typed_error(tmp_path: Path) -
     with pytest.raises(ModelNotFoundError, match="not a readable GGUF file"):
         convert_llama(path, tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["broken.gguf"]
+
+
+def test_a_llama_file_missing_its_dimensions_is_refused_and_writes_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "bare-llama.gguf"
+    write_gguf(path, "llama", "token_embd.weight")  # no embedding_length, head_count, ...
+    target = tmp_path / "out"
+    target.mkdir()
+    with pytest.raises(ModelNotFoundError, match="incomplete Llama GGUF file"):
+        convert_llama(path, target)
+    assert list(target.iterdir()) == []
