@@ -9,7 +9,8 @@ Also times the scheduler (schedule + update_from_output) and the rest of the eng
 bookkeeping against the model runner, to show what the control plane costs per step.
 
     .venv/bin/python benchmarks/bench_offline.py [--workload shared-prefix random]
-        [--caching on off] [--requests 64] [--dtype auto|float32] [--profile N] [--out FILE]
+        [--caching on off] [--requests 64] [--dtype auto|float32] [--compile] [--profile N]
+        [--out FILE]
 """
 
 from __future__ import annotations
@@ -73,8 +74,20 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
 
 
-def run(workload: str, caching: bool, num_requests: int, dtype: str, top_ops: int = 0) -> dict:
-    llm = LLM(enable_prefix_caching=caching, max_num_seqs=num_requests, dtype=dtype)
+def run(
+    workload: str,
+    caching: bool,
+    num_requests: int,
+    dtype: str,
+    top_ops: int = 0,
+    compile_layers: bool = False,
+) -> dict:
+    llm = LLM(
+        enable_prefix_caching=caching,
+        max_num_seqs=num_requests,
+        dtype=dtype,
+        compile=compile_layers,
+    )
     engine = llm.engine
     prompts = make_prompts(workload, num_requests, engine.core.info.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_LEN, ignore_eos=True)
@@ -102,6 +115,7 @@ def run(workload: str, caching: bool, num_requests: int, dtype: str, top_ops: in
         "prefix_caching": caching,
         "requests": num_requests,
         "dtype": engine.core.info.dtype,
+        "compiled": compile_layers,
         "wall_s": round(wall, 2),
         "output_tokens_per_s": round(num_output / wall, 1),
         "total_tokens_per_s": round((num_output + num_prompt) / wall, 1),
@@ -146,6 +160,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", help="auto (the host's native dtype) or float32")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument(
+        "--compile", action="store_true", help="torch.compile the layers' math (--compile)"
+    )
+    parser.add_argument(
         "--profile",
         type=int,
         default=0,
@@ -154,7 +171,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     runs = [
-        run(workload, caching == "on", args.requests, args.dtype, args.profile)
+        run(workload, caching == "on", args.requests, args.dtype, args.profile, args.compile)
         for workload in args.workload
         for caching in args.caching
     ]

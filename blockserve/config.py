@@ -63,6 +63,8 @@ class ModelConfig:
     # Default sampling parameters: "auto" (the model's generation_config.json), "vllm" (none),
     # or a path to the file or its directory.
     generation_config: str = "auto"
+    # torch.compile the layers' math between attentions (model/compile.py); off: eager.
+    compile: bool = False
 
 
 @dataclass(frozen=True, slots=True)

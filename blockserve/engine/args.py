@@ -153,6 +153,12 @@ class EngineArgs:
         choices=ATTENTION_BACKENDS,
     )
     device: str = option("auto", "auto (CUDA if present, else CPU), cpu, or cuda:N", check=_device)
+    compile: bool = option(
+        False,
+        "compile the decoder layers' math between attentions with torch.compile (inductor) "
+        "at start-up; the compiled graphs are cached under $BLOCKSERVE_CACHE_DIR/inductor, so "
+        "a second start loads them",
+    )
     seed: int = option(0, "random seed for sampling")
     generation_config: str = option(
         "auto",
@@ -202,6 +208,7 @@ class EngineArgs:
                 seed=self.seed,
                 structured_outputs_max_whitespace=self.structured_outputs_max_whitespace,
                 generation_config=self.generation_config,
+                compile=self.compile,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,

@@ -120,7 +120,10 @@ class EngineCore:
             vocab_size=loaded.arch.vocab_size,
             num_blocks=self.runner.num_blocks,
             block_size=cache.block_size,
-            runtime=self.runner.host.report(loaded.dtype),
+            runtime={
+                **self.runner.host.report(loaded.dtype),
+                "compiled": self.runner.compile_report is not None,
+            },
         )
 
     @property

@@ -111,6 +111,8 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         info.max_model_len,
         core.runner.host.describe(),
     )
+    if core.runner.compile_report is not None:
+        logger.info("torch.compile: %s", core.runner.compile_report.describe())
     logger.info(
         "KV cache: %d blocks of %d tokens = %d tokens; prefix caching %s (%s)",
         info.num_blocks,

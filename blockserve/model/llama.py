@@ -1,7 +1,8 @@
 """A Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) over a flat batch and a paged KV cache.
 
 The whole step is one `[num_tokens, hidden]` tensor with `positions`; attention goes through
-the backend it is constructed with and the per-step plan it is handed. Knows nothing of blocks
+the backend it is constructed with and the per-step plan it is handed (wrapped for a compiled
+forward: model/attention_op.py). Knows nothing of blocks
 beyond that plan. Parameter names follow Hugging Face's, except that q/k/v and gate/up are
 fused into `qkv_proj` and `gate_up_proj` (one matmul each); `load_weights` maps them.
 """
@@ -18,6 +19,7 @@ from torch import nn
 
 from blockserve.attention.metadata import AttentionBackend
 from blockserve.model.arch import LlamaArchConfig, RopeScaling
+from blockserve.model.attention_op import attend
 
 
 class RMSNorm(nn.Module):
@@ -119,7 +121,7 @@ class LlamaAttention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, rope), apply_rotary(k, rope)
-        out = self.backend.forward(q, k, v, kv_cache, plan)  # [num_tokens, heads, dim]
+        out = attend(self.backend, q, k, v, kv_cache, plan)  # [num_tokens, heads, dim]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 

@@ -8,6 +8,7 @@ Makes no scheduling decision.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import llguidance
@@ -18,12 +19,18 @@ from blockserve.attention.selector import get_attention_backend
 from blockserve.config import CacheConfig, ModelConfig
 from blockserve.core.kv_cache_manager import RequestId
 from blockserve.grammar import GrammarCompiler, apply_token_masks
+from blockserve.model.compile import CompileReport, compile_forward, mark_token_dim_dynamic
 from blockserve.model.dtype import probe_host, warn_if_slow
-from blockserve.model.loader import LoadedModel, load_model, resolve_dtype
+from blockserve.model.loader import LoadedModel, default_cache_dir, load_model, resolve_dtype
 from blockserve.model.sampler import Sampler, SamplerOutput, SamplingBatch, SamplingRow
 from blockserve.runner.kv_cache import allocate_kv_caches, num_blocks_for
 from blockserve.sampling_params import SamplingParams
-from blockserve.sched.output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from blockserve.sched.output import (
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    TokenLogprobs,
+)
 
 
 @dataclass
@@ -82,6 +89,30 @@ class ModelRunner:
             model_config.structured_outputs_max_whitespace,
         )
         self.requests: dict[RequestId, RequestState] = {}
+        # The forward each step runs: the model itself, or its compiled graphs (--compile).
+        self.forward: Callable[..., torch.Tensor] = self.model
+        self.compile_report: CompileReport | None = None
+        if model_config.compile:
+            self.forward, self.compile_report = compile_forward(
+                self.model, self.backend, default_cache_dir(), self._warm_up
+            )
+
+    def _warm_up(self, forward: Callable[..., torch.Tensor]) -> None:
+        """Run `forward` on a dummy prefill of 16 tokens (its token dimension traced as
+        dynamic) and a dummy one-token decode after it, in the first blocks after the null
+        block: they hold nothing yet (a request's blocks are written before they are read)."""
+        prompt = (0,) * 16
+        blocks = tuple(range(1, 1 + -(-(len(prompt) + 1) // self.block_size)))
+        steps = (
+            ScheduledRequest("warm-up", prompt, 0, blocks, sample=False),
+            ScheduledRequest("warm-up", (0,), len(prompt), blocks, sample=False),
+        )
+        for step in steps:
+            inputs = self.prepare_inputs(SchedulerOutput((step,)))
+            if inputs.input_ids.numel() > 1:
+                mark_token_dim_dynamic(inputs.input_ids, inputs.positions)
+            plan = self.backend.prepare(inputs.metadata)
+            forward(inputs.input_ids, inputs.positions, self.kv_caches, plan)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -183,7 +214,7 @@ class ModelRunner:
             return ModelRunnerOutput()
         inputs = self.prepare_inputs(scheduler_output)
         plan = self.backend.prepare(inputs.metadata)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, plan)
+        hidden = self.forward(inputs.input_ids, inputs.positions, self.kv_caches, plan)
         sampled_ids = [s.request_id for s in scheduler_output.scheduled if s.sample]
         if not sampled_ids:
             return ModelRunnerOutput()

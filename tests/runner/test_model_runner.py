@@ -48,7 +48,7 @@ def all_logits(runner: ModelRunner, output: SchedulerOutput) -> torch.Tensor:
     inputs = runner.prepare_inputs(output)
     plan = runner.backend.prepare(inputs.metadata)
     with torch.inference_mode():
-        hidden = runner.model(inputs.input_ids, inputs.positions, runner.kv_caches, plan)
+        hidden = runner.forward(inputs.input_ids, inputs.positions, runner.kv_caches, plan)
         return runner.model.compute_logits(hidden)
 
 
