@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from blockserve.attention.torch_backend import TorchAttentionBackend
 from blockserve.config import CacheConfig, ModelConfig
@@ -92,3 +93,41 @@ def test_default_model_knows_the_capital_of_france(dtype: str) -> None:
     tokens = tokenizer.encode(prompt, add_special_tokens=False)
     answer = tokenizer.decode(greedy_generate(runner, [tokens], 12)[0])
     assert "Paris" in answer
+
+
+TOKENIZER_TEXTS = (
+    "The quick brown fox",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<eos>",
+    "naïve café 😀  two spaces\n\ttab",
+)
+
+
+@pytest.mark.parametrize("which", ["default", "tiny"])
+def test_a_generic_tokenizer_loads_as_autotokenizer_would(which: str, tiny_llama_dir: Path) -> None:
+    """The generic fast class, built directly, equals AutoTokenizer's tokenizer."""
+    model_dir = loader.resolve_model_dir(None) if which == "default" else tiny_llama_dir
+    declared = json.loads((model_dir / "tokenizer_config.json").read_text())["tokenizer_class"]
+    assert declared in loader.GENERIC_TOKENIZER_CLASSES  # the direct path is the one taken
+    ours = loader.load_tokenizer(model_dir)
+    reference = AutoTokenizer.from_pretrained(str(model_dir))
+    assert type(ours) is type(reference)
+    assert len(ours) == len(reference)
+    assert ours.all_special_tokens == reference.all_special_tokens
+    assert ours.chat_template == reference.chat_template
+    for text in TOKENIZER_TEXTS:
+        for special in (True, False):
+            ids = ours.encode(text, add_special_tokens=special)
+            assert ids == reference.encode(text, add_special_tokens=special)
+            assert ours.decode(ids) == reference.decode(ids)
+
+
+def test_a_named_tokenizer_class_goes_through_autotokenizer(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, model_dir)
+    config_file = model_dir / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["tokenizer_class"] = "GPT2TokenizerFast"
+    config_file.write_text(json.dumps(config))
+    assert type(loader.load_tokenizer(model_dir)).__name__ == "GPT2Tokenizer"
