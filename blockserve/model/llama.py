@@ -22,6 +22,14 @@ from blockserve.model.arch import LlamaArchConfig, RopeScaling
 from blockserve.model.attention_op import attend
 
 
+class Linear(nn.Linear):
+    """`nn.Linear` without the random initialization: every weight is loaded (`load_weights`),
+    and initializing them all cost ~1 s of every start for SmolLM2-135M."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, computed in float32 like the reference implementation."""
 
@@ -102,10 +110,10 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         self.backend = backend
 
     def forward(
@@ -129,8 +137,8 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: LlamaArchConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -159,7 +167,12 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: LlamaArchConfig, backend: AttentionBackend) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Given its (empty) weight, the embedding skips its random initialization, as `Linear`.
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size,
+            config.hidden_size,
+            _weight=torch.empty(config.vocab_size, config.hidden_size),
+        )
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, backend) for _ in range(config.num_layers)
         )
@@ -168,7 +181,8 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """The decoder plus its LM head. `forward` returns hidden states for every token;
-    `compute_logits` is applied only where a token is sampled."""
+    `compute_logits` is applied only where a token is sampled. Built with its weights
+    allocated but not initialized, for `load_weights` to fill (the RoPE tables are computed)."""
 
     def __init__(self, config: LlamaArchConfig, backend: AttentionBackend) -> None:
         super().__init__()
@@ -177,30 +191,9 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-
-    @classmethod
-    def uninitialized(
-        cls, config: LlamaArchConfig, backend: AttentionBackend, device: str | torch.device
-    ) -> LlamaForCausalLM:
-        """The model with its parameters allocated but not initialized, for `load_weights` to
-        fill (random initialization of every weight cost ~1 s of start-up for SmolLM2-135M);
-        the RoPE tables, computed rather than loaded, are real."""
-        with torch.device("meta"):
-            model = cls(config, backend)
-        model.to_empty(device=device)
-        if config.tie_word_embeddings:  # to_empty made the two their own tensors again
-            model.lm_head.weight = model.model.embed_tokens.weight
-        with torch.device(device):
-            model.rotary = RotaryEmbedding(
-                config.head_dim,
-                config.max_position_embeddings,
-                config.rope_theta,
-                config.rope_scaling,
-            )
-        return model
 
     def forward(
         self,

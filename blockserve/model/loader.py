@@ -177,7 +177,8 @@ def load_model(
     model_dir = resolve_model_dir(model, cache_dir)
     arch = LlamaArchConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
     torch_dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype)
-    llama = LlamaForCausalLM.uninitialized(arch, backend, device)
+    with torch.device(device):
+        llama = LlamaForCausalLM(arch, backend)
     loaded = llama.load_weights(iter_safetensors(model_dir))
     missing = {name for name, _ in llama.named_parameters()} - loaded
     if missing:
