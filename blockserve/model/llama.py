@@ -2,9 +2,9 @@
 
 The whole step is one `[num_tokens, hidden]` tensor with `positions`; attention goes through
 the backend it is constructed with and the per-step plan it is handed (wrapped for a compiled
-forward: model/attention_op.py). Knows nothing of blocks
-beyond that plan. Parameter names follow Hugging Face's, except that q/k/v and gate/up are
-fused into `qkv_proj` and `gate_up_proj` (one matmul each); `load_weights` maps them.
+forward: model/attention_op.py). Knows nothing of blocks beyond that plan. Parameter names
+follow Hugging Face's, except that q/k/v and gate/up are fused into `qkv_proj` and
+`gate_up_proj` (one matmul each); `load_weights` maps them.
 """
 
 from __future__ import annotations
