@@ -93,14 +93,15 @@ def test_unrecoverable_gap_names_where_to_resume() -> None:
     there, filling later gaps as usual."""
     config = events_config(buffer_steps=4)
     publisher = ZmqEventPublisher(config)
+    event = BlockStored([1], None, [], 4, None, "GPU", None)
+    for number in range(10):  # sent before the subscriber exists: lost to it
+        publisher.publish(KVEventBatch(ts=float(number), events=[event]))
+    time.sleep(0.3)  # the sender thread sends them
     subscriber = KVEventSubscriber(
         connect_address(config.endpoint), connect_address(str(config.replay_endpoint))
     )
-    event = BlockStored([1], None, [], 4, None, "GPU", None)
     try:
-        for number in range(10):  # sent before the SUB socket has joined: lost live
-            publisher.publish(KVEventBatch(ts=float(number), events=[event]))
-        time.sleep(0.3)
+        time.sleep(0.3)  # the SUB socket joins
         publisher.publish(KVEventBatch(ts=10.0, events=[event]))
         with pytest.raises(ReplayUnavailableError) as caught:
             drain(subscriber)
