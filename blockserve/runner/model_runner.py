@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 import llguidance
 import torch
 
-from blockserve.attention.metadata import AttentionMetadata
 from blockserve.attention.selector import get_attention_backend
 from blockserve.config import CacheConfig, ModelConfig
 from blockserve.core.kv_cache_manager import RequestId
@@ -23,6 +22,7 @@ from blockserve.model.compile import CompileReport, compile_forward, mark_token_
 from blockserve.model.dtype import probe_host, warn_if_slow
 from blockserve.model.loader import LoadedModel, default_cache_dir, load_model, resolve_dtype
 from blockserve.model.sampler import Sampler, SamplerOutput, SamplingBatch, SamplingRow
+from blockserve.runner.inputs import ModelInputs, prepare_inputs
 from blockserve.runner.kv_cache import allocate_kv_caches, num_blocks_for
 from blockserve.sampling_params import SamplingParams
 from blockserve.sched.output import (
@@ -44,14 +44,6 @@ class RequestState:
     # The structured-outputs matcher, advanced with every sampled token; or why it failed.
     matcher: llguidance.LLMatcher | None = field(default=None, repr=False)
     grammar_error: str | None = None
-
-
-@dataclass(frozen=True)
-class ModelInputs:
-    input_ids: torch.Tensor  # [num_tokens]
-    positions: torch.Tensor  # [num_tokens]
-    metadata: AttentionMetadata
-    sample_indices: torch.Tensor  # [num_sampled]: token index whose logits are sampled
 
 
 class ModelRunner:
@@ -144,46 +136,7 @@ class ModelRunner:
             self.requests[scheduled.request_id] = state
 
     def prepare_inputs(self, scheduler_output: SchedulerOutput) -> ModelInputs:
-        """Flatten the step into token ids, positions, slots and block tables."""
-        scheduled = scheduler_output.scheduled
-        device = self.device
-        query_lens = [len(s.token_ids) for s in scheduled]
-        seq_lens = [s.num_computed_tokens + n for s, n in zip(scheduled, query_lens, strict=True)]
-        max_blocks = max(len(s.block_ids) for s in scheduled)
-        # One tensor for the whole step, rows padded with the null block.
-        block_tables = torch.tensor(
-            [(*s.block_ids, *(0,) * (max_blocks - len(s.block_ids))) for s in scheduled],
-            dtype=torch.int64,
-        )
-        query_lens_t = torch.tensor(query_lens, dtype=torch.int64)
-        row_of_token = torch.repeat_interleave(torch.arange(len(scheduled)), query_lens_t)
-        query_start_loc = torch.zeros(len(scheduled) + 1, dtype=torch.int64)
-        torch.cumsum(query_lens_t, 0, out=query_start_loc[1:])
-        num_computed = torch.tensor([s.num_computed_tokens for s in scheduled], dtype=torch.int64)
-        # positions: num_computed + 0, 1, ... within each request
-        offsets = torch.arange(len(row_of_token)) - query_start_loc[row_of_token]
-        positions = num_computed[row_of_token] + offsets
-        slot_mapping = (
-            block_tables[row_of_token, positions // self.block_size] * self.block_size
-            + positions % self.block_size
-        )
-        input_ids = torch.tensor([t for s in scheduled for t in s.token_ids], dtype=torch.int64)
-        sample_indices = torch.tensor(
-            [int(query_start_loc[i + 1]) - 1 for i, s in enumerate(scheduled) if s.sample],
-            dtype=torch.int64,
-        )
-        metadata = AttentionMetadata(
-            slot_mapping=slot_mapping.to(device),
-            block_tables=block_tables.to(device),
-            query_start_loc=query_start_loc.to(device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
-            query_lens_cpu=tuple(query_lens),
-            seq_lens_cpu=tuple(seq_lens),
-            block_size=self.block_size,
-        )
-        return ModelInputs(
-            input_ids.to(device), positions.to(device), metadata, sample_indices.to(device)
-        )
+        return prepare_inputs(scheduler_output, self.block_size, self.device)
 
     def _sampling_rows(self, scheduler_output: SchedulerOutput) -> list[SamplingRow]:
         rows = []
