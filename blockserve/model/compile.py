@@ -8,8 +8,8 @@ rather than ~600 eager operators: the overhead that dominates small decode batch
 
 The token dimension is dynamic and the step's attention plan is an opaque input, so two graphs
 serve every step: one for batches of two tokens or more, one for a single token (torch
-specialises size 1). Both are compiled at start-up on dummy steps (`warm_up`), on the thread
-that will run the model: no request waits for a compile.
+specialises size 1). Both are compiled at start-up on dummy steps (the runner's warm-up, handed
+to `compile_forward`), on the thread that will run the model: no request waits for a compile.
 
 Inductor's caches live under `<cache dir>/inductor` (`TORCHINDUCTOR_CACHE_DIR` points there
 while the graphs compile, whatever it was before): a second start with the same model, dtype
