@@ -8,8 +8,8 @@ gain most. Results equal `F.linear`'s bit for bit in bfloat16 and within float32
 
 Under `torch.compile` the product goes through `blockserve::packed_linear`, an operator of our
 own that inductor calls as an opaque kernel: inductor lowers oneDNN's linear only over weights
-it froze itself, and the layers' weights stay inputs here so that one compiled graph serves
-every layer (model/compile.py).
+it has frozen into the graph itself (its `freezing` mode), while ours are packed at load and
+stay inputs of the graph (model/compile.py).
 """
 
 from __future__ import annotations
