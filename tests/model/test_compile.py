@@ -16,14 +16,7 @@ import torch
 from blockserve.config import CacheConfig, ModelConfig
 from blockserve.model.compile import CompileReport
 from blockserve.runner.model_runner import ModelRunner
-from blockserve.sched.output import SchedulerOutput
-from tests.runner.test_model_runner import (
-    FP32_ATOL,
-    all_logits,
-    greedy_generate,
-    reference_logits,
-    scheduled,
-)
+from tests.runner.test_model_runner import FP32_ATOL, all_logits, greedy_generate, mixed_batch
 
 # Graphs per start: the forward for steps of two tokens or more, and for one token.
 GRAPHS = 2
@@ -70,38 +63,15 @@ def test_compiled_mixed_batch_equals_eager_and_transformers(
     runners: Runners, tiny_llama_dir: Path
 ) -> None:
     """A fresh prefill, a prefill on cached blocks and a decode in one step."""
-    gen = torch.Generator().manual_seed(1)
-    a = torch.randint(0, 300, (37,), generator=gen).tolist()
-    b = torch.randint(0, 300, (21,), generator=gen).tolist()
-    c = torch.randint(0, 300, (23,), generator=gen).tolist()
-    first = SchedulerOutput(
-        (
-            scheduled("a", a, 0, 32, [1, 2], False, new=True),
-            scheduled("b", b, 0, 20, [3, 4], False, new=True),
-        )
-    )
-    second = SchedulerOutput(
-        (
-            scheduled("a", a, 32, 37, [1, 2, 5], True),
-            scheduled("b", b, 20, 21, [3, 4], True),
-            scheduled("c", c, 0, 23, [6, 7], True, new=True),
-        )
-    )
+    batch = mixed_batch(tiny_llama_dir)
     logits = []
     for runner in (runners.eager, runners.compiled):
-        all_logits(runner, first)
-        logits.append(all_logits(runner, second))
+        all_logits(runner, batch.first)
+        logits.append(all_logits(runner, batch.second))
     eager, compiled = logits
-    expected = torch.cat(
-        [
-            reference_logits(tiny_llama_dir, a)[32:37],
-            reference_logits(tiny_llama_dir, b)[20:21],
-            reference_logits(tiny_llama_dir, c),
-        ]
-    )
-    assert compiled.shape == expected.shape == (29, 320)
+    assert compiled.shape == batch.expected.shape == (29, 320)
     assert (compiled - eager).abs().max().item() < FP32_ATOL
-    assert (compiled - expected).abs().max().item() < FP32_ATOL
+    assert (compiled - batch.expected).abs().max().item() < FP32_ATOL
 
 
 def test_compiled_greedy_tokens_equal_eager(runners: Runners) -> None:

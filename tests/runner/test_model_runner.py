@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -58,13 +59,15 @@ def reference_logits(model_dir: Path, tokens: list[int]) -> torch.Tensor:
         return hf(torch.tensor([tokens])).logits[0]
 
 
-@pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
-def test_mixed_batch_matches_transformers(
-    model_fixture: str, request: pytest.FixtureRequest
-) -> None:
-    """One step mixing a fresh prefill, a prefill on cached prefix blocks, and a decode."""
-    model_dir: Path = request.getfixturevalue(model_fixture)
-    runner = make_runner(model_dir)
+class MixedBatch(NamedTuple):
+    first: SchedulerOutput  # caches a's 32-token prefix and b's first 20 tokens
+    second: SchedulerOutput  # a: 5 on cached blocks, b: a decode, c: a fresh 23-token prefill
+    expected: torch.Tensor  # transformers' logits at the second step's 29 tokens
+
+
+def mixed_batch(model_dir: Path) -> MixedBatch:
+    """Two steps; the second mixes a fresh prefill, a prefill on cached prefix blocks, and a
+    decode."""
     gen = torch.Generator().manual_seed(1)
     a = torch.randint(0, 300, (37,), generator=gen).tolist()  # prefix 32 earlier, then 5
     b = torch.randint(0, 300, (21,), generator=gen).tolist()  # 20 earlier, then 1 (decode)
@@ -75,7 +78,6 @@ def test_mixed_batch_matches_transformers(
             scheduled("b", b, 0, 20, [3, 4], False, new=True),
         )
     )
-    all_logits(runner, first)
     second = SchedulerOutput(
         (
             scheduled("a", a, 32, 37, [1, 2, 5], True),
@@ -83,7 +85,6 @@ def test_mixed_batch_matches_transformers(
             scheduled("c", c, 0, 23, [6, 7], True, new=True),
         )
     )
-    logits = all_logits(runner, second)
     expected = torch.cat(
         [
             reference_logits(model_dir, a)[32:37],
@@ -91,8 +92,21 @@ def test_mixed_batch_matches_transformers(
             reference_logits(model_dir, c),
         ]
     )
-    assert logits.shape == expected.shape == (29, 320)
-    assert (logits - expected).abs().max().item() < FP32_ATOL
+    return MixedBatch(first, second, expected)
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
+def test_mixed_batch_matches_transformers(
+    model_fixture: str, request: pytest.FixtureRequest
+) -> None:
+    """One step mixing a fresh prefill, a prefill on cached prefix blocks, and a decode."""
+    model_dir: Path = request.getfixturevalue(model_fixture)
+    runner = make_runner(model_dir)
+    batch = mixed_batch(model_dir)
+    all_logits(runner, batch.first)
+    logits = all_logits(runner, batch.second)
+    assert logits.shape == batch.expected.shape == (29, 320)
+    assert (logits - batch.expected).abs().max().item() < FP32_ATOL
 
 
 def greedy_generate(
