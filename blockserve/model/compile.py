@@ -6,10 +6,11 @@ loops around oneDNN's products (`blockserve::packed_linear`) and calls attention
 operator (`blockserve::attention`, model/attention_op.py), so a step is one call of the graph
 rather than ~600 eager operators: the overhead that dominates small decode batches goes.
 
-The token dimension is dynamic and the step's attention plan is an opaque input, so two graphs
-serve every step: one for batches of two tokens or more, one for a single token (torch
-specialises size 1). Both are compiled at start-up on dummy steps (the runner's warm-up, handed
-to `compile_forward`), on the thread that will run the model: no request waits for a compile.
+The token dimension is traced as an unbacked size (no guard on its value: a dynamic size would
+be specialised apart from 0 and 1 and give single-token steps a second graph, doubling the
+compile) and the step's attention plan is an opaque input, so one graph serves every step. It is
+compiled at start-up on dummy steps (the runner's warm-up, handed to `compile_forward`), on the
+thread that will run the model: no request waits for a compile.
 
 Inductor's caches live under `<cache dir>/inductor` (`TORCHINDUCTOR_CACHE_DIR` points there
 while the graphs compile, whatever it was before): a second start with the same model, dtype
@@ -104,7 +105,7 @@ def compile_forward(
 def mark_token_dim_dynamic(*tensors: torch.Tensor) -> None:
     """Trace dimension 0 (tokens) of these inputs as a symbol, not the warm-up's size."""
     for tensor in tensors:
-        torch._dynamo.mark_dynamic(tensor, 0)
+        torch._dynamo.decorators.mark_unbacked(tensor, 0)
 
 
 @contextmanager

@@ -91,8 +91,9 @@ class ModelRunner:
 
     def _warm_up(self, forward: Callable[..., torch.Tensor]) -> None:
         """Run `forward` on a dummy prefill of 16 tokens (its token dimension traced as
-        dynamic) and a dummy one-token decode after it, in the first blocks after the null
-        block: they hold nothing yet (a request's blocks are written before they are read)."""
+        dynamic) and a dummy one-token decode after it (the same graph must serve it), in the
+        first blocks after the null block: they hold nothing yet (a request's blocks are
+        written before they are read)."""
         prompt = (0,) * 16
         blocks = tuple(range(1, 1 + -(-(len(prompt) + 1) // self.block_size)))
         steps = (
@@ -101,8 +102,7 @@ class ModelRunner:
         )
         for step in steps:
             inputs = self.prepare_inputs(SchedulerOutput((step,)))
-            if inputs.input_ids.numel() > 1:
-                mark_token_dim_dynamic(inputs.input_ids, inputs.positions)
+            mark_token_dim_dynamic(inputs.input_ids, inputs.positions)
             plan = self.backend.prepare(inputs.metadata)
             forward(inputs.input_ids, inputs.positions, self.kv_caches, plan)
 
