@@ -6,6 +6,11 @@ through the attention and MLP projections and the LM head); the best of --repeat
 On the model's shapes also `F.linear` over a row-major weight (an nn.Linear) against the
 engine's `PackedLinear` (weights reordered once for oneDNN, model/packed.py).
 
+Decode step: every product of one decode step in order, each layer's weights its own (as in
+the engine, so they stream from memory rather than sit in cache as they do when one product
+is timed alone): milliseconds per step, GB/s of weights read and GFLOP/s, for 1, 8 and 64
+sequences. At small batches a step is bound by reading the weights, not by the FLOPs.
+
 Floor: the FLOPs of bench_offline.py's shared-prefix workload (64 × (1,024 shared + 32 own)
 prompt tokens → 32 output tokens, prefix caching on, so the shared prefix is computed once):
 linear layers for every computed token, the LM head for every sampled one, and attention
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -67,6 +73,37 @@ def model_shapes(arch: LlamaArchConfig) -> dict[str, tuple[int, int, int]]:
     }
 
 
+def decode_step(
+    arch: LlamaArchConfig, dtype: torch.dtype, rows: tuple[int, ...], repeats: int
+) -> dict[str, dict[str, float]]:
+    """Median ms of one decode step's products over distinct weights; GB/s of weights read."""
+    hidden, inter = arch.hidden_size, arch.intermediate_size
+    q_width = arch.num_heads * arch.head_dim
+    qkv = q_width + 2 * arch.num_kv_heads * arch.head_dim
+    layer = ((hidden, qkv), (q_width, hidden), (hidden, 2 * inter), (inter, hidden))
+    shapes = [shape for _ in range(arch.num_layers) for shape in layer]
+    shapes.append((hidden, arch.vocab_size))  # the LM head
+    linears = [PackedLinear(torch.nn.Linear(k, n, bias=False).to(dtype)) for k, n in shapes]
+    weight_bytes = sum(k * n for k, n in shapes) * torch.finfo(dtype).bits // 8
+    results = {}
+    for m in rows:
+        inputs = [torch.randn(m, k).to(dtype) for k, _ in shapes]
+        times = []
+        with torch.no_grad():
+            for _ in range(repeats + 1):  # the first is oneDNN's set-up
+                started = time.perf_counter()
+                for linear, x in zip(linears, inputs, strict=True):
+                    linear(x)
+                times.append(time.perf_counter() - started)
+        seconds = statistics.median(times[1:])
+        results[str(m)] = {
+            "ms": round(seconds * 1e3, 2),
+            "weight_gb_per_s": round(weight_bytes / seconds / 1e9, 1),
+            "gflops": round(2 * m * sum(k * n for k, n in shapes) / seconds / 1e9, 1),
+        }
+    return results
+
+
 def workload_gflop(arch: LlamaArchConfig) -> dict[str, float]:
     """The shared-prefix workload's FLOPs, in GFLOP, by kind."""
     hidden, inter, layers = arch.hidden_size, arch.intermediate_size, arch.num_layers
@@ -101,6 +138,7 @@ def main() -> None:
     arch = LlamaArchConfig.from_hf(config)
     peaks: dict[str, dict[str, float]] = {}
     linears: dict[str, dict[str, dict[str, float]]] = {}
+    decode: dict[str, dict[str, dict[str, float]]] = {}
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
         shapes = {"square 2048": (2048, 2048, 2048), **model_shapes(arch)}
         peaks[name] = {
@@ -113,7 +151,8 @@ def main() -> None:
             }
             for label, shape in model_shapes(arch).items()
         }
-        print(name, peaks[name], linears[name], flush=True)
+        decode[name] = decode_step(arch, dtype, (1, 8, 64), args.repeats)
+        print(name, peaks[name], linears[name], decode[name], flush=True)
     work = workload_gflop(arch)
     # The fastest product measured either way: torch.mm or the prepacked linear.
     packed = (v["packed"] for v in linears[args.dtype].values())
@@ -123,6 +162,7 @@ def main() -> None:
         "torch": torch.__version__,
         "gflops": peaks,
         "linear_vs_packed_gflops": linears,
+        "decode_step": decode,
         "workload_gflop": {k: round(v, 1) for k, v in work.items()},
         "floor_dtype": args.dtype,
         "floor_peak_gflops": peak,
