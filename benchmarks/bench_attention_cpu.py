@@ -8,7 +8,8 @@ The default model's attention: 9 query heads over 3 KV heads, head dimension 64.
   prefill-common  64 × 32 new tokens against the shared 1,024 keys: 6,144 rows per KV head
   causal-544, causal-1056   one fresh prefill (no-sharing run; the shared prefix's first request)
 Variants:
-  fused           torch's CPU flash attention (what the engine calls today)
+  fused           torch's CPU flash attention
+  ours            our kernel (attention/cpu_dense_bf16.cpp), bf16 where the CPU has AVX512-BF16
   explicit        the same in separate ops: float32 scores, softmax, product
   compiled        `explicit` through torch.compile (inductor fuses the softmax into C++ loops)
   bf16-scores     decode-common + decode-own as one softmax over bfloat16 products (no LSE
@@ -35,7 +36,9 @@ import torch.nn.functional as F
 from report import emit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from blockserve.attention import cpu_kernels
 from blockserve.attention.shared_prefix import attend, attend_heads, merge
+from blockserve.model.loader import default_cache_dir
 
 HEADS, KV_HEADS, DIM = 9, 3, 64
 GROUP = HEADS // KV_HEADS
@@ -124,6 +127,9 @@ def cases(dtype: torch.dtype) -> dict[str, tuple[float, Tensors, dict[str, Calla
         "explicit": explicit,
         "compiled": compiled,
     }
+    kernel = cpu_kernels.load(default_cache_dir()) if cpu_kernels.supported() else None
+    if kernel is not None and dtype == torch.bfloat16:
+        dense["ours"] = lambda q, k, v: kernel(q[0], k[0], v[0], DIM**-0.5)[0][None]
     q = randn(DECODES, KV_HEADS, GROUP, DIM)
     common_k, common_v = randn(1, KV_HEADS, COMMON, DIM), randn(1, KV_HEADS, COMMON, DIM)
     own_k, own_v = randn(DECODES, KV_HEADS, OWN, DIM), randn(DECODES, KV_HEADS, OWN, DIM)

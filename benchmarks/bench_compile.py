@@ -18,6 +18,8 @@ import argparse
 import random
 import statistics
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +50,28 @@ def timed_generate(
     return time.perf_counter() - start, [o.outputs[0].token_ids for o in outputs]
 
 
+def paired(
+    llm: LLM,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    modes: dict[str, Callable[[], None]],
+    rounds: int,
+) -> tuple[dict[str, list[float]], int]:
+    """Each mode's wall times, `rounds` each, and how many requests gave the same tokens in
+    every mode. A round runs the workload once per mode (`modes[name]()` switches to it), the
+    order reversed every other round so that the host's noise falls on all alike."""
+    walls: dict[str, list[float]] = {mode: [] for mode in modes}
+    tokens: dict[str, list] = {}
+    for round_index in range(rounds):
+        order = list(modes) if round_index % 2 == 0 else list(reversed(modes))
+        for mode in order:
+            modes[mode]()
+            wall, tokens[mode] = timed_generate(llm, prompts, params)
+            walls[mode].append(round(wall, 3))
+    same = sum(len(set(map(tuple, answers))) == 1 for answers in zip(*tokens.values(), strict=True))
+    return walls, same
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dtype", default="auto")
@@ -57,26 +81,18 @@ def main() -> None:
     llm = LLM(max_num_seqs=64, dtype=args.dtype, compile=True)
     runner = llm.engine.core.runner
     assert runner.compile_report is not None
-    modes: dict[str, Any] = {"eager": runner.model, "compiled": runner.forward}
+    forwards: dict[str, Any] = {"eager": runner.model, "compiled": runner.forward}
+    modes = {mode: partial(setattr, runner, "forward", fn) for mode, fn in forwards.items()}
     results: dict[str, Any] = {}
     for name, (prompts, params) in workloads(llm.engine.core.info.vocab_size).items():
-        walls: dict[str, list[float]] = {mode: [] for mode in modes}
-        tokens: dict[str, list] = {}
-        for round_index in range(args.rounds):
-            order = list(modes) if round_index % 2 == 0 else list(reversed(modes))
-            for mode in order:
-                runner.forward = modes[mode]
-                wall, tokens[mode] = timed_generate(llm, prompts, params)
-                walls[mode].append(round(wall, 3))
+        walls, same = paired(llm, prompts, params, modes, args.rounds)
         eager, compiled = (statistics.median(walls[m]) for m in ("eager", "compiled"))
         results[name] = {
             "wall_s": walls,
             "eager_median_s": eager,
             "compiled_median_s": compiled,
             "speedup": round(eager / compiled, 3),
-            "same_tokens": sum(
-                a == b for a, b in zip(tokens["eager"], tokens["compiled"], strict=True)
-            ),
+            "same_tokens": same,
             "requests": len(prompts),
         }
     report = runner.compile_report

@@ -29,6 +29,7 @@ from report import emit
 from torch.profiler import ProfilerActivity, profile
 
 from blockserve import LLM, SamplingParams
+from blockserve.attention import cpu_kernels
 
 PREFIX_LEN = 1024
 SUFFIX_LEN = 32
@@ -89,6 +90,7 @@ def run(
         compile=compile_layers,
     )
     engine = llm.engine
+    cpu_kernels.wait()  # its first build on a host runs while the engine starts
     prompts = make_prompts(workload, num_requests, engine.core.info.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_LEN, ignore_eos=True)
     llm.generate(prompts[0][:64], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from blockserve.attention import cpu_kernels
 from blockserve.attention.metadata import AttentionMetadata
 
 
@@ -46,10 +47,22 @@ def attend_heads(
     v: torch.Tensor,
     mask: torch.Tensor | None = None,  # bool, broadcastable to [batch, heads, queries, keys]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`attend` for 4-D inputs with as many K/V heads as query heads: the fused CPU kernel
-    where it exists (outputs float32 like `attend`), else the explicit path."""
+    """`attend` for 4-D inputs with as many K/V heads as query heads: our CPU kernel for one
+    unmasked bf16 batch of head dimension 64 once it is loaded (attention/cpu_kernels.py),
+    else torch's fused CPU kernel where it exists (outputs float32 like `attend`), else the
+    explicit path."""
     if _FUSED_CPU_WITH_LSE is None or q.device.type != "cpu":
         return attend(q, k, v, mask)
+    kernel = cpu_kernels.dense_attention()
+    if (
+        kernel is not None
+        and mask is None
+        and q.shape[0] == 1
+        and q.dtype == torch.bfloat16
+        and q.shape[-1] == cpu_kernels.HEAD_DIM
+    ):
+        out, lse = kernel(q[0], k[0], v[0], q.shape[-1] ** -0.5)
+        return out[None], lse[None]
     additive = None
     if mask is not None:
         additive = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import llguidance
 import torch
 
+from blockserve.attention import cpu_kernels
 from blockserve.attention.selector import get_attention_backend
 from blockserve.config import CacheConfig, ModelConfig
 from blockserve.core.kv_cache_manager import RequestId
@@ -59,6 +60,8 @@ class ModelRunner:
         self.loaded: LoadedModel = load_model(model_config.model, self.backend, dtype, device)
         self.model = self.loaded.model
         self.arch = self.loaded.arch
+        if cpu_kernels.serves(self.device, dtype, self.arch.head_dim):
+            cpu_kernels.start_loading(default_cache_dir())  # torch's kernel serves meanwhile
         self.block_size = cache_config.block_size
         self.num_blocks = num_blocks_for(
             self.arch,

@@ -1,0 +1,60 @@
+"""Our CPU attention kernel against torch's fused one, paired, in one process on one model.
+
+The engine's attention over a shared prefix (attention/cpu_kernels.py: bfloat16, head
+dimension 64, a CPU with AVX512-BF16) runs either through our kernel or through torch's fused
+CPU kernel; each round runs bench_offline.py's shared-prefix workload (64 × (1,024 shared + 32
+own tokens) → 32 tokens, greedy, prefix caching on) once each way, in alternating order (as
+bench_compile.py does for the compiled forward). Reports the wall times, medians, the ratio
+and how many requests produced the same tokens both ways.
+
+    .venv/bin/python benchmarks/bench_cpu_kernel.py [--compile] [--rounds 4] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from functools import partial
+from pathlib import Path
+
+from bench_compile import paired
+from bench_offline import make_prompts
+from report import emit
+
+from blockserve import LLM, SamplingParams
+from blockserve.attention import cpu_kernels
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--compile", action="store_true", help="the compiled forward")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    llm = LLM(max_num_seqs=64, dtype="bfloat16", compile=args.compile)
+    if not cpu_kernels.wait():
+        raise SystemExit("the CPU attention kernel is not available here (see the log)")
+    modes = {"torch": partial(cpu_kernels.enable, False), "ours": partial(cpu_kernels.enable, True)}
+    prompts = make_prompts("shared-prefix", 64, llm.engine.core.info.vocab_size)
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    llm.generate(prompts[0][:64], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+    walls, same = paired(llm, prompts, params, modes, args.rounds)
+    cpu_kernels.enable(True)
+    medians = {mode: round(statistics.median(times), 3) for mode, times in walls.items()}
+    emit(
+        {
+            "benchmark": "cpu_kernel",
+            "workload": "shared-prefix",
+            "compiled": args.compile,
+            "wall_s": walls,
+            "median_s": medians,
+            "speedup": round(medians["torch"] / medians["ours"], 3),
+            "same_tokens": same,
+            "requests": len(prompts),
+        },
+        args.out,
+    )
+
+
+if __name__ == "__main__":
+    main()

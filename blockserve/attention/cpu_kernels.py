@@ -1,0 +1,178 @@
+"""Our CPU attention kernel (cpu_dense_bf16.cpp), built with the host's g++ and loaded into torch.
+
+It serves the torch backend's unmasked attention over a shared prefix (every decode's and every
+prefill chunk's queries against the common blocks) in bfloat16 with head dimension 64, on x86
+CPUs with AVX512-BF16: there it is 2-2.6x torch's fused kernel (docs/benchmarks.md,
+"Attention on the workloads' shapes"). Elsewhere, or while it builds, or if it cannot be
+built, the backend keeps torch's kernel: the result is the same up to rounding.
+
+The build (~12 s, once per host, torch and source) runs on a thread of its own when the engine
+starts, so start-up does not wait for it; the library lands under `<cache dir>/cpu_kernels`,
+named by a hash of what it was built from, and later starts load it in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_dense_bf16.cpp")
+FLAGS = (
+    "-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-w",
+    "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma",
+)  # fmt: skip
+HEAD_DIM = 64
+
+_lock = threading.Lock()
+_op: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+_build: threading.Thread | None = None
+_builds: dict[subprocess.Popen, Path] = {}  # running compiles → their scratch directories
+_enabled = True
+
+
+def serves(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether a model on `device` in `dtype` with `head_dim` would use the kernel."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and head_dim == HEAD_DIM
+
+
+def supported() -> bool:
+    """An x86 CPU with AVX512-BF16, a g++ to build with, and not switched off by
+    `BLOCKSERVE_CPU_ATTENTION_KERNEL=0` (to compare against torch's kernel)."""
+    if os.environ.get("BLOCKSERVE_CPU_ATTENTION_KERNEL", "1") == "0":
+        return False
+    flags = torch.cpu.get_capabilities()
+    return bool(flags.get("avx512_bf16")) and shutil.which("g++") is not None
+
+
+def library_path(cache_dir: Path) -> Path:
+    torch_lib = Path(torch.__file__).parent / "lib"
+    parts = (SOURCE.read_bytes(), torch.__version__, " ".join(FLAGS), str(torch_lib))
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(part if isinstance(part, bytes) else part.encode())
+        digest.update(b"\0")
+    key = digest.hexdigest()[:16]
+    return cache_dir / "cpu_kernels" / f"dense_bf16-{key}.so"
+
+
+def build(target: Path) -> None:
+    """Compile the kernel into `target` (written whole: another process may be loading it)."""
+    from torch.utils.cpp_extension import include_paths
+
+    torch_lib = Path(torch.__file__).parent / "lib"
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(dir=target.parent, prefix=".build-"))
+    # At the lowest priority: it runs while the engine starts and serves.
+    nice = ["nice", "-n", "19"] if shutil.which("nice") else []
+    command = [
+        *nice, "g++", *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        *(f"-I{path}" for path in include_paths()),
+        str(SOURCE), f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lc10", "-ltorch_cpu",
+        "-o", str(scratch / target.name),
+    ]  # fmt: skip
+    process = subprocess.Popen(  # its own process group: g++ runs cc1plus and ld under it
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    _builds[process] = scratch
+    try:
+        _, errors = process.communicate(timeout=600)
+        if process.returncode != 0:
+            raise subprocess.CalledProcessError(process.returncode, command, stderr=errors)
+        os.replace(scratch / target.name, target)
+    finally:
+        _stop(process, scratch)
+
+
+def _stop(process: subprocess.Popen, scratch: Path) -> None:
+    """End a build (if it still runs) and remove its scratch directory."""
+    _builds.pop(process, None)
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    shutil.rmtree(scratch, ignore_errors=True)
+
+
+@atexit.register
+def _stop_builds() -> None:
+    """A process that exits mid-build (a server stopped while starting) leaves nothing."""
+    for process, scratch in list(_builds.items()):
+        _stop(process, scratch)
+
+
+def load(cache_dir: Path) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
+    """Build if needed and load the kernel; None (logged) where that fails. Blocking."""
+    global _op
+    with _lock:
+        if _op is not None:
+            return _op
+        target = library_path(cache_dir)
+        started = time.perf_counter()
+        try:
+            if not target.exists():
+                build(target)
+            torch.ops.load_library(str(target))
+        except (OSError, subprocess.SubprocessError) as error:
+            detail = getattr(error, "stderr", "") or ""
+            logger.warning("CPU attention kernel not built, torch's is used: %s %s", error, detail)
+            return None
+        _op = torch.ops.blockserve_cpu.dense_attention
+        seconds = time.perf_counter() - started
+        logger.info("CPU attention kernel ready in %.1f s (%s)", seconds, target)
+        return _op
+
+
+def start_loading(cache_dir: Path) -> None:
+    """Load (building first if needed) on a thread of its own, once per process."""
+    global _build
+    with _lock:
+        if _op is not None or _build is not None or not supported():
+            return
+        _build = threading.Thread(target=load, args=(cache_dir,), name="cpu-kernel-build")
+        _build.daemon = True
+        _build.start()
+
+
+def wait(timeout: float | None = None) -> bool:
+    """Block until a started load ends; whether the kernel is in use."""
+    thread = _build
+    if thread is not None:
+        thread.join(timeout)
+    return _op is not None
+
+
+def main() -> None:
+    """Build into the default cache dir now (`make setup` does, so that the first start need
+    not)."""
+    from blockserve.model.loader import default_cache_dir
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if not supported():
+        logger.info("CPU attention kernel: not for this host (needs AVX512-BF16 and g++)")
+        return
+    load(default_cache_dir())
+
+
+def dense_attention() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
+    """The loaded kernel, or None: never waits."""
+    return _op if _enabled else None
+
+
+def enable(on: bool) -> None:
+    """Switch a loaded kernel out (torch's serves) and back in: benchmarks compare the two."""
+    global _enabled
+    _enabled = on

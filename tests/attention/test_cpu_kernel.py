@@ -1,0 +1,172 @@
+"""Our CPU attention kernel (attention/cpu_dense_bf16.cpp): built by g++ into the cache dir,
+equal to a float64 reference within bf16 rounding, refusing what it does not handle, and used
+by the torch backend's shared-prefix paths once loaded."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from blockserve.attention import cpu_kernels
+from blockserve.attention.torch_backend import TorchAttentionBackend
+from tests.attention.cases import make_case, reference_attention
+from tests.attention.test_torch_backend import TOLERANCE
+
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels.supported(),
+    reason="needs an x86 CPU with AVX512-BF16 and g++ (elsewhere torch's kernel serves)",
+)
+
+Kernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A cache dir the kernel was built into."""
+    directory = tmp_path_factory.mktemp("kernel-cache")
+    target = cpu_kernels.library_path(directory)
+    cpu_kernels.build(target)
+    assert target.is_file()
+    return directory
+
+
+@pytest.fixture(scope="module")
+def kernel(cache_dir: Path) -> Kernel:
+    op = cpu_kernels.load(cache_dir)
+    assert op is not None
+    return op
+
+
+def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    scores = q.double() @ k.double().transpose(-1, -2) * scale
+    return torch.softmax(scores, -1) @ v.double(), torch.logsumexp(scores, -1)
+
+
+@pytest.mark.parametrize(
+    ("heads", "rows", "keys"),
+    [(1, 1, 1), (3, 5, 37), (2, 17, 64), (1, 33, 1000), (3, 192, 1024)],
+)
+def test_equals_float64_attention(kernel: Kernel, heads: int, rows: int, keys: int) -> None:
+    """Rows and keys off the kernel's tiles (4 rows, 64 keys) included: the padding is unseen.
+    The output's error is the bf16 probabilities' rounding: at most 2^-8 of the largest value."""
+    generator = torch.Generator().manual_seed(rows * 1000 + keys)
+    q, k, v = (
+        (torch.randn(heads, n, 64, generator=generator) * 1.5).bfloat16()
+        for n in (rows, keys, keys)
+    )
+    out, lse = kernel(q, k, v, 0.125)
+    expected_out, expected_lse = dense_reference(q, k, v, 0.125)
+    assert out.dtype == lse.dtype == torch.float32
+    assert out.shape == (heads, rows, 64) and lse.shape == (heads, rows)
+    bound = 2**-8 * v.abs().max().item()
+    assert (out.double() - expected_out).abs().max().item() < bound
+    assert (lse.double() - expected_lse).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda q, k, v: (q.float(), k, v), "bfloat16"),
+        (lambda q, k, v: (q[..., :32], k[..., :32], v[..., :32]), "head dimension must be 64"),
+        (lambda q, k, v: (q, k[:, :0], v[:, :0]), "at least one key"),
+        (lambda q, k, v: (q, k, v[:, :3]), "k and v must match"),
+    ],
+)
+def test_refuses_what_it_does_not_handle(kernel: Kernel, change, message: str) -> None:
+    q, k, v = (torch.zeros(2, 8, 64, dtype=torch.bfloat16) for _ in range(3))
+    with pytest.raises(RuntimeError, match=message):
+        kernel(*change(q, k, v), 0.125)
+
+
+@pytest.mark.parametrize(
+    ("specs", "shared_blocks"),
+    [
+        ([(64, 1), (64, 1), (70, 1), (99, 1), (65, 1)], 4),  # decodes on a shared prefix
+        ([(48, 32), (50, 5), (70, 17), (0, 20), (60, 1)], 3),  # prefill chunks on one
+    ],
+)
+def test_the_backend_shared_prefix_paths_use_it(
+    kernel: Kernel, monkeypatch: pytest.MonkeyPatch, specs, shared_blocks: int
+) -> None:
+    """bf16 steps with common blocks call the kernel for them and still equal dense attention."""
+    calls = []
+
+    def counted() -> Kernel:
+        calls.append(1)
+        return kernel
+
+    monkeypatch.setattr(cpu_kernels, "dense_attention", counted)
+    case = make_case(specs, 6, 2, head_dim=64, dtype=torch.bfloat16, shared_blocks=shared_blocks)
+    backend = TorchAttentionBackend()
+    out = backend.forward(
+        case.query, case.key, case.value, case.kv_cache, backend.prepare(case.metadata)
+    )
+    assert calls
+    error = (out.double() - reference_attention(case)).abs().max().item()
+    assert error < TOLERANCE[torch.bfloat16]
+
+
+def test_switched_off_torch_serves(kernel: Kernel) -> None:
+    cpu_kernels.enable(False)
+    try:
+        assert cpu_kernels.dense_attention() is None
+    finally:
+        cpu_kernels.enable(True)
+    assert cpu_kernels.dense_attention() is kernel
+
+
+def test_a_later_load_uses_the_built_library(
+    kernel: Kernel, cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Named by what it was built from, the library is found again, not rebuilt."""
+
+    def no_build(target: Path) -> None:
+        raise AssertionError(f"rebuilt {target}")
+
+    monkeypatch.setattr(cpu_kernels, "_op", None)
+    monkeypatch.setattr(cpu_kernels, "build", no_build)
+    assert cpu_kernels.load(cache_dir) is not None
+
+
+def test_a_build_cut_short_at_exit_leaves_nothing(tmp_path: Path) -> None:
+    """A server stopped while the kernel builds: the compiler's process group ends and its
+    scratch directory goes (the atexit hook), so neither runs on nor litters the cache."""
+    target = cpu_kernels.library_path(tmp_path)
+    failures: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            cpu_kernels.build(target)
+        except subprocess.CalledProcessError as error:
+            failures.append(error)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not cpu_kernels._builds and time.monotonic() < deadline:
+        time.sleep(0.01)
+    processes = list(cpu_kernels._builds)
+    assert len(processes) == 1
+    cpu_kernels._stop_builds()
+    thread.join(30)
+    assert not thread.is_alive()
+    assert len(failures) == 1 and processes[0].returncode == -signal.SIGKILL
+    assert list(target.parent.iterdir()) == []
+    # SIGKILL reaches the compiler's children at once; they leave the process table shortly.
+    deadline = time.monotonic() + 10
+    while group_alive(processes[0].pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not group_alive(processes[0].pid)
+
+
+def group_alive(group: int) -> bool:
+    """Whether a live (not zombie) process is left in a process group."""
+    found = subprocess.run(["ps", "-o", "stat=", "-g", str(group)], capture_output=True, text=True)
+    return any(not state.startswith("Z") for state in found.stdout.split())
