@@ -1,17 +1,21 @@
-// Dense attention for x86 CPUs with AVX512-BF16: many query rows against one set of keys, no
-// mask, head dimension 64, bfloat16 in, float32 out with each row's log-sum-exp.
+// Attention for x86 CPUs with AVX512-BF16: many query rows against one set of keys, each row
+// seeing a prefix of them (all, or its own count: a causal or padded row), head dimension 64,
+// bfloat16 in, float32 out with each row's log-sum-exp.
 //
 // Both products use `vdpbf16ps` (bf16 pairs multiplied and summed into float32 lanes), which
 // torch's own CPU flash attention does not, so scores are float32 sums of bf16 products (as
 // in oneDNN's bf16 matmul) and never rounded to bf16; the probabilities are, for the second
 // product, as in every bf16 flash kernel. Online softmax over blocks of 64 keys.
 //
-//   q [heads, rows, 64], k / v [heads, keys, 64] bf16 contiguous → out [heads, rows, 64] f32,
-//   lse [heads, rows] f32 (natural log of the sum of exp(scale * q·k)).
+//   q [batch, heads, rows, 64], k / v [batch, heads, keys, 64] bf16; lengths: none (every row
+//   sees every key) or [batch, rows] integers (row r sees keys 0 .. lengths[b, r] - 1)
+//   → out [batch, heads, rows, 64] f32, lse [batch, heads, rows] f32 (natural log of the sum
+//   of exp(scale * q·k); a row that sees no key gets 0 and -inf).
 //
 // K is repacked per call so that one 64-byte load holds one dimension pair of 16 keys; V so
-// that one load holds 16 dimensions of a key pair. Each task is (head, 16 rows), processed as
-// 4-row tiles whose accumulators stay in registers.
+// that one load holds 16 dimensions of a key pair. Each task is (batch, head, 16 rows),
+// processed as 4-row tiles whose accumulators stay in registers; key blocks past the task's
+// longest row are skipped.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -21,6 +25,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
+#include <algorithm>
 #include <limits>
 #include <tuple>
 
@@ -104,13 +110,18 @@ inline void tile_scores(const uint32_t* q, const uint16_t* kblock, float scale,
 }
 
 // One 4-row tile through one key block: softmax update, then out += probabilities · V.
+// valid[r]: how many of the block's keys row r sees (0 to 64).
 void tile_block(const uint32_t* q, const uint16_t* kblock, const uint16_t* vblock,
-                int64_t valid_keys, float scale, RowState& state, int64_t row0) {
+                const int64_t* valid, float scale, RowState& state, int64_t row0) {
   alignas(64) float scores[kTileRows][kKeyBlock];
   tile_scores(q, kblock, scale, scores);
   alignas(64) uint32_t probs[kTileRows][kKeyBlock / 2];  // bf16 pairs
   for (int64_t r = 0; r < kTileRows; ++r) {
-    for (int64_t n = valid_keys; n < kKeyBlock; ++n)
+    if (valid[r] <= 0) {  // nothing to see here: no change, no contribution
+      std::memset(probs[r], 0, sizeof(probs[r]));
+      continue;
+    }
+    for (int64_t n = valid[r]; n < kKeyBlock; ++n)
       scores[r][n] = -std::numeric_limits<float>::infinity();
     __m512 block_max = _mm512_loadu_ps(scores[r]);
     for (int64_t g = 1; g < kGroups; ++g)
@@ -154,21 +165,80 @@ void tile_block(const uint32_t* q, const uint16_t* kblock, const uint16_t* vbloc
     for (int64_t c = 0; c < kDim / 16; ++c) _mm512_store_ps(state.out[row0 + r] + c * 16, acc[r][c]);
 }
 
+struct Shapes {
+  int64_t batch, heads, rows, keys, padded;
+};
+
+// One task: rows row_start .. +16 of (batch b, head h) through every key block they see.
+void attend_task(const Shapes& n, int64_t b, int64_t h, int64_t row_start, const uint16_t* qp,
+                 const uint16_t* kpack, const uint16_t* vpack, const int64_t* lengths,
+                 float scale, float* outp, float* lsep) {
+  alignas(64) uint16_t qtile[kTaskRows * kDim] = {};
+  RowState state;
+  const int64_t count = std::min(kTaskRows, n.rows - row_start);
+  const int64_t head = b * n.heads + h;
+  std::memcpy(qtile, qp + (head * n.rows + row_start) * kDim, count * kDim * sizeof(uint16_t));
+  int64_t seen[kTaskRows] = {};  // keys each row sees; padding rows none
+  int64_t longest = 0;
+  for (int64_t r = 0; r < kTaskRows; ++r) {
+    state.max[r] = -std::numeric_limits<float>::infinity();
+    state.sum[r] = 0.0f;
+    std::memset(state.out[r], 0, sizeof(state.out[r]));
+    if (r < count) {
+      seen[r] = lengths == nullptr ? n.keys
+                                   : std::clamp<int64_t>(lengths[b * n.rows + row_start + r],
+                                                         0, n.keys);
+    }
+    longest = std::max(longest, seen[r]);
+  }
+  const uint16_t* kbase = kpack + head * n.padded * kDim;
+  const uint16_t* vbase = vpack + head * n.padded * kDim;
+  for (int64_t block = 0; block < longest; block += kKeyBlock) {
+    for (int64_t r0 = 0; r0 < count; r0 += kTileRows) {
+      int64_t valid[kTileRows];
+      for (int64_t r = 0; r < kTileRows; ++r)
+        valid[r] = std::min(kKeyBlock, seen[r0 + r] - block);
+      const auto* q32 = reinterpret_cast<const uint32_t*>(qtile + r0 * kDim);
+      tile_block(q32, kbase + block * kDim, vbase + block * kDim, valid, scale, state, r0);
+    }
+  }
+  for (int64_t r = 0; r < count; ++r) {
+    const int64_t row = head * n.rows + row_start + r;
+    const float sum = state.sum[r];
+    const float inverse = sum > 0.0f ? 1.0f / sum : 0.0f;
+    for (int64_t d = 0; d < kDim; ++d) outp[row * kDim + d] = state.out[r][d] * inverse;
+    lsep[row] = sum > 0.0f ? state.max[r] + std::log(sum)
+                           : -std::numeric_limits<float>::infinity();
+  }
+}
+
 std::tuple<at::Tensor, at::Tensor> dense_attention(const at::Tensor& q, const at::Tensor& k,
-                                                   const at::Tensor& v, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be [heads, n, 64]");
+                                                   const at::Tensor& v,
+                                                   const std::optional<at::Tensor>& lengths,
+                                                   double scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
+              "q, k, v must be [batch, heads, n, 64]");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
                   v.scalar_type() == at::kBFloat16,
               "q, k, v must be bfloat16");
-  TORCH_CHECK(q.size(2) == kDim && k.size(2) == kDim && v.size(2) == kDim,
+  TORCH_CHECK(q.size(3) == kDim && k.size(3) == kDim && v.size(3) == kDim,
               "head dimension must be 64");
-  TORCH_CHECK(k.sizes() == v.sizes() && q.size(0) == k.size(0) && k.size(1) > 0,
-              "k and v must match, with the heads of q and at least one key");
+  TORCH_CHECK(k.sizes() == v.sizes() && q.size(0) == k.size(0) && q.size(1) == k.size(1) &&
+                  k.size(2) > 0,
+              "k and v must match, with the batch and heads of q and at least one key");
+  const int64_t keys = k.size(2);
+  const Shapes n{q.size(0), q.size(1), q.size(2), keys,
+                 (keys + kKeyBlock - 1) / kKeyBlock * kKeyBlock};
+  at::Tensor counts;
+  if (lengths.has_value()) {
+    TORCH_CHECK(lengths->sizes() == at::IntArrayRef({n.batch, n.rows}),
+                "lengths must be [batch, rows]");
+    counts = lengths->to(at::kLong).contiguous();
+  }
   const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
-  const int64_t heads = q.size(0), rows = q.size(1), keys = k.size(1);
-  const int64_t padded = (keys + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
-  at::Tensor kpack = at::empty({heads, padded * kDim}, k.options());
-  at::Tensor vpack = at::empty({heads, padded * kDim}, v.options());
+  const int64_t heads = n.batch * n.heads;
+  at::Tensor kpack = at::empty({heads, n.padded * kDim}, k.options());
+  at::Tensor vpack = at::empty({heads, n.padded * kDim}, v.options());
   const auto* kp = reinterpret_cast<const uint16_t*>(kc.data_ptr());
   const auto* vp = reinterpret_cast<const uint16_t*>(vc.data_ptr());
   auto* kpp = reinterpret_cast<uint16_t*>(kpack.data_ptr());
@@ -177,46 +247,24 @@ std::tuple<at::Tensor, at::Tensor> dense_attention(const at::Tensor& q, const at
     for (int64_t t = begin; t < end; ++t) {
       const int64_t h = t / 2;
       if (t % 2 == 0)
-        pack_keys(kp + h * keys * kDim, keys, kpp + h * padded * kDim);
+        pack_keys(kp + h * keys * kDim, keys, kpp + h * n.padded * kDim);
       else
-        pack_values(vp + h * keys * kDim, keys, padded, vpp + h * padded * kDim);
+        pack_values(vp + h * keys * kDim, keys, n.padded, vpp + h * n.padded * kDim);
     }
   });
-  at::Tensor out = at::empty({heads, rows, kDim}, q.options().dtype(at::kFloat));
-  at::Tensor lse = at::empty({heads, rows}, q.options().dtype(at::kFloat));
+  at::Tensor out = at::empty({n.batch, n.heads, n.rows, kDim}, q.options().dtype(at::kFloat));
+  at::Tensor lse = at::empty({n.batch, n.heads, n.rows}, q.options().dtype(at::kFloat));
   const auto* qp = reinterpret_cast<const uint16_t*>(qc.data_ptr());
+  const int64_t* lp = counts.defined() ? counts.data_ptr<int64_t>() : nullptr;
   float* outp = out.data_ptr<float>();
   float* lsep = lse.data_ptr<float>();
-  const int64_t tasks_per_head = (rows + kTaskRows - 1) / kTaskRows;
+  const int64_t per_head = (n.rows + kTaskRows - 1) / kTaskRows;
   const auto fscale = static_cast<float>(scale);
-  at::parallel_for(0, heads * tasks_per_head, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) uint16_t qtile[kTaskRows * kDim];
-    RowState state;
+  at::parallel_for(0, heads * per_head, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t h = t / tasks_per_head, row_start = (t % tasks_per_head) * kTaskRows;
-      const int64_t count = std::min(kTaskRows, rows - row_start);
-      std::memset(qtile, 0, sizeof(qtile));
-      std::memcpy(qtile, qp + (h * rows + row_start) * kDim, count * kDim * sizeof(uint16_t));
-      for (int64_t r = 0; r < kTaskRows; ++r) {
-        state.max[r] = -std::numeric_limits<float>::infinity();
-        state.sum[r] = 0.0f;
-        std::memset(state.out[r], 0, sizeof(state.out[r]));
-      }
-      for (int64_t block = 0; block < padded; block += kKeyBlock) {
-        const uint16_t* kblock = kpp + h * padded * kDim + block * kDim;
-        const uint16_t* vblock = vpp + h * padded * kDim + block * kDim;
-        const int64_t valid = std::min(kKeyBlock, keys - block);
-        for (int64_t r0 = 0; r0 < count; r0 += kTileRows) {
-          const auto* q32 = reinterpret_cast<const uint32_t*>(qtile + r0 * kDim);
-          tile_block(q32, kblock, vblock, valid, fscale, state, r0);
-        }
-      }
-      for (int64_t r = 0; r < count; ++r) {
-        const float inverse = 1.0f / state.sum[r];
-        float* o = outp + (h * rows + row_start + r) * kDim;
-        for (int64_t d = 0; d < kDim; ++d) o[d] = state.out[r][d] * inverse;
-        lsep[h * rows + row_start + r] = state.max[r] + std::log(state.sum[r]);
-      }
+      const int64_t head = t / per_head;
+      attend_task(n, head / n.heads, head % n.heads, (t % per_head) * kTaskRows, qp, kpp, vpp,
+                  lp, fscale, outp, lsep);
     }
   });
   return {out, lse};
@@ -225,7 +273,9 @@ std::tuple<at::Tensor, at::Tensor> dense_attention(const at::Tensor& q, const at
 }  // namespace
 
 TORCH_LIBRARY(blockserve_cpu, m) {
-  m.def("dense_attention(Tensor q, Tensor k, Tensor v, float scale) -> (Tensor, Tensor)");
+  m.def(
+      "dense_attention(Tensor q, Tensor k, Tensor v, Tensor? lengths, float scale)"
+      " -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(blockserve_cpu, CPU, m) { m.impl("dense_attention", &dense_attention); }

@@ -94,6 +94,9 @@ def build(target: Path) -> None:
         if process.returncode != 0:
             raise subprocess.CalledProcessError(process.returncode, command, stderr=errors)
         os.replace(scratch / target.name, target)
+        for stale in target.parent.glob("dense_bf16-*.so"):  # built from an older source
+            if stale != target:
+                stale.unlink(missing_ok=True)
     finally:
         _stop(process, scratch)
 

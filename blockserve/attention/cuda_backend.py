@@ -14,12 +14,8 @@ from typing import Any
 import torch
 
 from blockserve.attention.metadata import AttentionMetadata
-from blockserve.attention.torch_backend import (
-    PrefillPlan,
-    all_prefill_plans,
-    attend_prefills,
-    split_batch,
-)
+from blockserve.attention.prefill import PrefillPlan, attend_prefills
+from blockserve.attention.torch_backend import all_prefill_plans, split_batch
 from blockserve.errors import BackendUnavailableError
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"

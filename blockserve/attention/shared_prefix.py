@@ -47,28 +47,35 @@ def attend_heads(
     v: torch.Tensor,
     mask: torch.Tensor | None = None,  # bool, broadcastable to [batch, heads, queries, keys]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`attend` for 4-D inputs with as many K/V heads as query heads: our CPU kernel for one
-    unmasked bf16 batch of head dimension 64 once it is loaded (attention/cpu_kernels.py),
-    else torch's fused CPU kernel where it exists (outputs float32 like `attend`), else the
-    explicit path."""
+    """`attend` for 4-D inputs with as many K/V heads as query heads: our CPU kernel in bf16
+    with head dimension 64 once it is loaded (attention/cpu_kernels.py) where every row sees a
+    prefix of the keys, else torch's fused CPU kernel where it exists (outputs float32 like
+    `attend`), else the explicit path."""
     if _FUSED_CPU_WITH_LSE is None or q.device.type != "cpu":
         return attend(q, k, v, mask)
     kernel = cpu_kernels.dense_attention()
-    if (
-        kernel is not None
-        and mask is None
-        and q.shape[0] == 1
-        and q.dtype == torch.bfloat16
-        and q.shape[-1] == cpu_kernels.HEAD_DIM
-    ):
-        out, lse = kernel(q[0], k[0], v[0], q.shape[-1] ** -0.5)
-        return out[None], lse[None]
+    if kernel is not None and q.dtype == torch.bfloat16 and q.shape[-1] == cpu_kernels.HEAD_DIM:
+        lengths = None if mask is None else prefix_lengths(mask, q.shape[0], q.shape[2], k.shape[2])
+        if mask is None or lengths is not None:
+            return kernel(q, k, v, lengths, q.shape[-1] ** -0.5)
     additive = None
     if mask is not None:
         additive = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
         additive.masked_fill_(~mask, float("-inf"))
     out, lse = _FUSED_CPU_WITH_LSE(q, k, v, attn_mask=additive)
     return out.float(), lse
+
+
+def prefix_lengths(mask: torch.Tensor, batch: int, rows: int, keys: int) -> torch.Tensor | None:
+    """How many keys each row sees, [batch, rows], if `mask` (the same for every head) shows
+    every row a prefix of the keys, as the paths' masks do (a sequence's keys up to the row's
+    own position, padding after); else None."""
+    if mask.dim() != 4 or mask.shape[1] != 1:
+        return None
+    rows_mask = mask.expand(batch, 1, rows, keys)[:, 0]
+    lengths = rows_mask.sum(-1)
+    prefix = torch.arange(keys, device=mask.device) < lengths[..., None]
+    return lengths if torch.equal(rows_mask, prefix) else None
 
 
 def merge(

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from blockserve.attention.metadata import AttentionMetadata
+from blockserve.attention.prefill import PrefillPlan, attend_prefills, prefix_prefill_plan
 from blockserve.attention.shared_prefix import (
     SharedPrefixPlan,
     attend_heads,
@@ -27,16 +28,6 @@ from blockserve.attention.shared_prefix import (
     num_common_blocks,
     plan_shared_prefix,
 )
-
-
-@dataclass(frozen=True, slots=True)
-class PrefillPlan:
-    """One prefill sequence: its query tokens and, when it extends a cached prefix, its context."""
-
-    token_start: int
-    token_end: int
-    context_slots: torch.Tensor | None  # [context_len] int64; None: no prefix, use K/V as given
-    mask: torch.Tensor | None  # [query_len, context_len] bool, True = attend
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,12 +49,6 @@ class TorchAttentionPlan:
     decode: DecodePlan | None
     prefills: tuple[PrefillPlan, ...]
     shared_prefix: SharedPrefixPlan | None = None
-
-
-def context_slots(block_table: torch.Tensor, num_positions: int, block_size: int) -> torch.Tensor:
-    """Cache slots of positions 0..num_positions-1 of a sequence: [num_positions] int64."""
-    positions = torch.arange(num_positions, device=block_table.device)
-    return block_table[positions // block_size] * block_size + positions % block_size
 
 
 class BatchSplit(NamedTuple):
@@ -97,17 +82,6 @@ def split_batch(metadata: AttentionMetadata) -> BatchSplit:
     return split
 
 
-def prefix_prefill_plan(metadata: AttentionMetadata, row: int, token_start: int) -> PrefillPlan:
-    """One prefill chunk on top of cached blocks: its context slots and causal mask."""
-    query_len, seq_len = metadata.query_lens_cpu[row], metadata.seq_lens_cpu[row]
-    device = metadata.slot_mapping.device
-    slots = context_slots(metadata.block_tables[row], seq_len, metadata.block_size)
-    # Query i sits at absolute position num_cached + i and sees keys 0..that position.
-    query_pos = torch.arange(seq_len - query_len, seq_len, device=device)
-    mask = torch.arange(seq_len, device=device)[None, :] <= query_pos[:, None]
-    return PrefillPlan(token_start, token_start + query_len, slots, mask)
-
-
 def all_prefill_plans(metadata: AttentionMetadata, split: BatchSplit) -> tuple[PrefillPlan, ...]:
     return (
         *split.fresh_prefills,
@@ -116,35 +90,6 @@ def all_prefill_plans(metadata: AttentionMetadata, split: BatchSplit) -> tuple[P
             for r, t in zip(split.prefix_rows, split.prefix_token_starts, strict=True)
         ),
     )
-
-
-def attend_prefills(
-    query: torch.Tensor,  # [num_tokens, heads, dim]
-    key: torch.Tensor,  # [num_tokens, kv_heads, dim]
-    value: torch.Tensor,
-    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, dim], this step's K/V written
-    prefills: tuple[PrefillPlan, ...],
-    output: torch.Tensor,  # [num_tokens, heads, dim]: the prefill rows are written
-) -> None:
-    """Each prefill sequence's queries over its context, with torch's fused attention.
-
-    4-D inputs throughout: with 3-D ones torch's CPU kernel falls back to its slow math path.
-    """
-    num_kv_heads, head_dim = key.shape[1], key.shape[2]
-    key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
-    value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
-    for prefill in prefills:
-        start, end = prefill.token_start, prefill.token_end
-        q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, heads, query_len, dim]
-        if prefill.context_slots is None:
-            k = key[start:end].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, query_len, dim]
-            v = value[start:end].transpose(0, 1).unsqueeze(0)
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        else:
-            k = key_cache[prefill.context_slots].transpose(0, 1).unsqueeze(0)  # [1, kv, ctx, d]
-            v = value_cache[prefill.context_slots].transpose(0, 1).unsqueeze(0)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=prefill.mask, enable_gqa=True)
-        output[start:end] = out[0].transpose(0, 1)
 
 
 class TorchAttentionBackend:

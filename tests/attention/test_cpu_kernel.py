@@ -44,30 +44,57 @@ def kernel(cache_dir: Path) -> Kernel:
     return op
 
 
-def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths, scale: float):
+    """float64 attention in which row r of batch b sees keys 0 .. lengths[b, r] - 1."""
     scores = q.double() @ k.double().transpose(-1, -2) * scale
-    return torch.softmax(scores, -1) @ v.double(), torch.logsumexp(scores, -1)
+    if lengths is not None:
+        seen = torch.arange(k.shape[2])[None, None, None, :] < lengths[:, None, :, None]
+        scores = scores.masked_fill(~seen, float("-inf"))
+    return torch.softmax(scores, -1).nan_to_num(0.0) @ v.double(), torch.logsumexp(scores, -1)
 
 
 @pytest.mark.parametrize(
-    ("heads", "rows", "keys"),
-    [(1, 1, 1), (3, 5, 37), (2, 17, 64), (1, 33, 1000), (3, 192, 1024)],
+    ("batch", "heads", "rows", "keys", "seen"),
+    [
+        (1, 1, 1, 1, "all"),
+        (1, 3, 5, 37, "all"),
+        (2, 2, 17, 64, "all"),
+        (1, 1, 33, 1000, "all"),
+        (1, 3, 192, 1024, "all"),  # a shared-prefix decode step's common blocks
+        (64, 3, 3, 64, "some"),  # its decodes' own blocks, padded
+        (5, 3, 96, 130, "causal"),  # prefill chunks on their own earlier tokens
+        (2, 2, 7, 100, "some or none"),  # a padding row sees nothing
+    ],
 )
-def test_equals_float64_attention(kernel: Kernel, heads: int, rows: int, keys: int) -> None:
+def test_equals_float64_attention(
+    kernel: Kernel, batch: int, heads: int, rows: int, keys: int, seen: str
+) -> None:
     """Rows and keys off the kernel's tiles (4 rows, 64 keys) included: the padding is unseen.
-    The output's error is the bf16 probabilities' rounding: at most 2^-8 of the largest value."""
+    The output's error is the bf16 probabilities' rounding: at most 2^-8 of the largest value.
+    A row that sees no key gets zeros and a log-sum-exp of -inf."""
     generator = torch.Generator().manual_seed(rows * 1000 + keys)
     q, k, v = (
-        (torch.randn(heads, n, 64, generator=generator) * 1.5).bfloat16()
+        (torch.randn(batch, heads, n, 64, generator=generator) * 1.5).bfloat16()
         for n in (rows, keys, keys)
     )
-    out, lse = kernel(q, k, v, 0.125)
-    expected_out, expected_lse = dense_reference(q, k, v, 0.125)
+    lengths = {
+        "all": None,
+        "some": torch.randint(1, keys + 1, (batch, 1), generator=generator).expand(batch, rows),
+        "causal": (keys - rows + 1 + torch.arange(rows)).expand(batch, rows),
+        "some or none": torch.randint(0, keys + 1, (batch, rows), generator=generator),
+    }[seen]
+    if seen == "some or none":
+        lengths[0, 0] = 0
+    out, lse = kernel(q, k, v, lengths, 0.125)
+    expected_out, expected_lse = reference(q, k, v, lengths, 0.125)
     assert out.dtype == lse.dtype == torch.float32
-    assert out.shape == (heads, rows, 64) and lse.shape == (heads, rows)
+    assert out.shape == (batch, heads, rows, 64) and lse.shape == (batch, heads, rows)
     bound = 2**-8 * v.abs().max().item()
     assert (out.double() - expected_out).abs().max().item() < bound
-    assert (lse.double() - expected_lse).abs().max().item() < 1e-5
+    finite = torch.isfinite(expected_lse)
+    assert (lse.double()[finite] - expected_lse[finite]).abs().max().item() < 1e-5
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert (out[~finite] == 0).all()
 
 
 @pytest.mark.parametrize(
@@ -75,14 +102,17 @@ def test_equals_float64_attention(kernel: Kernel, heads: int, rows: int, keys: i
     [
         (lambda q, k, v: (q.float(), k, v), "bfloat16"),
         (lambda q, k, v: (q[..., :32], k[..., :32], v[..., :32]), "head dimension must be 64"),
-        (lambda q, k, v: (q, k[:, :0], v[:, :0]), "at least one key"),
-        (lambda q, k, v: (q, k, v[:, :3]), "k and v must match"),
+        (lambda q, k, v: (q, k[:, :, :0], v[:, :, :0]), "at least one key"),
+        (lambda q, k, v: (q, k, v[:, :, :3]), "k and v must match"),
+        (lambda q, k, v: (q[0], k[0], v[0]), "must be \\[batch, heads, n, 64\\]"),
     ],
 )
 def test_refuses_what_it_does_not_handle(kernel: Kernel, change, message: str) -> None:
-    q, k, v = (torch.zeros(2, 8, 64, dtype=torch.bfloat16) for _ in range(3))
+    q, k, v = (torch.zeros(1, 2, 8, 64, dtype=torch.bfloat16) for _ in range(3))
     with pytest.raises(RuntimeError, match=message):
-        kernel(*change(q, k, v), 0.125)
+        kernel(*change(q, k, v), None, 0.125)
+    with pytest.raises(RuntimeError, match="lengths must be"):
+        kernel(q, k, v, torch.ones(1, 3, dtype=torch.long), 0.125)
 
 
 @pytest.mark.parametrize(
@@ -90,12 +120,14 @@ def test_refuses_what_it_does_not_handle(kernel: Kernel, change, message: str) -
     [
         ([(64, 1), (64, 1), (70, 1), (99, 1), (65, 1)], 4),  # decodes on a shared prefix
         ([(48, 32), (50, 5), (70, 17), (0, 20), (60, 1)], 3),  # prefill chunks on one
+        ([(0, 20), (37, 9), (0, 70)], 0),  # prefills one by one: fresh, on cached blocks
     ],
 )
-def test_the_backend_shared_prefix_paths_use_it(
+def test_the_backend_paths_use_it(
     kernel: Kernel, monkeypatch: pytest.MonkeyPatch, specs, shared_blocks: int
 ) -> None:
-    """bf16 steps with common blocks call the kernel for them and still equal dense attention."""
+    """bf16 steps call the kernel for shared prefixes and prefills and still equal dense
+    attention."""
     calls = []
 
     def counted() -> Kernel:
