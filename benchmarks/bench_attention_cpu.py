@@ -5,13 +5,16 @@ The default model's attention: 9 query heads over 3 KV heads, head dimension 64.
   decode-common   every decode of the shared-prefix run against the shared 1,024 keys, each KV
                   head's 3 query heads × 64 sequences folded into 192 rows (no mask)
   decode-own      the same decodes against each sequence's own last blocks (64 keys, masked)
+  decode-alone    64 decodes sharing nothing, each over its own 1,088 keys
   prefill-common  64 × 32 new tokens against the shared 1,024 keys: 6,144 rows per KV head
   causal-544, causal-1056   one fresh prefill (no-sharing run; the shared prefix's first request)
 Variants:
   fused           torch's CPU flash attention
-  ours            our kernel (attention/cpu_dense_bf16.cpp), bf16 where the CPU has AVX512-BF16
+  ours            our kernel (attention/cpu_dense_bf16.cpp), bf16 where the CPU has AVX512-BF16:
+                  masked cases as per-row key counts, causal ones with query heads folded
   explicit        the same in separate ops: float32 scores, softmax, product
   compiled        `explicit` through torch.compile (inductor fuses the softmax into C++ loops)
+  batched-products  decode-alone as the backend computes it in bf16 (products in bf16)
   bf16-scores     decode-common + decode-own as one softmax over bfloat16 products (no LSE
                   merge): the products' outputs are rounded to bf16, which is the error to see
   q-chunks-128    a causal prefill as 128-query chunks: each chunk's earlier keys unmasked
@@ -37,12 +40,14 @@ from report import emit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from blockserve.attention import cpu_kernels
-from blockserve.attention.shared_prefix import attend, attend_heads, merge
+from blockserve.attention.prefill import attend_causal
+from blockserve.attention.shared_prefix import attend, merge
 from blockserve.model.loader import default_cache_dir
 
 HEADS, KV_HEADS, DIM = 9, 3, 64
 GROUP = HEADS // KV_HEADS
 DECODES, COMMON, OWN = 64, 1024, 64
+ALONE = 1088  # a decode's whole context when it shares no blocks
 
 Tensors = tuple[torch.Tensor, ...]
 # torch's fused CPU attention, in the variant that also returns the log-sum-exp
@@ -65,6 +70,17 @@ def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     return scores.softmax(-1) @ v.double()
+
+
+def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask as the fused kernel takes it: 0 where seen, -inf elsewhere."""
+    return torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, float("-inf"))
+
+
+def batched_products(q, k, v, mask) -> torch.Tensor:
+    """The backend's bf16 decodes without a shared prefix: products in bf16 (rounded scores)."""
+    scores = (q @ k.transpose(-1, -2) * DIM**-0.5).masked_fill(~mask, float("-inf"))
+    return scores.softmax(-1, dtype=torch.float32).to(q.dtype) @ v
 
 
 def explicit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -107,12 +123,42 @@ def q_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int = 128
             out[:, :, :end] = own
             continue
         rows = q[0, :, start:end].reshape(KV_HEADS, GROUP * (end - start), DIM)[None]
-        earlier, lse = attend_heads(rows, k[:, :, :start], v[:, :, :start])
+        earlier, lse = FUSED(rows, k[:, :, :start], v[:, :, :start])
         shape = (1, HEADS, end - start)
         out[:, :, start:end] = merge(
-            earlier.reshape(*shape, DIM), lse.reshape(shape), own.float(), own_lse
+            earlier.float().reshape(*shape, DIM), lse.reshape(shape), own.float(), own_lse
         )
     return out
+
+
+def variant_sets(dtype: torch.dtype, seen: torch.Tensor) -> dict[str, dict[str, Callable]]:
+    """The variants timed on each kind of case; `seen`: decode-own's per-row key counts."""
+
+    def masked_fused(q, k, v, mask):
+        return FUSED(q, k, v, attn_mask=additive(mask, q.dtype))[0]
+
+    sets: dict[str, dict[str, Callable]] = {
+        "dense": {"fused": lambda q, k, v: FUSED(q, k, v)[0], "explicit": explicit},
+        "own": {"fused": masked_fused, "explicit": lambda q, k, v, m: attend(q, k, v, m)[0]},
+        "alone": {"fused": masked_fused, "batched-products": batched_products},
+        "causal": {
+            "fused": lambda q, k, v: F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, enable_gqa=True
+            ),
+            "q-chunks-128": q_chunks,
+        },
+    }
+    sets["dense"]["compiled"] = compiled
+    kernel = cpu_kernels.load(default_cache_dir()) if cpu_kernels.supported() else None
+    if kernel is not None and dtype == torch.bfloat16:
+        scale = DIM**-0.5
+        sets["dense"]["ours"] = lambda q, k, v: kernel(q, k, v, None, scale)[0]
+        sets["own"]["ours"] = lambda q, k, v, m: kernel(q, k, v, seen, scale)[0]
+        sets["alone"]["ours"] = lambda q, k, v, m: kernel(q, k, v, None, scale)[0]
+        sets["causal"]["ours"] = lambda q, k, v: attend_causal(
+            kernel, *(x[0].transpose(0, 1) for x in (q, k, v))
+        ).transpose(0, 1)[None]
+    return sets
 
 
 def cases(dtype: torch.dtype) -> dict[str, tuple[float, Tensors, dict[str, Callable]]]:
@@ -122,65 +168,44 @@ def cases(dtype: torch.dtype) -> dict[str, tuple[float, Tensors, dict[str, Calla
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen).to(dtype)
 
-    dense: dict[str, Callable] = {
-        "fused": lambda q, k, v: FUSED(q, k, v)[0],
-        "explicit": explicit,
-        "compiled": compiled,
-    }
-    kernel = cpu_kernels.load(default_cache_dir()) if cpu_kernels.supported() else None
-    if kernel is not None and dtype == torch.bfloat16:
-        dense["ours"] = lambda q, k, v: kernel(q[0], k[0], v[0], DIM**-0.5)[0][None]
     q = randn(DECODES, KV_HEADS, GROUP, DIM)
     common_k, common_v = randn(1, KV_HEADS, COMMON, DIM), randn(1, KV_HEADS, COMMON, DIM)
     own_k, own_v = randn(DECODES, KV_HEADS, OWN, DIM), randn(DECODES, KV_HEADS, OWN, DIM)
     lengths = torch.randint(1, OWN + 1, (DECODES, 1, 1, 1), generator=gen)
     own_mask = torch.arange(OWN)[None, None, None, :] < lengths
+    sets = variant_sets(dtype, lengths.view(DECODES, 1).expand(DECODES, GROUP))
     folded = q.permute(1, 0, 2, 3).reshape(1, KV_HEADS, DECODES * GROUP, DIM)
-    rows = DECODES * GROUP
+    rows, own_pairs = DECODES * GROUP, int(lengths.sum()) * HEADS
+    alone = tuple(randn(DECODES, KV_HEADS, n, DIM) for n in (GROUP, ALONE, ALONE))
     out: dict[str, tuple[float, Tensors, dict[str, Callable]]] = {
-        "decode-common": (rows * COMMON * KV_HEADS, (folded, common_k, common_v), dense),
-        "decode-own": (
-            int(lengths.sum()) * HEADS,
-            (q, own_k, own_v, own_mask),
-            {
-                "fused": lambda q, k, v, m: attend_heads(q, k, v, m)[0],
-                "explicit": lambda q, k, v, m: attend(q, k, v, m)[0],
-            },
-        ),
+        "decode-common": (rows * COMMON * KV_HEADS, (folded, common_k, common_v), sets["dense"]),
+        "decode-own": (own_pairs, (q, own_k, own_v, own_mask), sets["own"]),
         "decode-common+own": (
-            rows * COMMON * KV_HEADS + int(lengths.sum()) * HEADS,
+            rows * COMMON * KV_HEADS + own_pairs,
             (q, common_k, common_v, own_k, own_v, own_mask),
             {"bf16-scores": bf16_scores},
         ),
         "prefill-common": (
             32 * rows * COMMON * KV_HEADS,
             (randn(1, KV_HEADS, 32 * rows, DIM), common_k, common_v),
-            dense,
+            sets["dense"],
+        ),
+        "decode-alone": (
+            rows * ALONE * KV_HEADS,
+            (*alone, torch.ones(DECODES, 1, 1, ALONE, dtype=torch.bool)),
+            sets["alone"],
         ),
     }
     for n in (544, 1056):
-        causal_inputs = (
-            randn(1, HEADS, n, DIM),
-            randn(1, KV_HEADS, n, DIM),
-            randn(1, KV_HEADS, n, DIM),
-        )
-        out[f"causal-{n}"] = (
-            n * (n + 1) // 2 * HEADS,
-            causal_inputs,
-            {
-                "fused": lambda q, k, v: F.scaled_dot_product_attention(
-                    q, k, v, is_causal=True, enable_gqa=True
-                ),
-                "q-chunks-128": q_chunks,
-            },
-        )
+        inputs = tuple(randn(1, heads, n, DIM) for heads in (HEADS, KV_HEADS, KV_HEADS))
+        out[f"causal-{n}"] = (n * (n + 1) // 2 * HEADS, inputs, sets["causal"])
     return out
 
 
 def reference(name: str, inputs: Tensors) -> torch.Tensor:
     if name == "decode-common+own":
         return two_part_reference(*inputs)
-    if name == "decode-own":
+    if name in ("decode-own", "decode-alone"):
         return dense_reference(*inputs)
     if name.startswith("causal"):
         q, k, v = inputs
