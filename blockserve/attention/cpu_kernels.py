@@ -1,10 +1,10 @@
 """Our CPU attention kernel (cpu_dense_bf16.cpp), built with the host's g++ and loaded into torch.
 
-It serves the torch backend's unmasked attention over a shared prefix (every decode's and every
-prefill chunk's queries against the common blocks) in bfloat16 with head dimension 64, on x86
-CPUs with AVX512-BF16: there it is 2-2.6x torch's fused kernel (docs/benchmarks.md,
-"Attention on the workloads' shapes"). Elsewhere, or while it builds, or if it cannot be
-built, the backend keeps torch's kernel: the result is the same up to rounding.
+It serves the torch backend's attention in bfloat16 with head dimension 64 on x86 CPUs with
+AVX512-BF16 (a shared prefix's common blocks, each sequence's own blocks, prefills one by one;
+docs/architecture.md, "Our CPU attention kernel"): there it is 2-3x torch's fused kernel
+(docs/benchmarks.md, "Attention on the workloads' shapes"). Elsewhere, or while it builds, or if
+it cannot be built, the backend keeps torch's kernel: the result is the same up to rounding.
 
 The build (~12 s, once per host, torch and source) runs on a thread of its own when the engine
 starts, so start-up does not wait for it; the library lands under `<cache dir>/cpu_kernels`,
@@ -39,7 +39,7 @@ HEAD_DIM = 64
 
 _lock = threading.Lock()
 _op: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
-_build: threading.Thread | None = None
+_loader: threading.Thread | None = None
 _builds: dict[subprocess.Popen, Path] = {}  # running compiles → their scratch directories
 _enabled = True
 
@@ -141,18 +141,18 @@ def load(cache_dir: Path) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | 
 
 def start_loading(cache_dir: Path) -> None:
     """Load (building first if needed) on a thread of its own, once per process."""
-    global _build
+    global _loader
     with _lock:
-        if _op is not None or _build is not None or not supported():
+        if _op is not None or _loader is not None or not supported():
             return
-        _build = threading.Thread(target=load, args=(cache_dir,), name="cpu-kernel-build")
-        _build.daemon = True
-        _build.start()
+        _loader = threading.Thread(target=load, args=(cache_dir,), name="cpu-kernel-build")
+        _loader.daemon = True
+        _loader.start()
 
 
 def wait(timeout: float | None = None) -> bool:
     """Block until a started load ends; whether the kernel is in use."""
-    thread = _build
+    thread = _loader
     if thread is not None:
         thread.join(timeout)
     return _op is not None
