@@ -59,14 +59,20 @@ def supported() -> bool:
 
 
 def library_path(cache_dir: Path) -> Path:
+    """`dense_bf16-<torch install>-<source and flags>.so`: each torch install (several venvs
+    may share a cache dir) keeps its own build, and a new source replaces only its own."""
     torch_lib = Path(torch.__file__).parent / "lib"
-    parts = (SOURCE.read_bytes(), torch.__version__, " ".join(FLAGS), str(torch_lib))
-    digest = hashlib.sha256()
+    install = digest(torch.__version__, str(torch_lib))
+    source = digest(SOURCE.read_bytes(), " ".join(FLAGS))
+    return cache_dir / "cpu_kernels" / f"dense_bf16-{install}-{source}.so"
+
+
+def digest(*parts: str | bytes) -> str:
+    hasher = hashlib.sha256()
     for part in parts:
-        digest.update(part if isinstance(part, bytes) else part.encode())
-        digest.update(b"\0")
-    key = digest.hexdigest()[:16]
-    return cache_dir / "cpu_kernels" / f"dense_bf16-{key}.so"
+        hasher.update(part if isinstance(part, bytes) else part.encode())
+        hasher.update(b"\0")
+    return hasher.hexdigest()[:12]
 
 
 def build(target: Path) -> None:
@@ -94,7 +100,8 @@ def build(target: Path) -> None:
         if process.returncode != 0:
             raise subprocess.CalledProcessError(process.returncode, command, stderr=errors)
         os.replace(scratch / target.name, target)
-        for stale in target.parent.glob("dense_bf16-*.so"):  # built from an older source
+        install = target.name.split("-")[1]
+        for stale in target.parent.glob(f"dense_bf16-{install}-*.so"):  # an older source's
             if stale != target:
                 stale.unlink(missing_ok=True)
     finally:

@@ -27,14 +27,28 @@ pytestmark = pytest.mark.skipif(
 Kernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
+# Libraries in the cache dir before the build: an older source's for this torch install (the
+# build replaces it), and one for another install sharing the dir (the build leaves it).
+OLDER, OTHER_INSTALL = "000000000000.so", "dense_bf16-000000000000-000000000000.so"
+
+
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A cache dir the kernel was built into."""
     directory = tmp_path_factory.mktemp("kernel-cache")
     target = cpu_kernels.library_path(directory)
+    target.parent.mkdir(parents=True)
+    install_prefix = target.name.rsplit("-", 1)[0]
+    (target.parent / f"{install_prefix}-{OLDER}").touch()
+    (target.parent / OTHER_INSTALL).touch()
     cpu_kernels.build(target)
     assert target.is_file()
     return directory
+
+
+def test_a_build_replaces_its_installs_older_library_only(cache_dir: Path) -> None:
+    names = sorted(path.name for path in (cache_dir / "cpu_kernels").iterdir())
+    assert names == sorted([cpu_kernels.library_path(cache_dir).name, OTHER_INSTALL])
 
 
 @pytest.fixture(scope="module")
