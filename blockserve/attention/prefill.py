@@ -59,7 +59,11 @@ def attend_prefills(
     key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
     value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
     kernel = cpu_kernels.dense_attention()
-    if query.dtype != torch.bfloat16 or head_dim != cpu_kernels.HEAD_DIM:
+    if (
+        query.device.type != "cpu"  # the cuda backend prefills here too
+        or query.dtype != torch.bfloat16
+        or head_dim != cpu_kernels.HEAD_DIM
+    ):
         kernel = None
     for prefill in prefills:
         start, end = prefill.token_start, prefill.token_end
