@@ -37,7 +37,8 @@ FLAGS = (
 )  # fmt: skip
 HEAD_DIM = 64
 
-_lock = threading.Lock()
+_lock = threading.Lock()  # one load (and build) at a time
+_start_lock = threading.Lock()
 _op: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 _loader: threading.Thread | None = None
 _builds: dict[subprocess.Popen, Path] = {}  # running compiles → their scratch directories
@@ -149,7 +150,7 @@ def load(cache_dir: Path) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | 
 def start_loading(cache_dir: Path) -> None:
     """Load (building first if needed) on a thread of its own, once per process."""
     global _loader
-    with _lock:
+    with _start_lock:  # not _lock: a build holds that for its ~12 s, and this must not wait
         if _op is not None or _loader is not None or not supported():
             return
         _loader = threading.Thread(target=load, args=(cache_dir,), name="cpu-kernel-build")
