@@ -95,9 +95,9 @@ def start_cluster(args: argparse.Namespace, replicas: int, router: str, blocks: 
         str(args.prefix_weight),
     ]
     server = ServerProcess(flags, log)
-    deadline = time.monotonic() + 300
-    while "listening on http://" not in log.read_text() and time.monotonic() < deadline:
-        time.sleep(0.5)
+    if not server.wait_for_cluster(replicas, timeout=300):
+        server.stop()
+        raise TimeoutError(f"{replicas} replicas not routable in 300 s: {server.log()}")
     return server
 
 

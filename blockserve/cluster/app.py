@@ -23,6 +23,7 @@ from ray.serve.handle import DeploymentHandle
 
 from blockserve.cluster.client import ClusterEngineClient, fetch_front_end
 from blockserve.cluster.config import ClusterConfig
+from blockserve.cluster.registry import router_report
 from blockserve.cluster.replica import EngineReplica
 from blockserve.config import ServerConfig
 from blockserve.core.hashing import BlockHasher
@@ -57,8 +58,10 @@ class Ingress:
 
         @app.get("/cluster/replicas")
         async def replicas() -> dict:
-            """Per replica: finished requests, their prompt, cached and generated tokens."""
-            return {"replicas": self.client.replica_report()}
+            """Per replica: finished requests, their prompt, cached and generated tokens; and
+            the router's view: the replicas it can route to, their requests in flight and
+            (kv) what it indexes of each (null under Ray's own pow2 router)."""
+            return {"replicas": self.client.replica_report(), "router": router_report()}
 
         return app
 

@@ -23,6 +23,7 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
+from blockserve.cluster import registry
 from blockserve.cluster.policies import (
     DEFAULT_PREFIX_WEIGHT,
     KVAwarePolicy,
@@ -59,6 +60,12 @@ class PolicyRouter(FIFOMixin, RequestRouter):
         self._in_flight: dict[str, set[str]] = {}  # replica -> internal request ids
         self._routes: dict[str, RouteRequest] = {}  # internal request id -> its route
         self._live: set[str] = set()  # the replicas of the last update
+        registry.ROUTERS.add(self)
+
+    def report(self) -> dict[str, dict[str, Any]]:
+        """Per replica this router can route to: its requests in flight from here."""
+        in_flight = dict(self._in_flight)
+        return {rid: {"in_flight": len(in_flight.get(rid, ()))} for rid in sorted(self._live)}
 
     async def choose_replicas(
         self,
@@ -144,6 +151,17 @@ class KVCacheAwareRouter(PolicyRouter):
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         self._subscribe(replicas)
+
+    def report(self) -> dict[str, dict[str, Any]]:
+        """Adds, per replica: whether its KV events are followed, and its index's size."""
+        report = super().report()
+        with self.lock:
+            for replica_id, entry in report.items():
+                index = self.kv_policy.index(replica_id)
+                entry["kv_events"] = replica_id in self._subscribers
+                entry["indexed_blocks"] = index.num_blocks
+                entry["credited_blocks"] = index.num_credits
+        return report
 
     def _subscribe(self, replicas: list[RunningReplica]) -> None:
         for replica in replicas:

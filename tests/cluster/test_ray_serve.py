@@ -36,11 +36,8 @@ def cluster(
     log_path = tmp_path_factory.mktemp("ray-cluster") / "serve.log"
     args = ["--model", str(tiny_llama_dir), "--dtype", "float32", "--block-size", str(BLOCK_SIZE)]
     server = ServerProcess([*args, "--replicas", "2", "--router", "kv"], log_path)
-    # /health answers once the ingress and one replica run; the CLI says "listening" when
-    # Serve reports the whole application running.
-    deadline = time.monotonic() + 120
-    while "listening on http://" not in log_path.read_text() and time.monotonic() < deadline:
-        time.sleep(0.5)
+    # /health answers once the ingress and one replica run.
+    assert server.wait_for_cluster(replicas=2, timeout=120), server.log()
     assert len(replica_pids()) == 2, server.log()
     yield server
     assert server.stop(timeout=90) == 0, server.log()
@@ -79,6 +76,7 @@ def test_each_prefix_group_returns_to_the_replica_that_computed_it(
         "B": "what is the capital of france? paris is the capital of france. " * 3,
     }
     seen: dict[str, list[int]] = {}
+    sent: dict[str, list[list[int]]] = {"A": [], "B": []}
     for turn, group in enumerate("ABBAABBA"):
         prompt = f"{prefixes[group]}hello {turn}"
         completion = client.completions.create(
@@ -90,10 +88,34 @@ def test_each_prefix_group_returns_to_the_replica_that_computed_it(
         expected = expected_hit(seen[group], current) if group in seen else 0
         assert (turn, cached) == (turn, expected)
         seen[group] = current
+        sent[group].append(current)
     assert expected_hit(tokens(cluster, prefixes["A"]), tokens(cluster, prefixes["B"])) == 0
     # B's first request had no overlap anywhere: it went to the emptier replica.
     report = httpx.get(f"{cluster.url}/cluster/replicas").json()["replicas"]
     assert sorted(r["num_requests"] for r in report.values()) == [4, 4]
+    # The router follows each replica's KV events: its index of the replica that served a
+    # group holds that group's full prompt blocks, plus at most one block per request that
+    # the first generated token completed.
+    holder = {
+        group: next(rid for rid, r in report.items() if r["prompt_tokens"] == sum(map(len, p)))
+        for group, p in sent.items()
+    }
+    expected = {group: distinct_blocks(p) for group, p in sent.items()}
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        router = httpx.get(f"{cluster.url}/cluster/replicas").json()["router"]
+        indexed = {group: router[rid]["indexed_blocks"] for group, rid in holder.items()}
+        if all(indexed[g] >= expected[g] for g in sent):
+            break
+        time.sleep(0.2)
+    assert all(router[rid]["kv_events"] for rid in holder.values())
+    assert all(expected[g] <= indexed[g] <= expected[g] + 4 for g in sent), (indexed, expected)
+
+
+def distinct_blocks(prompts: list[list[int]]) -> int:
+    """Full blocks of `prompts` with their chains of parents, each counted once."""
+    chains = {tuple(p[:end]) for p in prompts for end in range(BLOCK_SIZE, len(p) + 1, BLOCK_SIZE)}
+    return len(chains)
 
 
 def stream_one(client: openai.OpenAI, model: str, index: int) -> str:

@@ -83,3 +83,20 @@ class ServerProcess:
                 self.process.wait()
         self._log.close()
         return self.process.returncode
+
+    def wait_for_cluster(self, replicas: int, timeout: float) -> bool:
+        """For `serve --replicas N`: until the CLI says Serve runs the application and the
+        ingress's router can reach all `replicas` (Serve reports the application running
+        before every handle has heard of every replica). False at `timeout`."""
+        deadline = time.monotonic() + timeout
+        while "listening on http://" not in self.log_path.read_text(errors="replace"):
+            if time.monotonic() > deadline or self.process.poll() is not None:
+                return False
+            time.sleep(0.5)
+        while True:
+            router = httpx.get(f"{self.url}/cluster/replicas").json()["router"]
+            if router is None or len(router) == replicas:  # None: Ray's own router
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.2)
