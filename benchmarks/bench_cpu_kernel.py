@@ -1,13 +1,19 @@
-"""Our CPU attention kernel against torch's fused one, paired, in one process on one model.
+"""Our CPU attention kernels against torch's, paired, in one process on one model.
 
-The engine's attention over a shared prefix (attention/cpu_kernels.py: bfloat16, head
-dimension 64, a CPU with AVX512-BF16) runs either through our kernel or through torch's fused
-CPU kernel; each round runs bench_offline.py's shared-prefix workload (64 × (1,024 shared + 32
-own tokens) → 32 tokens, greedy, prefix caching on) once each way, in alternating order (as
-bench_compile.py does for the compiled forward). Reports the wall times, medians, the ratio
-and how many requests produced the same tokens both ways.
+The engine's attention (attention/cpu_kernels.py: bfloat16, head dimension 64, a CPU with
+AVX512-BF16) runs either through our kernels or through torch's; each round runs one of
+bench_offline.py's workloads once each way, in alternating order (as bench_compile.py does for
+the compiled forward). Reports the wall times, medians, the ratio and how many requests
+produced the same tokens both ways.
 
     .venv/bin/python benchmarks/bench_cpu_kernel.py [--compile] [--rounds 4] [--out FILE]
+        [--kernels all|paged] [--workload shared-prefix|no-sharing] [--requests 64]
+        [--max-tokens 32]
+
+`--kernels paged` switches only the paged decode (decodes reading their own blocks in place)
+and keeps the dense kernel on both ways. Defaults: the shared-prefix workload (64 × (1,024
+shared + 32 own tokens) → 32 tokens, greedy, prefix caching on); `--workload no-sharing`
+gives each request 1,056 tokens of its own.
 """
 
 from __future__ import annotations
@@ -30,13 +36,28 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="the compiled forward")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--kernels", choices=("all", "paged"), default="all")
+    parser.add_argument(
+        "--workload", choices=("shared-prefix", "no-sharing"), default="shared-prefix"
+    )
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=32)
     args = parser.parse_args()
-    llm = LLM(max_num_seqs=64, dtype="bfloat16", compile=args.compile)
+    llm = LLM(max_num_seqs=args.requests, dtype="bfloat16", compile=args.compile)
     if not cpu_kernels.wait():
         raise SystemExit("the CPU attention kernel is not available here (see the log)")
-    modes = {"torch": partial(cpu_kernels.enable, False), "ours": partial(cpu_kernels.enable, True)}
-    prompts = make_prompts("shared-prefix", 64, llm.engine.core.info.vocab_size)
-    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    if args.kernels == "paged":
+        modes = {
+            "torch": partial(cpu_kernels.enable, True, paged=False),
+            "ours": partial(cpu_kernels.enable, True),
+        }
+    else:
+        modes = {
+            "torch": partial(cpu_kernels.enable, False),
+            "ours": partial(cpu_kernels.enable, True),
+        }
+    prompts = make_prompts(args.workload, args.requests, llm.engine.core.info.vocab_size)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     llm.generate(prompts[0][:64], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     walls, same = paired(llm, prompts, params, modes, args.rounds)
     cpu_kernels.enable(True)
@@ -44,7 +65,9 @@ def main() -> None:
     emit(
         {
             "benchmark": "cpu_kernel",
-            "workload": "shared-prefix",
+            "workload": args.workload,
+            "kernels": args.kernels,
+            "max_tokens": args.max_tokens,
             "compiled": args.compile,
             "wall_s": walls,
             "median_s": medians,

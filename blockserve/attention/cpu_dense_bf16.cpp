@@ -1,6 +1,8 @@
-// Attention for x86 CPUs with AVX512-BF16: many query rows against one set of keys, each row
-// seeing a prefix of them (all, or its own count: a causal or padded row), head dimension 64,
-// bfloat16 in, float32 out with each row's log-sum-exp.
+// Attention for x86 CPUs with AVX512-BF16, head dimension 64, bfloat16 in, float32 out with
+// each row's log-sum-exp. Two operators: `dense_attention`, many query rows against one set of
+// keys, each row seeing a prefix of them (all, or its own count: a causal or padded row); and
+// `paged_decode` (at the end of the file), one query token per sequence reading its keys in
+// place from the paged cache.
 //
 // Both products use `vdpbf16ps` (bf16 pairs multiplied and summed into float32 lanes), which
 // torch's own CPU flash attention does not, so scores are float32 sums of bf16 products (as
@@ -270,12 +272,174 @@ std::tuple<at::Tensor, at::Tensor> dense_attention(const at::Tensor& q, const at
   return {out, lse};
 }
 
+// ---- Paged decode ------------------------------------------------------------------------
+// One query token per sequence against its keys where they lie in the paged cache: no gather
+// into a workspace, no repacking (each key serves only the G query heads of its KV head, too
+// few to pay for either). Per key, each query row's dot product is two `vdpbf16ps` and one
+// horizontal sum; softmax runs online over chunks of up to 16 keys of one block; probabilities
+// stay float32 and V is widened to float32 for the second product.
+//
+//   q [seqs, kv_heads * G, 64] bf16; k_cache / v_cache [blocks, block_size, kv_heads, 64]
+//   bf16; block_table [seqs, >= blocks used] and lengths [seqs] integers (sequence s reads keys
+//   0 .. lengths[s] - 1 of the blocks its table lists, in order)
+//   → out [seqs, kv_heads * G, 64] f32, lse [seqs, kv_heads * G] f32.
+
+constexpr int64_t kMaxGroup = 8;
+
+inline __m512 widen_bf16(const uint16_t* p) {  // 16 bf16 → 16 f32 (exact)
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+struct PagedShapes {
+  int64_t kv_heads, block_size, table_stride;
+};
+
+// Sequence s, KV head h: its G query rows through `num_keys` keys.
+template <int G>
+void decode_task(const PagedShapes& n, const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
+                 const int64_t* table, int64_t num_keys, int64_t h, float scale, float* out,
+                 float* lse) {
+  __m512i query[G][2];
+  for (int r = 0; r < G; ++r)
+    for (int half = 0; half < 2; ++half)
+      query[r][half] = _mm512_loadu_si512(q + r * kDim + half * 32);
+  float max[G], sum[G];
+  __m512 acc[G][kDim / 16];
+  for (int r = 0; r < G; ++r) {
+    max[r] = -std::numeric_limits<float>::infinity();
+    sum[r] = 0.0f;
+    for (auto& a : acc[r]) a = _mm512_setzero_ps();
+  }
+  const int64_t token_stride = n.kv_heads * kDim;
+  alignas(64) float probs[G][16];
+  for (int64_t start = 0; start < num_keys;) {
+    const int64_t block = table[start / n.block_size];
+    const int64_t offset = start % n.block_size;
+    const int64_t count = std::min({int64_t{16}, n.block_size - offset, num_keys - start});
+    const int64_t first = (block * n.block_size + offset) * token_stride + h * kDim;
+    for (int64_t t = 0; t < 16; ++t) {
+      if (t >= count) {
+        for (int r = 0; r < G; ++r) probs[r][t] = -std::numeric_limits<float>::infinity();
+        continue;
+      }
+      const uint16_t* key = kc + first + t * token_stride;
+      const __m512i k0 = _mm512_loadu_si512(key), k1 = _mm512_loadu_si512(key + 32);
+      for (int r = 0; r < G; ++r) {
+        __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), as_bh(query[r][0]), as_bh(k0));
+        dot = _mm512_dpbf16_ps(dot, as_bh(query[r][1]), as_bh(k1));
+        probs[r][t] = _mm512_reduce_add_ps(dot) * scale;
+      }
+    }
+    for (int r = 0; r < G; ++r) {
+      const __m512 scores = _mm512_load_ps(probs[r]);
+      const float new_max = std::max(max[r], _mm512_reduce_max_ps(scores));
+      const float rescale = std::exp(max[r] - new_max);  // 0 on the first chunk
+      const __m512 e = exp_nonpositive(_mm512_sub_ps(scores, _mm512_set1_ps(new_max)));
+      _mm512_store_ps(probs[r], e);
+      sum[r] = sum[r] * rescale + _mm512_reduce_add_ps(e);
+      max[r] = new_max;
+      const __m512 factor = _mm512_set1_ps(rescale);
+      for (auto& a : acc[r]) a = _mm512_mul_ps(a, factor);
+    }
+    for (int64_t t = 0; t < count; ++t) {
+      const uint16_t* value = vc + first + t * token_stride;
+      __m512 v[kDim / 16];
+      for (int64_t c = 0; c < kDim / 16; ++c) v[c] = widen_bf16(value + c * 16);
+      for (int r = 0; r < G; ++r) {
+        const __m512 p = _mm512_set1_ps(probs[r][t]);
+        for (int64_t c = 0; c < kDim / 16; ++c) acc[r][c] = _mm512_fmadd_ps(p, v[c], acc[r][c]);
+      }
+    }
+    start += count;
+  }
+  for (int r = 0; r < G; ++r) {
+    const float inverse = sum[r] > 0.0f ? 1.0f / sum[r] : 0.0f;
+    for (int64_t c = 0; c < kDim / 16; ++c)
+      _mm512_storeu_ps(out + r * kDim + c * 16, _mm512_mul_ps(acc[r][c], _mm512_set1_ps(inverse)));
+    lse[r] = sum[r] > 0.0f ? max[r] + std::log(sum[r]) : -std::numeric_limits<float>::infinity();
+  }
+}
+
+template <int G>
+void decode_all(const PagedShapes& n, int64_t seqs, const uint16_t* q, const uint16_t* kc,
+                const uint16_t* vc, const int64_t* table, const int64_t* lengths, float scale,
+                float* out, float* lse) {
+  at::parallel_for(0, seqs * n.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t s = t / n.kv_heads, h = t % n.kv_heads;
+      const int64_t row = (s * n.kv_heads + h) * G;  // the first of its query heads
+      decode_task<G>(n, q + row * kDim, kc, vc, table + s * n.table_stride, lengths[s], h,
+                     scale, out + row * kDim, lse + row);
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
+                                                const at::Tensor& v_cache,
+                                                const at::Tensor& block_table,
+                                                const at::Tensor& lengths, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
+              "q must be [seqs, heads, 64] and the caches [blocks, block_size, kv_heads, 64]");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
+                  v_cache.scalar_type() == at::kBFloat16,
+              "q and the caches must be bfloat16");
+  TORCH_CHECK(q.size(2) == kDim && k_cache.size(3) == kDim, "head dimension must be 64");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous(),
+              "the caches must be contiguous and of one shape");
+  const int64_t seqs = q.size(0), kv_heads = k_cache.size(2), blocks = k_cache.size(0);
+  TORCH_CHECK(q.size(1) % kv_heads == 0 && q.size(1) / kv_heads <= kMaxGroup,
+              "query heads must be 1 to 8 per KV head");
+  TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == seqs &&
+                  lengths.sizes() == at::IntArrayRef({seqs}),
+              "block_table must be [seqs, blocks] and lengths [seqs]");
+  const at::Tensor table = block_table.to(at::kLong).contiguous();
+  const at::Tensor counts = lengths.to(at::kLong).contiguous();
+  const int64_t block_size = k_cache.size(1);
+  const int64_t* tp = table.data_ptr<int64_t>();
+  const int64_t* lp = counts.data_ptr<int64_t>();
+  for (int64_t s = 0; s < seqs; ++s) {  // every key read must lie in the cache
+    TORCH_CHECK(lp[s] >= 0 && lp[s] <= table.size(1) * block_size,
+                "a sequence's length exceeds its block table");
+    for (int64_t b = 0; b < (lp[s] + block_size - 1) / block_size; ++b)
+      TORCH_CHECK(tp[s * table.size(1) + b] >= 0 && tp[s * table.size(1) + b] < blocks,
+                  "a block id is outside the cache");
+  }
+  const at::Tensor qc = q.contiguous();
+  at::Tensor out = at::empty(q.sizes(), q.options().dtype(at::kFloat));
+  at::Tensor lse = at::empty({seqs, q.size(1)}, q.options().dtype(at::kFloat));
+  const PagedShapes n{kv_heads, block_size, table.size(1)};
+  const auto* qp = reinterpret_cast<const uint16_t*>(qc.data_ptr());
+  const auto* kp = reinterpret_cast<const uint16_t*>(k_cache.data_ptr());
+  const auto* vp = reinterpret_cast<const uint16_t*>(v_cache.data_ptr());
+  const auto fscale = static_cast<float>(scale);
+  float* outp = out.data_ptr<float>();
+  float* lsep = lse.data_ptr<float>();
+  switch (q.size(1) / kv_heads) {
+#define BLOCKSERVE_GROUP(G) \
+  case G:                   \
+    decode_all<G>(n, seqs, qp, kp, vp, tp, lp, fscale, outp, lsep); \
+    break;
+    BLOCKSERVE_GROUP(1) BLOCKSERVE_GROUP(2) BLOCKSERVE_GROUP(3) BLOCKSERVE_GROUP(4)
+    BLOCKSERVE_GROUP(5) BLOCKSERVE_GROUP(6) BLOCKSERVE_GROUP(7) BLOCKSERVE_GROUP(8)
+#undef BLOCKSERVE_GROUP
+  }
+  return {out, lse};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(blockserve_cpu, m) {
   m.def(
       "dense_attention(Tensor q, Tensor k, Tensor v, Tensor? lengths, float scale)"
       " -> (Tensor, Tensor)");
+  m.def(
+      "paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor lengths,"
+      " float scale) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(blockserve_cpu, CPU, m) { m.impl("dense_attention", &dense_attention); }
+TORCH_LIBRARY_IMPL(blockserve_cpu, CPU, m) {
+  m.impl("dense_attention", &dense_attention);
+  m.impl("paged_decode", &paged_decode);
+}

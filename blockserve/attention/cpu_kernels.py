@@ -1,10 +1,11 @@
 """Our CPU attention kernel (cpu_dense_bf16.cpp), built with the host's g++ and loaded into torch.
 
 It serves the torch backend's attention in bfloat16 with head dimension 64 on x86 CPUs with
-AVX512-BF16 (a shared prefix's common blocks, each sequence's own blocks, prefills one by one;
-docs/architecture.md, "Our CPU attention kernel"): there it is 2-3x torch's fused kernel
-(docs/benchmarks.md, "Attention on the workloads' shapes"). Elsewhere, or while it builds, or if
-it cannot be built, the backend keeps torch's kernel: the result is the same up to rounding.
+AVX512-BF16 (docs/architecture.md, "Our CPU attention kernel"): `dense_attention` for a shared
+prefix's common blocks and prefills one by one, 2-3x torch's fused kernel (docs/benchmarks.md,
+"Attention on the workloads' shapes"); `paged_decode` for decodes, reading each sequence's own
+blocks in place. Elsewhere, or while it builds, or if it cannot be built, the backend keeps
+torch's kernels: the result is the same up to rounding.
 
 The build (~12 s, once per host, torch and source) runs on a thread of its own when the engine
 starts, so start-up does not wait for it; the library lands under `<cache dir>/cpu_kernels`,
@@ -36,13 +37,16 @@ FLAGS = (
     "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma",
 )  # fmt: skip
 HEAD_DIM = 64
+MAX_DECODE_GROUP = 8  # query heads per KV head that paged_decode takes
 
 _lock = threading.Lock()  # one load (and build) at a time
 _start_lock = threading.Lock()
 _op: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+_paged: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 _loader: threading.Thread | None = None
 _builds: dict[subprocess.Popen, Path] = {}  # running compiles → their scratch directories
 _enabled = True
+_paged_enabled = True
 
 
 def serves(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
@@ -127,7 +131,7 @@ def _stop_builds() -> None:
 
 def load(cache_dir: Path) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
     """Build if needed and load the kernel; None (logged) where that fails. Blocking."""
-    global _op
+    global _op, _paged
     with _lock:
         if _op is not None:
             return _op
@@ -141,6 +145,7 @@ def load(cache_dir: Path) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | 
             detail = getattr(error, "stderr", "") or ""
             logger.warning("CPU attention kernel not built, torch's is used: %s %s", error, detail)
             return None
+        _paged = torch.ops.blockserve_cpu.paged_decode
         _op = torch.ops.blockserve_cpu.dense_attention
         seconds = time.perf_counter() - started
         logger.info("CPU attention kernel ready in %.1f s (%s)", seconds, target)
@@ -183,7 +188,14 @@ def dense_attention() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None
     return _op if _enabled else None
 
 
-def enable(on: bool) -> None:
-    """Switch a loaded kernel out (torch's serves) and back in: benchmarks compare the two."""
-    global _enabled
+def paged_decode() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
+    """The loaded paged-decode kernel (decodes reading their keys in place), or None."""
+    return _paged if _paged_enabled else None
+
+
+def enable(on: bool, *, paged: bool | None = None) -> None:
+    """Switch the loaded kernels out (torch serves) and back in: benchmarks compare the two.
+    `paged` switches the paged decode alone (default: as `on`)."""
+    global _enabled, _paged_enabled
     _enabled = on
+    _paged_enabled = on if paged is None else paged

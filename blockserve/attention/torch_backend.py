@@ -4,8 +4,9 @@ Handles any mix in one batch: fresh prefills, prefill chunks on cached prefix bl
 among the new tokens, full over the prefix) and single-token decodes, with GQA. Its per-step
 plan is built once by `prepare` and passed to every layer. Decodes are batched: blocks all of
 them share (a common prompt prefix) are read once for all queries; each sequence's other
-blocks are gathered whole into a workspace reused by every layer; the two partial results
-merge by their log-sum-exp. Each prefill sequence gets its own call. Measured choices:
+blocks are read in place by our paged-decode kernel (bf16, attention/cpu_kernels.py) or else
+gathered whole into a workspace reused by every layer; the two partial results merge by their
+log-sum-exp. Each prefill sequence gets its own call. Measured choices:
 docs/benchmarks.md ("Model executor").
 """
 
@@ -18,6 +19,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from blockserve.attention import cpu_kernels
 from blockserve.attention.metadata import AttentionMetadata
 from blockserve.attention.prefill import PrefillPlan, attend_prefills, prefix_prefill_plan
 from blockserve.attention.shared_prefix import (
@@ -41,6 +43,8 @@ class DecodePlan:
     common_block_ids: torch.Tensor | None  # [num_common]; None when nothing is shared
     block_ids: torch.Tensor  # [num_decodes * max_own_blocks], padding → block 0
     mask: torch.Tensor  # [num_decodes, 1, 1, max_own_blocks * block_size] bool, True = attend
+    own_tables: torch.Tensor  # [num_decodes, max_own_blocks]: the same blocks by sequence
+    own_lengths: torch.Tensor  # [num_decodes]: tokens in each sequence's own blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,12 +142,15 @@ class TorchAttentionBackend:
         # Position of each gathered key within its sequence; padding reads the null block
         # and is masked out.
         positions = num_common * block_size + torch.arange(own.shape[1] * block_size, device=device)
-        mask = (positions[None, :] < metadata.seq_lens[rows][:, None])[:, None, None]
+        decode_lens = metadata.seq_lens[rows]
+        mask = (positions[None, :] < decode_lens[:, None])[:, None, None]
         return DecodePlan(
             token_indices=torch.tensor(token_indices, device=device),
             common_block_ids=tables[0, :num_common] if num_common else None,
             block_ids=own.reshape(-1),
             mask=mask,
+            own_tables=own.long().contiguous(),
+            own_lengths=decode_lens - num_common * block_size,
         )
 
     # -- the forward (every layer) --------------------------------------------------------
@@ -198,14 +205,25 @@ class TorchAttentionBackend:
         num_decodes, num_heads, head_dim = query.shape
         num_kv_heads = kv_cache.shape[3]
         group = num_heads // num_kv_heads
+        q = query.view(num_decodes, num_kv_heads, group, head_dim)
+        paged = cpu_kernels.paged_decode()
+        if paged is not None and _kernel_serves(query, group):
+            # Our kernel reads each sequence's own blocks in place: no gather.
+            out, lse = paged(
+                query, kv_cache[0], kv_cache[1], plan.own_tables, plan.own_lengths, head_dim**-0.5
+            )
+            if plan.common_block_ids is None:
+                return out.to(query.dtype)
+            own = (out.view(q.shape), lse.view(q.shape[:3]))
+            return self._with_common_prefix(q, own, kv_cache, plan).to(query.dtype)
         context = plan.mask.shape[-1]
         gathered = self._gather_blocks(kv_cache, plan.block_ids)
         # [num_decodes, context, kv_heads, dim] → [num_decodes, kv_heads, context, dim]
         k = gathered[0].view(num_decodes, context, num_kv_heads, head_dim).transpose(1, 2)
         v = gathered[1].view(num_decodes, context, num_kv_heads, head_dim).transpose(1, 2)
-        q = query.view(num_decodes, num_kv_heads, group, head_dim)
         if plan.common_block_ids is not None:
-            return self._decode_with_common_prefix(q, k, v, kv_cache, plan).to(query.dtype)
+            own = attend_heads(q, k, v, plan.mask)  # [decodes, kv_heads, group, ...]
+            return self._with_common_prefix(q, own, kv_cache, plan).to(query.dtype)
         if query.dtype == torch.float32:
             # float32: torch's fused kernel is the fastest path measured.
             out = F.scaled_dot_product_attention(
@@ -221,10 +239,9 @@ class TorchAttentionBackend:
         return out.reshape(num_decodes, num_heads, head_dim)
 
     @staticmethod
-    def _decode_with_common_prefix(
+    def _with_common_prefix(
         q: torch.Tensor,  # [num_decodes, kv_heads, group, dim]
-        k: torch.Tensor,  # [num_decodes, kv_heads, own_context, dim]
-        v: torch.Tensor,
+        own: tuple[torch.Tensor, torch.Tensor],  # over each sequence's own blocks: out, lse
         kv_cache: torch.Tensor,
         plan: DecodePlan,
     ) -> torch.Tensor:  # [num_decodes, heads, dim] float32
@@ -240,6 +257,14 @@ class TorchAttentionBackend:
         )
         out_common = out_common.view(num_kv_heads, num_decodes, group, head_dim).transpose(0, 1)
         lse_common = lse_common.view(num_kv_heads, num_decodes, group).transpose(0, 1)
-        out_own, lse_own = attend_heads(q, k, v, plan.mask)  # [decodes, kv_heads, group, ...]
-        out = merge(out_common, lse_common, out_own, lse_own)
+        out = merge(out_common, lse_common, *own)
         return out.reshape(num_decodes, num_kv_heads * group, head_dim)
+
+
+def _kernel_serves(query: torch.Tensor, group: int) -> bool:
+    return (
+        query.device.type == "cpu"
+        and query.dtype == torch.bfloat16
+        and query.shape[-1] == cpu_kernels.HEAD_DIM
+        and group <= cpu_kernels.MAX_DECODE_GROUP
+    )

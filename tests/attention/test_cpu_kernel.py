@@ -1,6 +1,7 @@
-"""Our CPU attention kernel (attention/cpu_dense_bf16.cpp): built by g++ into the cache dir,
-equal to a float64 reference within bf16 rounding, refusing what it does not handle, and used
-by the torch backend's shared-prefix paths once loaded."""
+"""Our CPU attention kernels (attention/cpu_dense_bf16.cpp): built by g++ into the cache dir,
+equal to a float64 reference within bf16 rounding, refusing what they do not handle, and used
+by the torch backend once loaded: the dense kernel for shared prefixes and prefills, the paged
+one for decodes."""
 
 from __future__ import annotations
 
@@ -159,13 +160,129 @@ def test_the_backend_paths_use_it(
     assert error < TOLERANCE[torch.bfloat16]
 
 
-def test_switched_off_torch_serves(kernel: Kernel) -> None:
+@pytest.fixture(scope="module")
+def paged(kernel: Kernel) -> Kernel:
+    op = cpu_kernels.paged_decode()
+    assert op is not None
+    return op
+
+
+def paged_reference(q, k_cache, v_cache, tables, lengths, scale: float):
+    """float64 decode attention, each sequence over its first `lengths[s]` tokens of the
+    blocks `tables[s]` lists."""
+    seqs, heads, dim = q.shape
+    kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    outs, lses = [], []
+    for s in range(seqs):
+        blocks = tables[s, : -(-int(lengths[s]) // block_size)]
+        k, v = (
+            c[blocks].reshape(-1, kv_heads, dim)[: lengths[s]].double() for c in (k_cache, v_cache)
+        )
+        scores = torch.einsum("hgd,nhd->hgn", q[s].double().view(kv_heads, -1, dim), k) * scale
+        outs.append(torch.einsum("hgn,nhd->hgd", scores.softmax(-1), v).reshape(heads, dim))
+        lses.append(torch.logsumexp(scores, -1).reshape(heads))
+    return torch.stack(outs), torch.stack(lses)
+
+
+@pytest.mark.parametrize(
+    ("seqs", "kv_heads", "group", "block_size", "max_blocks"),
+    [
+        (1, 1, 1, 16, 1),
+        (4, 3, 3, 16, 21),  # SmolLM2's heads; chats of ~330 tokens
+        (5, 2, 4, 4, 40),  # 4-token blocks: a chunk of 16 keys never crosses a block
+        (3, 1, 8, 16, 9),  # the largest group it takes
+        (64, 3, 3, 16, 70),
+    ],
+)
+def test_paged_decode_equals_float64_attention(
+    paged: Kernel, seqs: int, kv_heads: int, group: int, block_size: int, max_blocks: int
+) -> None:
+    """Keys read in place through shuffled block tables, lengths from 1 to a full table (a
+    last block cut anywhere): float32 sums of bf16 products and float32 probabilities, so the
+    error is float32 rounding."""
+    generator = torch.Generator().manual_seed(seqs * 100 + group)
+    num_blocks = seqs * max_blocks + 1
+    k_cache, v_cache = (
+        torch.randn(num_blocks, block_size, kv_heads, 64, generator=generator).bfloat16()
+        for _ in range(2)
+    )
+    q = (torch.randn(seqs, kv_heads * group, 64, generator=generator) * 1.5).bfloat16()
+    tables = torch.randperm(num_blocks, generator=generator)[: seqs * max_blocks].view(seqs, -1)
+    lengths = torch.randint(1, max_blocks * block_size + 1, (seqs,), generator=generator)
+    lengths[0] = 1
+    out, lse = paged(q, k_cache, v_cache, tables.int(), lengths, 0.125)
+    expected_out, expected_lse = paged_reference(q, k_cache, v_cache, tables, lengths, 0.125)
+    assert out.dtype == lse.dtype == torch.float32
+    assert out.shape == q.shape and lse.shape == q.shape[:2]
+    assert (out.double() - expected_out).abs().max().item() < 1e-5
+    assert (lse.double() - expected_lse).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda a: {**a, "q": a["q"].float()}, "bfloat16"),
+        (lambda a: {**a, "q": a["q"][..., :32]}, "head dimension must be 64"),
+        (lambda a: {**a, "q": torch.zeros(2, 18, 64, dtype=torch.bfloat16)}, "1 to 8 per KV head"),
+        (lambda a: {**a, "tables": a["tables"] + 10}, "outside the cache"),
+        (lambda a: {**a, "lengths": torch.tensor([5, 33])}, "exceeds its block table"),
+        (lambda a: {**a, "lengths": torch.tensor([5])}, "lengths \\[seqs\\]"),
+        (lambda a: {**a, "k": a["k"].transpose(0, 1)}, "contiguous and of one shape"),
+    ],
+)
+def test_paged_decode_refuses_what_it_does_not_handle(paged: Kernel, change, message) -> None:
+    args = {
+        "q": torch.zeros(2, 6, 64, dtype=torch.bfloat16),
+        "k": torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16),
+        "v": torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16),
+        "tables": torch.tensor([[1, 2], [3, 0]]),
+        "lengths": torch.tensor([20, 3]),
+    }
+    args = change(args)
+    with pytest.raises(RuntimeError, match=message):
+        paged(args["q"], args["k"], args["v"], args["tables"], args["lengths"], 0.125)
+
+
+@pytest.mark.parametrize(
+    ("specs", "shared_blocks"),
+    [
+        ([(64, 1), (80, 1), (70, 1), (99, 1), (65, 1)], 4),  # own blocks after a shared prefix
+        ([(30, 1), (1, 1), (47, 1), (0, 20)], 0),  # nothing shared, a prefill in the step
+    ],
+)
+def test_decodes_read_their_blocks_in_place(
+    paged: Kernel, monkeypatch: pytest.MonkeyPatch, specs, shared_blocks: int
+) -> None:
+    """bf16 decodes go through the paged kernel (no gather) and equal dense attention, as the
+    torch path does with it switched off."""
+    calls = []
+
+    def counted() -> Kernel:
+        calls.append(1)
+        return paged
+
+    case = make_case(specs, 9, 3, head_dim=64, dtype=torch.bfloat16, shared_blocks=shared_blocks)
+    backend = TorchAttentionBackend()
+    plan = backend.prepare(case.metadata)
+    expected = reference_attention(case)
+    monkeypatch.setattr(cpu_kernels, "paged_decode", lambda: None)
+    without = backend.forward(case.query, case.key, case.value, case.kv_cache, plan)
+    monkeypatch.setattr(cpu_kernels, "paged_decode", counted)
+    with_kernel = backend.forward(case.query, case.key, case.value, case.kv_cache, plan)
+    assert calls == [1]
+    for out in (without, with_kernel):
+        assert (out.double() - expected).abs().max().item() < TOLERANCE[torch.bfloat16]
+
+
+def test_switched_off_torch_serves(kernel: Kernel, paged: Kernel) -> None:
     cpu_kernels.enable(False)
     try:
-        assert cpu_kernels.dense_attention() is None
+        assert cpu_kernels.dense_attention() is None and cpu_kernels.paged_decode() is None
+        cpu_kernels.enable(True, paged=False)
+        assert cpu_kernels.dense_attention() is kernel and cpu_kernels.paged_decode() is None
     finally:
         cpu_kernels.enable(True)
-    assert cpu_kernels.dense_attention() is kernel
+    assert cpu_kernels.dense_attention() is kernel and cpu_kernels.paged_decode() is paged
 
 
 def test_a_later_load_uses_the_built_library(
