@@ -295,69 +295,100 @@ struct PagedShapes {
   int64_t kv_heads, block_size, table_stride;
 };
 
-// Sequence s, KV head h: its G query rows through `num_keys` keys.
+// Online-softmax state of one KV head's G query rows.
 template <int G>
-void decode_task(const PagedShapes& n, const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
-                 const int64_t* table, int64_t num_keys, int64_t h, float scale, float* out,
-                 float* lse) {
+struct HeadState {
+  float max[G], sum[G];
+  alignas(64) float acc[G][kDim];
+};
+
+// KV head h's G query rows through `count` (1 to 16) keys starting at element `first` of the
+// caches (token stride `stride`): softmax update, then acc += probabilities · V.
+template <int G>
+inline void decode_chunk(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, int64_t first,
+                         int64_t count, int64_t stride, float scale, HeadState<G>& state) {
   __m512i query[G][2];
   for (int r = 0; r < G; ++r)
     for (int half = 0; half < 2; ++half)
       query[r][half] = _mm512_loadu_si512(q + r * kDim + half * 32);
-  float max[G], sum[G];
+  alignas(64) float probs[G][16];
+  for (int64_t t = 0; t < 16; ++t) {
+    if (t >= count) {
+      for (int r = 0; r < G; ++r) probs[r][t] = -std::numeric_limits<float>::infinity();
+      continue;
+    }
+    const uint16_t* key = kc + first + t * stride;
+    const __m512i k0 = _mm512_loadu_si512(key), k1 = _mm512_loadu_si512(key + 32);
+    for (int r = 0; r < G; ++r) {
+      __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), as_bh(query[r][0]), as_bh(k0));
+      dot = _mm512_dpbf16_ps(dot, as_bh(query[r][1]), as_bh(k1));
+      probs[r][t] = _mm512_reduce_add_ps(dot) * scale;
+    }
+  }
   __m512 acc[G][kDim / 16];
   for (int r = 0; r < G; ++r) {
-    max[r] = -std::numeric_limits<float>::infinity();
-    sum[r] = 0.0f;
-    for (auto& a : acc[r]) a = _mm512_setzero_ps();
+    const __m512 scores = _mm512_load_ps(probs[r]);
+    const float new_max = std::max(state.max[r], _mm512_reduce_max_ps(scores));
+    const float rescale = std::exp(state.max[r] - new_max);  // 0 on the first chunk
+    const __m512 e = exp_nonpositive(_mm512_sub_ps(scores, _mm512_set1_ps(new_max)));
+    _mm512_store_ps(probs[r], e);
+    state.sum[r] = state.sum[r] * rescale + _mm512_reduce_add_ps(e);
+    state.max[r] = new_max;
+    const __m512 factor = _mm512_set1_ps(rescale);
+    for (int64_t c = 0; c < kDim / 16; ++c)
+      acc[r][c] = _mm512_mul_ps(_mm512_load_ps(state.acc[r] + c * 16), factor);
   }
-  const int64_t token_stride = n.kv_heads * kDim;
-  alignas(64) float probs[G][16];
-  for (int64_t start = 0; start < num_keys;) {
-    const int64_t block = table[start / n.block_size];
-    const int64_t offset = start % n.block_size;
-    const int64_t count = std::min({int64_t{16}, n.block_size - offset, num_keys - start});
-    const int64_t first = (block * n.block_size + offset) * token_stride + h * kDim;
-    for (int64_t t = 0; t < 16; ++t) {
-      if (t >= count) {
-        for (int r = 0; r < G; ++r) probs[r][t] = -std::numeric_limits<float>::infinity();
-        continue;
-      }
-      const uint16_t* key = kc + first + t * token_stride;
-      const __m512i k0 = _mm512_loadu_si512(key), k1 = _mm512_loadu_si512(key + 32);
-      for (int r = 0; r < G; ++r) {
-        __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), as_bh(query[r][0]), as_bh(k0));
-        dot = _mm512_dpbf16_ps(dot, as_bh(query[r][1]), as_bh(k1));
-        probs[r][t] = _mm512_reduce_add_ps(dot) * scale;
-      }
-    }
+  for (int64_t t = 0; t < count; ++t) {
+    const uint16_t* value = vc + first + t * stride;
+    __m512 v[kDim / 16];
+    for (int64_t c = 0; c < kDim / 16; ++c) v[c] = widen_bf16(value + c * 16);
     for (int r = 0; r < G; ++r) {
-      const __m512 scores = _mm512_load_ps(probs[r]);
-      const float new_max = std::max(max[r], _mm512_reduce_max_ps(scores));
-      const float rescale = std::exp(max[r] - new_max);  // 0 on the first chunk
-      const __m512 e = exp_nonpositive(_mm512_sub_ps(scores, _mm512_set1_ps(new_max)));
-      _mm512_store_ps(probs[r], e);
-      sum[r] = sum[r] * rescale + _mm512_reduce_add_ps(e);
-      max[r] = new_max;
-      const __m512 factor = _mm512_set1_ps(rescale);
-      for (auto& a : acc[r]) a = _mm512_mul_ps(a, factor);
+      const __m512 p = _mm512_set1_ps(probs[r][t]);
+      for (int64_t c = 0; c < kDim / 16; ++c) acc[r][c] = _mm512_fmadd_ps(p, v[c], acc[r][c]);
     }
-    for (int64_t t = 0; t < count; ++t) {
-      const uint16_t* value = vc + first + t * token_stride;
-      __m512 v[kDim / 16];
-      for (int64_t c = 0; c < kDim / 16; ++c) v[c] = widen_bf16(value + c * 16);
-      for (int r = 0; r < G; ++r) {
-        const __m512 p = _mm512_set1_ps(probs[r][t]);
-        for (int64_t c = 0; c < kDim / 16; ++c) acc[r][c] = _mm512_fmadd_ps(p, v[c], acc[r][c]);
-      }
+  }
+  for (int r = 0; r < G; ++r)
+    for (int64_t c = 0; c < kDim / 16; ++c) _mm512_store_ps(state.acc[r] + c * 16, acc[r][c]);
+}
+
+// Sequence s, KV head h: its G query rows through `num_keys` keys, chunk by chunk, asking for
+// the next chunk's lines (its block lies anywhere in the cache) before working on this one.
+// q, out and lse point at the head's first query row.
+template <int G>
+void decode_task(const PagedShapes& n, const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
+                 const int64_t* table, int64_t num_keys, int64_t h, float scale, float* out,
+                 float* lse) {
+  HeadState<G> state;
+  for (int r = 0; r < G; ++r) {
+    state.max[r] = -std::numeric_limits<float>::infinity();
+    state.sum[r] = 0.0f;
+  }
+  std::memset(state.acc, 0, sizeof(state.acc));
+  const int64_t stride = n.kv_heads * kDim;
+  const auto chunk_at = [&](int64_t start, int64_t& first) {  // its first element; its length
+    const int64_t offset = start % n.block_size;
+    first = (table[start / n.block_size] * n.block_size + offset) * stride + h * kDim;
+    return std::min({int64_t{16}, n.block_size - offset, num_keys - start});
+  };
+  int64_t first = 0;
+  for (int64_t start = 0, count = 0; start < num_keys; start += count) {
+    count = chunk_at(start, first);
+    if (start + count < num_keys) {
+      int64_t next = 0;
+      const int64_t next_count = chunk_at(start + count, next);
+      for (int64_t t = 0; t < next_count; ++t)
+        for (int64_t line = 0; line < kDim; line += 32) {  // 64 bytes: 32 bf16
+          _mm_prefetch(reinterpret_cast<const char*>(kc + next + t * stride + line), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(vc + next + t * stride + line), _MM_HINT_T0);
+        }
     }
-    start += count;
+    decode_chunk<G>(q, kc, vc, first, count, stride, scale, state);
   }
   for (int r = 0; r < G; ++r) {
-    const float inverse = sum[r] > 0.0f ? 1.0f / sum[r] : 0.0f;
-    for (int64_t c = 0; c < kDim / 16; ++c)
-      _mm512_storeu_ps(out + r * kDim + c * 16, _mm512_mul_ps(acc[r][c], _mm512_set1_ps(inverse)));
-    lse[r] = sum[r] > 0.0f ? max[r] + std::log(sum[r]) : -std::numeric_limits<float>::infinity();
+    const float inverse = state.sum[r] > 0.0f ? 1.0f / state.sum[r] : 0.0f;
+    for (int64_t d = 0; d < kDim; ++d) out[r * kDim + d] = state.acc[r][d] * inverse;
+    lse[r] = state.sum[r] > 0.0f ? state.max[r] + std::log(state.sum[r])
+                                 : -std::numeric_limits<float>::infinity();
   }
 }
 
