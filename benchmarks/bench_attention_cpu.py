@@ -17,6 +17,8 @@ Variants:
   batched-products  decode-alone as the backend computes it in bf16 (products in bf16)
   ours-paged      decode-own and decode-alone through our paged-decode kernel, the keys in a
                   paged cache of 16-token blocks in shuffled order (laid out before timing)
+  gather+products decode-alone from that same cache as the torch backend computes it without
+                  the kernel: blocks gathered into its workspace, then batched-products
   bf16-scores     decode-common + decode-own as one softmax over bfloat16 products (no LSE
                   merge): the products' outputs are rounded to bf16, which is the error to see
   q-chunks-128    a causal prefill as 128-query chunks: each chunk's earlier keys unmasked
@@ -44,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from blockserve.attention import cpu_kernels
 from blockserve.attention.prefill import attend_causal
 from blockserve.attention.shared_prefix import attend, merge
+from blockserve.attention.torch_backend import DecodePlan, TorchAttentionBackend
 from blockserve.model.loader import default_cache_dir
 
 HEADS, KV_HEADS, DIM = 9, 3, 64
@@ -160,46 +163,62 @@ def variant_sets(dtype: torch.dtype, seen: torch.Tensor) -> dict[str, dict[str, 
         paged = paged_variant()
         sets["own"]["ours-paged"] = paged
         sets["alone"]["ours-paged"] = paged
+        sets["alone"]["gather+products"] = paged_variant(through_backend=True)
         sets["causal"]["ours"] = lambda q, k, v: attend_causal(
             kernel, *(x[0].transpose(0, 1) for x in (q, k, v))
         ).transpose(0, 1)[None]
     return sets
 
 
-def paged_variant() -> Callable[..., torch.Tensor]:
-    """Decodes through `paged_decode`: q, k, v [decodes, kv_heads, n, dim] and a key mask
-    [decodes, 1, 1, keys] that shows each decode a prefix of its keys. The paged cache is laid
-    out once per input (in the engine the keys already lie there)."""
+def paged_variant(through_backend: bool = False) -> Callable[..., torch.Tensor]:
+    """Decodes through `paged_decode` (or, `through_backend`, the torch backend's decode path
+    without it): q, k, v [decodes, kv_heads, n, dim] and a key mask [decodes, 1, 1, keys] that
+    shows each decode a prefix of its keys. The paged cache is laid out once per input (in the
+    engine the keys already lie there)."""
     kernel = cpu_kernels.paged_decode()
     assert kernel is not None
     laid_out: dict[tuple[int, int], Tensors] = {}
+    backend = TorchAttentionBackend()
 
     def paged(q, k, v, mask) -> torch.Tensor:
         key = (k.data_ptr(), v.data_ptr())
         if key not in laid_out:
             laid_out[key] = paged_cache(k, v, mask)
-        k_cache, v_cache, tables, lengths = laid_out[key]
+        kv_cache, tables, lengths = laid_out[key]
         decodes, kv_heads, group, dim = q.shape
         queries = q.reshape(decodes, kv_heads * group, dim)
-        return kernel(queries, k_cache, v_cache, tables, lengths, dim**-0.5)[0]
+        if not through_backend:
+            return kernel(queries, kv_cache[0], kv_cache[1], tables, lengths, dim**-0.5)[0]
+        plan = DecodePlan(
+            token_indices=torch.arange(decodes),
+            common_block_ids=None,
+            block_ids=tables.reshape(-1),
+            mask=mask,
+            own_tables=tables,
+            own_lengths=lengths,
+        )
+        cpu_kernels.enable(True, paged=False)
+        try:
+            return backend._decode(queries, kv_cache, plan)
+        finally:
+            cpu_kernels.enable(True)
 
     return paged
 
 
 def paged_cache(k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, block: int = 16) -> Tensors:
-    """K and V [decodes, kv_heads, keys, dim] as a cache of `block`-token blocks in shuffled
-    order, with each decode's block table and length (its mask's count)."""
+    """K and V [decodes, kv_heads, keys, dim] as the engine's cache [2, blocks, block,
+    kv_heads, dim] of `block`-token blocks in shuffled order, with each decode's block table
+    and length (its mask's count)."""
     decodes, kv_heads, keys, dim = k.shape
     blocks = -(-keys // block)
     order = torch.randperm(decodes * blocks, generator=torch.Generator().manual_seed(1))
-    caches = []
-    for x in (k, v):
+    kv_cache = torch.empty(2, decodes * blocks, block, kv_heads, dim, dtype=k.dtype)
+    for cache, x in zip(kv_cache, (k, v), strict=True):
         padded = F.pad(x.transpose(1, 2), (0, 0, 0, 0, 0, blocks * block - keys))
-        cache = torch.empty(decodes * blocks, block, kv_heads, dim, dtype=x.dtype)
         cache[order] = padded.reshape(decodes * blocks, block, kv_heads, dim)
-        caches.append(cache)
     lengths = mask.reshape(decodes, keys).sum(-1)
-    return caches[0], caches[1], order.view(decodes, blocks), lengths
+    return kv_cache, order.view(decodes, blocks), lengths
 
 
 def cases(dtype: torch.dtype) -> dict[str, tuple[float, Tensors, dict[str, Callable]]]:

@@ -10,7 +10,10 @@ bookkeeping against the model runner, to show what the control plane costs per s
 
     .venv/bin/python benchmarks/bench_offline.py [--workload shared-prefix random]
         [--caching on off] [--requests 64] [--dtype auto|float32] [--compile] [--profile N]
-        [--out FILE]
+        [--max-tokens 32] [--paged-decode on|off] [--out FILE]
+
+`--paged-decode off` keeps our paged-decode kernel out (attention/cpu_kernels.py; torch's
+decode path serves), to profile the step without it.
 """
 
 from __future__ import annotations
@@ -82,6 +85,8 @@ def run(
     dtype: str,
     top_ops: int = 0,
     compile_layers: bool = False,
+    max_tokens: int = OUTPUT_LEN,
+    paged_decode: bool = True,
 ) -> dict:
     llm = LLM(
         enable_prefix_caching=caching,
@@ -91,8 +96,9 @@ def run(
     )
     engine = llm.engine
     cpu_kernels.wait()  # its first build on a host runs while the engine starts
+    cpu_kernels.enable(True, paged=paged_decode)
     prompts = make_prompts(workload, num_requests, engine.core.info.vocab_size)
-    params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_LEN, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(prompts[0][:64], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     llm.reset_prefix_cache()
     before = llm.get_stats()
@@ -118,6 +124,8 @@ def run(
         "requests": num_requests,
         "dtype": engine.core.info.dtype,
         "compiled": compile_layers,
+        "max_tokens": max_tokens,
+        "paged_decode": paged_decode and cpu_kernels.paged_decode() is not None,
         "wall_s": round(wall, 2),
         "output_tokens_per_s": round(num_output / wall, 1),
         "total_tokens_per_s": round((num_output + num_prompt) / wall, 1),
@@ -171,9 +179,20 @@ def main() -> None:
         metavar="N",
         help="run under torch.profiler; keep top N ops",
     )
+    parser.add_argument("--max-tokens", type=int, default=OUTPUT_LEN)
+    parser.add_argument("--paged-decode", choices=("on", "off"), default="on")
     args = parser.parse_args()
     runs = [
-        run(workload, caching == "on", args.requests, args.dtype, args.profile, args.compile)
+        run(
+            workload,
+            caching == "on",
+            args.requests,
+            args.dtype,
+            args.profile,
+            args.compile,
+            args.max_tokens,
+            args.paged_decode == "on",
+        )
         for workload in args.workload
         for caching in args.caching
     ]
