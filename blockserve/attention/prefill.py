@@ -55,6 +55,8 @@ def attend_prefills(
 
     4-D inputs throughout: with 3-D ones torch's CPU kernel falls back to its slow math path.
     """
+    if not prefills:
+        return
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
     key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
     value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)

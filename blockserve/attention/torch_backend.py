@@ -169,6 +169,8 @@ class TorchAttentionBackend:
         key_cache.index_copy_(0, plan.slot_mapping, key)
         value_cache.index_copy_(0, plan.slot_mapping, value)
 
+        if plan.decode is not None and len(plan.decode.token_indices) == query.shape[0]:
+            return self._decode(query, kv_cache, plan.decode)  # decodes only: rows in order
         output = torch.empty_like(query)
         if plan.decode is not None:
             rows = plan.decode.token_indices
