@@ -192,10 +192,9 @@ def paged_variant(through_backend: bool = False) -> Callable[..., torch.Tensor]:
         plan = DecodePlan(
             token_indices=torch.arange(decodes),
             common_block_ids=None,
-            block_ids=tables.reshape(-1),
-            mask=mask,
             own_tables=tables,
             own_lengths=lengths,
+            mask=mask,
         )
         cpu_kernels.enable(True, paged=False)
         try:

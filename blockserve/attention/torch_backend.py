@@ -41,10 +41,9 @@ class DecodePlan:
 
     token_indices: torch.Tensor  # [num_decodes]: their rows in the flat batch
     common_block_ids: torch.Tensor | None  # [num_common]; None when nothing is shared
-    block_ids: torch.Tensor  # [num_decodes * max_own_blocks], padding → block 0
-    mask: torch.Tensor  # [num_decodes, 1, 1, max_own_blocks * block_size] bool, True = attend
-    own_tables: torch.Tensor  # [num_decodes, max_own_blocks]: the same blocks by sequence
+    own_tables: torch.Tensor  # [num_decodes, max_own_blocks] int64, padding → block 0
     own_lengths: torch.Tensor  # [num_decodes]: tokens in each sequence's own blocks
+    mask: torch.Tensor  # [num_decodes, 1, 1, max_own_blocks * block_size] bool, True = attend
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,10 +146,9 @@ class TorchAttentionBackend:
         return DecodePlan(
             token_indices=torch.tensor(token_indices, device=device),
             common_block_ids=tables[0, :num_common] if num_common else None,
-            block_ids=own.reshape(-1),
-            mask=mask,
             own_tables=own.long().contiguous(),
             own_lengths=decode_lens - num_common * block_size,
+            mask=mask,
         )
 
     # -- the forward (every layer) --------------------------------------------------------
@@ -219,7 +217,7 @@ class TorchAttentionBackend:
             own = (out.view(q.shape), lse.view(q.shape[:3]))
             return self._with_common_prefix(q, own, kv_cache, plan).to(query.dtype)
         context = plan.mask.shape[-1]
-        gathered = self._gather_blocks(kv_cache, plan.block_ids)
+        gathered = self._gather_blocks(kv_cache, plan.own_tables.view(-1))
         # [num_decodes, context, kv_heads, dim] → [num_decodes, kv_heads, context, dim]
         k = gathered[0].view(num_decodes, context, num_kv_heads, head_dim).transpose(1, 2)
         v = gathered[1].view(num_decodes, context, num_kv_heads, head_dim).transpose(1, 2)

@@ -47,7 +47,7 @@ def test_decode_only_batch_with_different_lengths() -> None:
     case = make_case([(1, 1), (57, 1), (199, 1), (16, 1)], 4, 1, head_dim=32, seed=5)
     backend = TorchAttentionBackend()
     plan = backend.prepare(case.metadata)
-    assert plan.decode is not None and plan.decode.block_ids.shape == (4 * 13,)
+    assert plan.decode is not None and plan.decode.own_tables.shape == (4, 13)
     assert plan.decode.common_block_ids is None
     out = backend.forward(case.query, case.key, case.value, case.kv_cache, plan)
     assert (out.double() - reference_attention(case)).abs().max().item() < 1e-5
