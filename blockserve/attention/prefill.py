@@ -61,11 +61,7 @@ def attend_prefills(
     key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
     value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
     kernel = cpu_kernels.dense_attention()
-    if (
-        query.device.type != "cpu"  # the cuda backend prefills here too
-        or query.dtype != torch.bfloat16
-        or head_dim != cpu_kernels.HEAD_DIM
-    ):
+    if not cpu_kernels.serves(query.device, query.dtype, head_dim):  # the cuda backend too
         kernel = None
     for prefill in prefills:
         start, end = prefill.token_start, prefill.token_end

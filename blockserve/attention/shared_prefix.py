@@ -54,7 +54,7 @@ def attend_heads(
     if _FUSED_CPU_WITH_LSE is None or q.device.type != "cpu":
         return attend(q, k, v, mask)
     kernel = cpu_kernels.dense_attention()
-    if kernel is not None and q.dtype == torch.bfloat16 and q.shape[-1] == cpu_kernels.HEAD_DIM:
+    if kernel is not None and cpu_kernels.serves(q.device, q.dtype, q.shape[-1]):
         lengths = None if mask is None else prefix_lengths(mask, q.shape[0], q.shape[2], k.shape[2])
         if mask is None or lengths is not None:
             return kernel(q, k, v, lengths, q.shape[-1] ** -0.5)

@@ -207,7 +207,11 @@ class TorchAttentionBackend:
         group = num_heads // num_kv_heads
         q = query.view(num_decodes, num_kv_heads, group, head_dim)
         paged = cpu_kernels.paged_decode()
-        if paged is not None and _kernel_serves(query, group):
+        if (
+            paged is not None
+            and cpu_kernels.serves(query.device, query.dtype, head_dim)
+            and group <= cpu_kernels.MAX_DECODE_GROUP
+        ):
             # Our kernel reads each sequence's own blocks in place: no gather.
             out, lse = paged(
                 query, kv_cache[0], kv_cache[1], plan.own_tables, plan.own_lengths, head_dim**-0.5
@@ -259,12 +263,3 @@ class TorchAttentionBackend:
         lse_common = lse_common.view(num_kv_heads, num_decodes, group).transpose(0, 1)
         out = merge(out_common, lse_common, *own)
         return out.reshape(num_decodes, num_kv_heads * group, head_dim)
-
-
-def _kernel_serves(query: torch.Tensor, group: int) -> bool:
-    return (
-        query.device.type == "cpu"
-        and query.dtype == torch.bfloat16
-        and query.shape[-1] == cpu_kernels.HEAD_DIM
-        and group <= cpu_kernels.MAX_DECODE_GROUP
-    )
