@@ -1,19 +1,20 @@
-"""Our CPU attention kernels against torch's, paired, in one process on one model.
+"""Our CPU kernels against torch's, paired, in one process on one model.
 
-The engine's attention (attention/cpu_kernels.py: bfloat16, head dimension 64, a CPU with
-AVX512-BF16) runs either through our kernels or through torch's; each round runs one of
+The engine's attention and layer math (attention/cpu_kernels.py: bfloat16, head dimension 64,
+a CPU with AVX512-BF16) run either through our kernels or through torch's; each round runs one of
 bench_offline.py's workloads once each way, in alternating order (as bench_compile.py does for
 the compiled forward). Reports the wall times, medians, the ratio and how many requests
 produced the same tokens both ways.
 
     .venv/bin/python benchmarks/bench_cpu_kernel.py [--compile] [--rounds 4] [--out FILE]
-        [--kernels all|paged] [--workload shared-prefix|no-sharing] [--requests 64]
+        [--kernels all|paged|layer] [--workload shared-prefix|no-sharing] [--requests 64]
         [--max-tokens 32]
 
 `--kernels paged` switches only the paged decode (decodes reading their own blocks in place)
-and keeps the dense kernel on both ways. Defaults: the shared-prefix workload (64 × (1,024
-shared + 32 own tokens) → 32 tokens, greedy, prefix caching on); `--workload no-sharing`
-gives each request 1,056 tokens of its own.
+and keeps the other kernels on both ways; `--kernels layer` only the fused layer operators
+(RMSNorm, residual adds, rotary embedding, SiLU-and-multiply). Defaults: the shared-prefix
+workload (64 × (1,024 shared + 32 own tokens) → 32 tokens, greedy, prefix caching on);
+`--workload no-sharing` gives each request 1,056 tokens of its own.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="the compiled forward")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--kernels", choices=("all", "paged"), default="all")
+    parser.add_argument("--kernels", choices=("all", "paged", "layer"), default="all")
     parser.add_argument(
         "--workload", choices=("shared-prefix", "no-sharing"), default="shared-prefix"
     )
@@ -45,17 +46,13 @@ def main() -> None:
     args = parser.parse_args()
     llm = LLM(max_num_seqs=args.requests, dtype="bfloat16", compile=args.compile)
     if not cpu_kernels.wait():
-        raise SystemExit("the CPU attention kernel is not available here (see the log)")
-    if args.kernels == "paged":
-        modes = {
-            "torch": partial(cpu_kernels.enable, True, paged=False),
-            "ours": partial(cpu_kernels.enable, True),
-        }
-    else:
-        modes = {
-            "torch": partial(cpu_kernels.enable, False),
-            "ours": partial(cpu_kernels.enable, True),
-        }
+        raise SystemExit("our CPU kernels are not available here (see the log)")
+    torch_mode = {
+        "all": partial(cpu_kernels.enable, False),
+        "paged": partial(cpu_kernels.enable, True, paged=False),
+        "layer": partial(cpu_kernels.enable, True, layer=False),
+    }[args.kernels]
+    modes = {"torch": torch_mode, "ours": partial(cpu_kernels.enable, True)}
     prompts = make_prompts(args.workload, args.requests, llm.engine.core.info.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     llm.generate(prompts[0][:64], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up

@@ -1,8 +1,9 @@
 // Attention for x86 CPUs with AVX512-BF16, head dimension 64, bfloat16 in, float32 out with
-// each row's log-sum-exp. Two operators: `dense_attention`, many query rows against one set of
-// keys, each row seeing a prefix of them (all, or its own count: a causal or padded row); and
-// `paged_decode` (at the end of the file), one query token per sequence reading its keys in
-// place from the paged cache.
+// each row's log-sum-exp. Three operators: `dense_attention`, many query rows against one set
+// of keys, each row seeing a prefix of them (all, or its own count: a causal or padded row);
+// `prefix_attention`, the same with every row seeing all keys of whole blocks read from the
+// paged cache (a shared prefix's common blocks); and `paged_decode` (at the end of the file),
+// one query token per sequence reading its keys in place from the paged cache.
 //
 // Both products use `vdpbf16ps` (bf16 pairs multiplied and summed into float32 lanes), which
 // torch's own CPU flash attention does not, so scores are float32 sums of bf16 products (as
@@ -32,7 +33,11 @@
 #include <limits>
 #include <tuple>
 
+#include "cpu_bf16_common.h"
+
 namespace {
+
+using namespace blockserve_cpu;
 
 constexpr int64_t kDim = 64;
 constexpr int64_t kPairs = kDim / 2;  // bf16 pairs per row: one 32-bit word each
@@ -41,45 +46,31 @@ constexpr int64_t kGroups = kKeyBlock / 16;
 constexpr int64_t kTaskRows = 16;
 constexpr int64_t kTileRows = 4;
 
-// exp(x) for x <= 0 (scores minus their running maximum): 2^(x log2 e) split into an integer
-// power, applied by `scalef`, and 2^f for f in [-0.5, 0.5] by its Taylor series to degree 6
-// (relative error ~1.2e-7). Arguments below -87 give ~0; -inf gives 0.
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
-  const __m512 whole = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, whole);
-  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, whole);
-}
-
-inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh>(v); }
 
 // K of one head as [key blocks of 16][32 pairs][16 keys][2]: padding keys are zero.
-void pack_keys(const uint16_t* k, int64_t keys, uint16_t* out) {
+// key_at(n) points at key n's 64 values.
+template <typename KeyAt>
+void pack_keys(const KeyAt& key_at, int64_t keys, uint16_t* out) {
   const int64_t groups = (keys + 15) / 16;
   std::memset(out, 0, groups * 16 * kDim * sizeof(uint16_t));
   for (int64_t n = 0; n < keys; ++n) {
+    const uint16_t* k = key_at(n);
     uint16_t* group = out + (n / 16) * 16 * kDim;
     for (int64_t i = 0; i < kPairs; ++i) {
-      group[(i * 16 + n % 16) * 2] = k[n * kDim + 2 * i];
-      group[(i * 16 + n % 16) * 2 + 1] = k[n * kDim + 2 * i + 1];
+      group[(i * 16 + n % 16) * 2] = k[2 * i];
+      group[(i * 16 + n % 16) * 2 + 1] = k[2 * i + 1];
     }
   }
 }
 
 // V of one head as [key pairs][64 dims][2]: padding keys are zero.
-void pack_values(const uint16_t* v, int64_t keys, int64_t padded, uint16_t* out) {
+template <typename ValueAt>
+void pack_values(const ValueAt& value_at, int64_t keys, int64_t padded, uint16_t* out) {
   std::memset(out, 0, padded * kDim * sizeof(uint16_t));
   for (int64_t n = 0; n < keys; ++n) {
+    const uint16_t* v = value_at(n);
     uint16_t* pair = out + (n / 2) * 2 * kDim;
-    for (int64_t d = 0; d < kDim; ++d) pair[d * 2 + n % 2] = v[n * kDim + d];
+    for (int64_t d = 0; d < kDim; ++d) pair[d * 2 + n % 2] = v[d];
   }
 }
 
@@ -214,6 +205,39 @@ void attend_task(const Shapes& n, int64_t b, int64_t h, int64_t row_start, const
   }
 }
 
+// Pack each head's K and V (pack(head, values, out) writes one), then every task.
+template <typename Pack>
+std::tuple<at::Tensor, at::Tensor> attend_packed(const at::Tensor& q, const Shapes& n,
+                                                 const Pack& pack, const at::Tensor& counts,
+                                                 double scale) {
+  const int64_t heads = n.batch * n.heads;
+  at::Tensor kpack = at::empty({heads, n.padded * kDim}, q.options());
+  at::Tensor vpack = at::empty({heads, n.padded * kDim}, q.options());
+  auto* kpp = reinterpret_cast<uint16_t*>(kpack.data_ptr());
+  auto* vpp = reinterpret_cast<uint16_t*>(vpack.data_ptr());
+  at::parallel_for(0, 2 * heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      pack(t / 2, t % 2 == 1, (t % 2 == 0 ? kpp : vpp) + (t / 2) * n.padded * kDim);
+  });
+  const at::Tensor qc = q.contiguous();
+  at::Tensor out = at::empty({n.batch, n.heads, n.rows, kDim}, q.options().dtype(at::kFloat));
+  at::Tensor lse = at::empty({n.batch, n.heads, n.rows}, q.options().dtype(at::kFloat));
+  const auto* qp = reinterpret_cast<const uint16_t*>(qc.data_ptr());
+  const int64_t* lp = counts.defined() ? counts.data_ptr<int64_t>() : nullptr;
+  float* outp = out.data_ptr<float>();
+  float* lsep = lse.data_ptr<float>();
+  const int64_t per_head = (n.rows + kTaskRows - 1) / kTaskRows;
+  const auto fscale = static_cast<float>(scale);
+  at::parallel_for(0, heads * per_head, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t head = t / per_head;
+      attend_task(n, head / n.heads, head % n.heads, (t % per_head) * kTaskRows, qp, kpp, vpp,
+                  lp, fscale, outp, lsep);
+    }
+  });
+  return {out, lse};
+}
+
 std::tuple<at::Tensor, at::Tensor> dense_attention(const at::Tensor& q, const at::Tensor& k,
                                                    const at::Tensor& v,
                                                    const std::optional<at::Tensor>& lengths,
@@ -237,39 +261,55 @@ std::tuple<at::Tensor, at::Tensor> dense_attention(const at::Tensor& q, const at
                 "lengths must be [batch, rows]");
     counts = lengths->to(at::kLong).contiguous();
   }
-  const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
-  const int64_t heads = n.batch * n.heads;
-  at::Tensor kpack = at::empty({heads, n.padded * kDim}, k.options());
-  at::Tensor vpack = at::empty({heads, n.padded * kDim}, v.options());
+  const at::Tensor kc = k.contiguous(), vc = v.contiguous();
   const auto* kp = reinterpret_cast<const uint16_t*>(kc.data_ptr());
   const auto* vp = reinterpret_cast<const uint16_t*>(vc.data_ptr());
-  auto* kpp = reinterpret_cast<uint16_t*>(kpack.data_ptr());
-  auto* vpp = reinterpret_cast<uint16_t*>(vpack.data_ptr());
-  at::parallel_for(0, 2 * heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t h = t / 2;
-      if (t % 2 == 0)
-        pack_keys(kp + h * keys * kDim, keys, kpp + h * n.padded * kDim);
-      else
-        pack_values(vp + h * keys * kDim, keys, n.padded, vpp + h * n.padded * kDim);
-    }
-  });
-  at::Tensor out = at::empty({n.batch, n.heads, n.rows, kDim}, q.options().dtype(at::kFloat));
-  at::Tensor lse = at::empty({n.batch, n.heads, n.rows}, q.options().dtype(at::kFloat));
-  const auto* qp = reinterpret_cast<const uint16_t*>(qc.data_ptr());
-  const int64_t* lp = counts.defined() ? counts.data_ptr<int64_t>() : nullptr;
-  float* outp = out.data_ptr<float>();
-  float* lsep = lse.data_ptr<float>();
-  const int64_t per_head = (n.rows + kTaskRows - 1) / kTaskRows;
-  const auto fscale = static_cast<float>(scale);
-  at::parallel_for(0, heads * per_head, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t head = t / per_head;
-      attend_task(n, head / n.heads, head % n.heads, (t % per_head) * kTaskRows, qp, kpp, vpp,
-                  lp, fscale, outp, lsep);
-    }
-  });
-  return {out, lse};
+  const auto pack = [&](int64_t head, bool values, uint16_t* out) {
+    const uint16_t* base = (values ? vp : kp) + head * keys * kDim;
+    const auto at = [&](int64_t key) { return base + key * kDim; };
+    values ? pack_values(at, keys, n.padded, out) : pack_keys(at, keys, out);
+  };
+  return attend_packed(q, n, pack, counts, scale);
+}
+
+// Rows of each KV head against every key of whole blocks of the paged cache, read in place:
+// a shared prefix's common blocks, seen by every query of the sequences that share them.
+//
+//   q [kv_heads, rows, 64] bf16; k_cache / v_cache [blocks, block_size, kv_heads, 64] bf16;
+//   block_ids [n] integers → out [kv_heads, rows, 64] f32, lse [kv_heads, rows] f32.
+std::tuple<at::Tensor, at::Tensor> prefix_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                                    const at::Tensor& v_cache,
+                                                    const at::Tensor& block_ids, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
+              "q must be [kv_heads, rows, 64] and the caches [blocks, block_size, kv_heads, 64]");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
+                  v_cache.scalar_type() == at::kBFloat16,
+              "q and the caches must be bfloat16");
+  TORCH_CHECK(q.size(2) == kDim && k_cache.size(3) == kDim, "head dimension must be 64");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous(),
+              "the caches must be contiguous and of one shape");
+  const int64_t kv_heads = k_cache.size(2), block_size = k_cache.size(1);
+  TORCH_CHECK(q.size(0) == kv_heads, "q must have one row set per KV head");
+  TORCH_CHECK(block_ids.dim() == 1 && block_ids.numel() > 0, "block_ids must be [n], n >= 1");
+  const at::Tensor ids = block_ids.to(at::kLong).contiguous();
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t b = 0; b < ids.numel(); ++b)
+    TORCH_CHECK(ip[b] >= 0 && ip[b] < k_cache.size(0), "a block id is outside the cache");
+  const int64_t keys = ids.numel() * block_size;
+  const Shapes n{1, kv_heads, q.size(1), keys, (keys + kKeyBlock - 1) / kKeyBlock * kKeyBlock};
+  const auto* kp = reinterpret_cast<const uint16_t*>(k_cache.data_ptr());
+  const auto* vp = reinterpret_cast<const uint16_t*>(v_cache.data_ptr());
+  const auto pack = [&](int64_t head, bool values, uint16_t* out) {
+    const uint16_t* base = values ? vp : kp;
+    const auto at = [&](int64_t key) {
+      return base + ((ip[key / block_size] * block_size + key % block_size) * kv_heads + head) *
+                        kDim;
+    };
+    values ? pack_values(at, keys, n.padded, out) : pack_keys(at, keys, out);
+  };
+  auto [out, lse] = attend_packed(q.unsqueeze(0), n, pack, at::Tensor(), scale);
+  return {out.squeeze(0), lse.squeeze(0)};
 }
 
 // ---- Paged decode ------------------------------------------------------------------------
@@ -281,16 +321,14 @@ std::tuple<at::Tensor, at::Tensor> dense_attention(const at::Tensor& q, const at
 //
 //   q [seqs, kv_heads * G, 64] bf16; k_cache / v_cache [blocks, block_size, kv_heads, 64]
 //   bf16; block_table [seqs, >= blocks used] and lengths [seqs] integers (sequence s reads keys
-//   0 .. lengths[s] - 1 of the blocks its table lists, in order)
+//   0 .. lengths[s] - 1 of the blocks its table lists, in order); optionally prior_out
+//   [seqs, kv_heads, G, 64] and prior_lse [seqs, kv_heads, G] f32, the rows' attention over
+//   earlier keys (`prefix_attention`'s over common blocks), which the result then includes
 //   → out [seqs, kv_heads * G, 64] f32, lse [seqs, kv_heads * G] f32.
 
 constexpr int64_t kMaxGroup = 8;
 constexpr int64_t kChunksAhead = 8;  // chunks of keys requested ahead (1 and 4 measured slower)
 
-inline __m512 widen_bf16(const uint16_t* p) {  // 16 bf16 → 16 f32 (exact)
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
 
 struct PagedShapes {
   int64_t kv_heads, block_size, table_stride;
@@ -352,19 +390,39 @@ inline void decode_chunk(const uint16_t* q, const uint16_t* kc, const uint16_t* 
     for (int64_t c = 0; c < kDim / 16; ++c) _mm512_store_ps(state.acc[r] + c * 16, acc[r][c]);
 }
 
+// Where a decode continues from: the softmax state of its rows over earlier keys (the common
+// blocks), as their normalized output and log-sum-exp; strides in elements.
+struct Prior {
+  const float* out = nullptr;  // [seqs, kv_heads, G, 64], unit stride along the last
+  const float* lse = nullptr;  // [seqs, kv_heads, G]
+  int64_t out_strides[3] = {}, lse_strides[3] = {};
+};
+
 // Sequence s, KV head h: its G query rows through `num_keys` keys, chunk by chunk, with the
-// lines of the next kChunksAhead chunks requested before each is worked on. q, out and lse
-// point at the head's first query row.
+// lines of the next kChunksAhead chunks requested before each is worked on, continuing from
+// `prior` if it has one. q, out and lse point at the head's first query row.
 template <int G>
 void decode_task(const PagedShapes& n, const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
-                 const int64_t* table, int64_t num_keys, int64_t h, float scale, float* out,
-                 float* lse) {
+                 const int64_t* table, int64_t num_keys, int64_t s, int64_t h, const Prior& prior,
+                 float scale, float* out, float* lse) {
   HeadState<G> state;
+  std::memset(state.acc, 0, sizeof(state.acc));
   for (int r = 0; r < G; ++r) {
     state.max[r] = -std::numeric_limits<float>::infinity();
     state.sum[r] = 0.0f;
+    if (prior.out == nullptr) continue;
+    const float seen = prior.lse[s * prior.lse_strides[0] + h * prior.lse_strides[1] +
+                                 r * prior.lse_strides[2]];
+    if (seen == -std::numeric_limits<float>::infinity()) continue;  // saw no key
+    // A normalized output is the state after its keys with their sum of exponentials scaled
+    // to 1, the maximum moved to their log-sum-exp.
+    state.max[r] = seen;
+    state.sum[r] = 1.0f;
+    std::memcpy(state.acc[r],
+                prior.out + s * prior.out_strides[0] + h * prior.out_strides[1] +
+                    r * prior.out_strides[2],
+                sizeof(state.acc[r]));
   }
-  std::memset(state.acc, 0, sizeof(state.acc));
   const int64_t stride = n.kv_heads * kDim;
   const auto chunk_at = [&](int64_t start, int64_t& first) {  // its first element; its length
     const int64_t offset = start % n.block_size;
@@ -401,14 +459,14 @@ void decode_task(const PagedShapes& n, const uint16_t* q, const uint16_t* kc, co
 
 template <int G>
 void decode_all(const PagedShapes& n, int64_t seqs, const uint16_t* q, const uint16_t* kc,
-                const uint16_t* vc, const int64_t* table, const int64_t* lengths, float scale,
-                float* out, float* lse) {
+                const uint16_t* vc, const int64_t* table, const int64_t* lengths,
+                const Prior& prior, float scale, float* out, float* lse) {
   at::parallel_for(0, seqs * n.kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t s = t / n.kv_heads, h = t % n.kv_heads;
       const int64_t row = (s * n.kv_heads + h) * G;  // the first of its query heads
-      decode_task<G>(n, q + row * kDim, kc, vc, table + s * n.table_stride, lengths[s], h,
-                     scale, out + row * kDim, lse + row);
+      decode_task<G>(n, q + row * kDim, kc, vc, table + s * n.table_stride, lengths[s], s, h,
+                     prior, scale, out + row * kDim, lse + row);
     }
   });
 }
@@ -416,7 +474,9 @@ void decode_all(const PagedShapes& n, int64_t seqs, const uint16_t* q, const uin
 std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
                                                 const at::Tensor& v_cache,
                                                 const at::Tensor& block_table,
-                                                const at::Tensor& lengths, double scale) {
+                                                const at::Tensor& lengths, double scale,
+                                                const std::optional<at::Tensor>& prior_out,
+                                                const std::optional<at::Tensor>& prior_lse) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
               "q must be [seqs, heads, 64] and the caches [blocks, block_size, kv_heads, 64]");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
@@ -444,6 +504,25 @@ std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::T
       TORCH_CHECK(tp[s * table.size(1) + b] >= 0 && tp[s * table.size(1) + b] < blocks,
                   "a block id is outside the cache");
   }
+  const int64_t group = q.size(1) / kv_heads;
+  TORCH_CHECK(prior_out.has_value() == prior_lse.has_value(),
+              "prior_out and prior_lse come together");
+  Prior prior;
+  if (prior_out.has_value()) {
+    TORCH_CHECK(prior_out->sizes() == at::IntArrayRef({seqs, kv_heads, group, kDim}) &&
+                    prior_lse->sizes() == at::IntArrayRef({seqs, kv_heads, group}),
+                "prior_out must be [seqs, kv_heads, group, 64] and prior_lse [seqs, kv_heads, "
+                "group]");
+    TORCH_CHECK(prior_out->scalar_type() == at::kFloat && prior_lse->scalar_type() == at::kFloat &&
+                    prior_out->stride(3) == 1,
+                "the prior must be float32, unit stride along the head dimension");
+    prior.out = prior_out->data_ptr<float>();
+    prior.lse = prior_lse->data_ptr<float>();
+    for (int d = 0; d < 3; ++d) {
+      prior.out_strides[d] = prior_out->stride(d);
+      prior.lse_strides[d] = prior_lse->stride(d);
+    }
+  }
   const at::Tensor qc = q.contiguous();
   at::Tensor out = at::empty(q.sizes(), q.options().dtype(at::kFloat));
   at::Tensor lse = at::empty({seqs, q.size(1)}, q.options().dtype(at::kFloat));
@@ -454,10 +533,10 @@ std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::T
   const auto fscale = static_cast<float>(scale);
   float* outp = out.data_ptr<float>();
   float* lsep = lse.data_ptr<float>();
-  switch (q.size(1) / kv_heads) {
+  switch (group) {
 #define BLOCKSERVE_GROUP(G) \
   case G:                   \
-    decode_all<G>(n, seqs, qp, kp, vp, tp, lp, fscale, outp, lsep); \
+    decode_all<G>(n, seqs, qp, kp, vp, tp, lp, prior, fscale, outp, lsep); \
     break;
     BLOCKSERVE_GROUP(1) BLOCKSERVE_GROUP(2) BLOCKSERVE_GROUP(3) BLOCKSERVE_GROUP(4)
     BLOCKSERVE_GROUP(5) BLOCKSERVE_GROUP(6) BLOCKSERVE_GROUP(7) BLOCKSERVE_GROUP(8)
@@ -468,16 +547,20 @@ std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::T
 
 }  // namespace
 
-TORCH_LIBRARY(blockserve_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(blockserve_cpu, m) {
   m.def(
       "dense_attention(Tensor q, Tensor k, Tensor v, Tensor? lengths, float scale)"
       " -> (Tensor, Tensor)");
   m.def(
+      "prefix_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_ids, float scale)"
+      " -> (Tensor, Tensor)");
+  m.def(
       "paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor lengths,"
-      " float scale) -> (Tensor, Tensor)");
+      " float scale, Tensor? prior_out=None, Tensor? prior_lse=None) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(blockserve_cpu, CPU, m) {
   m.impl("dense_attention", &dense_attention);
+  m.impl("prefix_attention", &prefix_attention);
   m.impl("paged_decode", &paged_decode);
 }

@@ -1,11 +1,14 @@
-"""Our CPU attention kernel (cpu_dense_bf16.cpp), built with the host's g++ and loaded into torch.
+"""Our CPU kernels (cpu_dense_bf16.cpp, cpu_layer_bf16.cpp), built with the host's g++ and
+loaded into torch as the `blockserve_cpu` operators.
 
-It serves the torch backend's attention in bfloat16 with head dimension 64 on x86 CPUs with
-AVX512-BF16 (docs/architecture.md, "Our CPU attention kernel"): `dense_attention` for a shared
-prefix's common blocks and prefills one by one, 2-3x torch's fused kernel (docs/benchmarks.md,
-"Attention on the workloads' shapes"); `paged_decode` for decodes, reading each sequence's own
-blocks in place. Elsewhere, or while it builds, or if it cannot be built, the backend keeps
-torch's kernels: the result is the same up to rounding.
+They serve models in bfloat16 on x86 CPUs with AVX512-BF16 (docs/architecture.md, "Our CPU
+kernels"). The attention ones, for head dimension 64, serve the torch backend:
+`dense_attention` for a shared prefix's common blocks and prefills one by one, 2-3x torch's
+fused kernel (docs/benchmarks.md, "Attention on the workloads' shapes"); `paged_decode` for
+decodes, reading each sequence's own blocks in place. The layer ones (`rms_norm`,
+`add_rms_norm`, `rotary_`, `silu_and_mul`) serve an eager forward's elementwise math
+(`layer_ops`). Elsewhere, or while they build, or if they cannot be built, torch's operators
+serve: the result is the same up to rounding.
 
 The build (~12 s, once per host, torch and source) runs on a thread of its own when the engine
 starts, so start-up does not wait for it; the library lands under `<cache dir>/cpu_kernels`,
@@ -26,12 +29,16 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_dense_bf16.cpp")
+SOURCES = tuple(
+    Path(__file__).with_name(name)
+    for name in ("cpu_dense_bf16.cpp", "cpu_layer_bf16.cpp", "cpu_bf16_common.h")
+)
 FLAGS = (
     "-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-w",
     "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma",
@@ -43,10 +50,13 @@ _lock = threading.Lock()  # one load (and build) at a time
 _start_lock = threading.Lock()
 _op: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 _paged: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+_prefix: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+_layer: Any = None  # the operator namespace, once loaded
 _loader: threading.Thread | None = None
 _builds: dict[subprocess.Popen, Path] = {}  # running compiles → their scratch directories
 _enabled = True
 _paged_enabled = True
+_layer_enabled = True
 
 
 def serves(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
@@ -64,12 +74,12 @@ def supported() -> bool:
 
 
 def library_path(cache_dir: Path) -> Path:
-    """`dense_bf16-<torch install>-<source and flags>.so`: each torch install (several venvs
-    may share a cache dir) keeps its own build, and a new source replaces only its own."""
+    """`bf16-<torch install>-<sources and flags>.so`: each torch install (several venvs may
+    share a cache dir) keeps its own build, and a new source replaces only its own."""
     torch_lib = Path(torch.__file__).parent / "lib"
     install = digest(torch.__version__, str(torch_lib))
-    source = digest(SOURCE.read_bytes(), " ".join(FLAGS))
-    return cache_dir / "cpu_kernels" / f"dense_bf16-{install}-{source}.so"
+    source = digest(*(path.read_bytes() for path in SOURCES), " ".join(FLAGS))
+    return cache_dir / "cpu_kernels" / f"bf16-{install}-{source}.so"
 
 
 def digest(*parts: str | bytes) -> str:
@@ -93,7 +103,8 @@ def build(target: Path) -> None:
     command = [
         *nice, "g++", *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         *(f"-I{path}" for path in include_paths()),
-        str(SOURCE), f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lc10", "-ltorch_cpu",
+        *(str(path) for path in SOURCES if path.suffix == ".cpp"),
+        f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lc10", "-ltorch_cpu",
         "-o", str(scratch / target.name),
     ]  # fmt: skip
     process = subprocess.Popen(  # its own process group: g++ runs cc1plus and ld under it
@@ -106,7 +117,7 @@ def build(target: Path) -> None:
             raise subprocess.CalledProcessError(process.returncode, command, stderr=errors)
         os.replace(scratch / target.name, target)
         install = target.name.split("-")[1]
-        for stale in target.parent.glob(f"dense_bf16-{install}-*.so"):  # an older source's
+        for stale in target.parent.glob(f"*-{install}-*.so"):  # an older source's
             if stale != target:
                 stale.unlink(missing_ok=True)
     finally:
@@ -131,7 +142,7 @@ def _stop_builds() -> None:
 
 def load(cache_dir: Path) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
     """Build if needed and load the kernel; None (logged) where that fails. Blocking."""
-    global _op, _paged
+    global _op, _paged, _prefix, _layer
     with _lock:
         if _op is not None:
             return _op
@@ -143,12 +154,14 @@ def load(cache_dir: Path) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | 
             torch.ops.load_library(str(target))
         except (OSError, subprocess.SubprocessError) as error:
             detail = getattr(error, "stderr", "") or ""
-            logger.warning("CPU attention kernel not built, torch's is used: %s %s", error, detail)
+            logger.warning("CPU kernels not built, torch's are used: %s %s", error, detail)
             return None
         _paged = torch.ops.blockserve_cpu.paged_decode
+        _prefix = torch.ops.blockserve_cpu.prefix_attention
+        _layer = torch.ops.blockserve_cpu
         _op = torch.ops.blockserve_cpu.dense_attention
         seconds = time.perf_counter() - started
-        logger.info("CPU attention kernel ready in %.1f s (%s)", seconds, target)
+        logger.info("CPU kernels ready in %.1f s (%s)", seconds, target)
         return _op
 
 
@@ -178,7 +191,7 @@ def main() -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not supported():
-        logger.info("CPU attention kernel: not for this host (needs AVX512-BF16 and g++)")
+        logger.info("CPU kernels: not for this host (needs AVX512-BF16 and g++)")
         return
     load(default_cache_dir())
 
@@ -188,14 +201,31 @@ def dense_attention() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None
     return _op if _enabled else None
 
 
+def prefix_attention() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
+    """The loaded kernel for rows against whole blocks read in place (a shared prefix's common
+    blocks), or None: switched with `dense_attention`."""
+    return _prefix if _enabled else None
+
+
 def paged_decode() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
     """The loaded paged-decode kernel (decodes reading their keys in place), or None."""
     return _paged if _paged_enabled else None
 
 
-def enable(on: bool, *, paged: bool | None = None) -> None:
+def layer_ops(hidden: torch.Tensor, head_dim: int) -> Any:
+    """The fused layer operators (`torch.ops.blockserve_cpu`) for an eager forward whose
+    hidden states are `hidden`, or None where torch's operators serve: not loaded or switched
+    off, not a model `serves` names, a hidden size not a multiple of 16."""
+    if _layer is None or not _layer_enabled or hidden.shape[-1] % 16:
+        return None
+    return _layer if serves(hidden.device, hidden.dtype, head_dim) else None
+
+
+def enable(on: bool, *, paged: bool | None = None, layer: bool | None = None) -> None:
     """Switch the loaded kernels out (torch serves) and back in: benchmarks compare the two.
-    `paged` switches the paged decode alone (default: as `on`)."""
-    global _enabled, _paged_enabled
+    `paged` switches the paged decode alone, `layer` the fused layer operators (default: as
+    `on`)."""
+    global _enabled, _paged_enabled, _layer_enabled
     _enabled = on
     _paged_enabled = on if paged is None else paged
+    _layer_enabled = on if layer is None else layer

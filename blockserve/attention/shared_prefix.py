@@ -66,6 +66,23 @@ def attend_heads(
     return out.float(), lse
 
 
+def attend_common_blocks(
+    q: torch.Tensor,  # [kv_heads, rows, dim]: every query of each KV head
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, dim]
+    block_ids: torch.Tensor,  # [num_common]
+) -> tuple[torch.Tensor, torch.Tensor]:  # [kv_heads, rows, (dim)] float32
+    """`attend_heads` of every row against all keys of whole cached blocks: read in place by
+    our CPU kernel where it serves, else gathered first."""
+    num_kv_heads, _, head_dim = q.shape
+    kernel = cpu_kernels.prefix_attention()
+    if kernel is not None and cpu_kernels.serves(q.device, q.dtype, head_dim):
+        return kernel(q, kv_cache[0], kv_cache[1], block_ids, head_dim**-0.5)
+    k = kv_cache[0, block_ids].reshape(-1, num_kv_heads, head_dim).transpose(0, 1)
+    v = kv_cache[1, block_ids].reshape(-1, num_kv_heads, head_dim).transpose(0, 1)
+    out, lse = attend_heads(q[None], k[None], v[None])
+    return out[0], lse[0]
+
+
 def prefix_lengths(mask: torch.Tensor, batch: int, rows: int, keys: int) -> torch.Tensor | None:
     """How many keys each row sees, [batch, rows], if `mask` (the same for every head) shows
     every row a prefix of the keys, as the paths' masks do (a sequence's keys up to the row's
@@ -163,13 +180,9 @@ def attend_shared_prefix(
     q_rows = q.reshape(rows, num_kv_heads, group * max_queries, head_dim)
     own_mask = plan.own_mask.expand(-1, -1, group, -1, -1).reshape(rows, 1, group * max_queries, -1)
     out_own, lse_own = attend_heads(q_rows, own_k, own_v, own_mask)
-    common_k = kv_cache[0][plan.common_block_ids].reshape(-1, num_kv_heads, head_dim)
-    common_v = kv_cache[1][plan.common_block_ids].reshape(-1, num_kv_heads, head_dim)
-    # Every query of every row against the common keys: [1, kv_heads, rows * group * queries, dim]
-    q_all = q.permute(1, 0, 2, 3, 4).reshape(1, num_kv_heads, -1, head_dim)
-    out_common, lse_common = attend_heads(
-        q_all, common_k.transpose(0, 1)[None], common_v.transpose(0, 1)[None]
-    )
+    # Every query of every row against the common keys: [kv_heads, rows * group * queries, dim]
+    q_all = q.permute(1, 0, 2, 3, 4).reshape(num_kv_heads, -1, head_dim)
+    out_common, lse_common = attend_common_blocks(q_all, kv_cache, plan.common_block_ids)
     shape = (num_kv_heads, rows, group, max_queries)
     out_common = out_common.view(*shape, head_dim).permute(1, 0, 2, 3, 4)
     lse_common = lse_common.view(shape).permute(1, 0, 2, 3)

@@ -24,6 +24,7 @@ from blockserve.attention.metadata import AttentionMetadata
 from blockserve.attention.prefill import PrefillPlan, attend_prefills, prefix_prefill_plan
 from blockserve.attention.shared_prefix import (
     SharedPrefixPlan,
+    attend_common_blocks,
     attend_heads,
     attend_shared_prefix,
     merge,
@@ -212,14 +213,14 @@ class TorchAttentionBackend:
             and cpu_kernels.serves(query.device, query.dtype, head_dim)
             and group <= cpu_kernels.MAX_DECODE_GROUP
         ):
-            # Our kernel reads each sequence's own blocks in place: no gather.
-            out, lse = paged(
-                query, kv_cache[0], kv_cache[1], plan.own_tables, plan.own_lengths, head_dim**-0.5
-            )
-            if plan.common_block_ids is None:
-                return out.to(query.dtype)
-            own = (out.view(q.shape), lse.view(q.shape[:3]))
-            return self._with_common_prefix(q, own, kv_cache, plan).to(query.dtype)
+            # Our kernel reads each sequence's own blocks in place (no gather), continuing
+            # from the common blocks' result: no merge.
+            prior = () if plan.common_block_ids is None else self._common_prefix(q, kv_cache, plan)
+            out, _ = paged(
+                query, kv_cache[0], kv_cache[1], plan.own_tables, plan.own_lengths,
+                head_dim**-0.5, *prior,
+            )  # fmt: skip
+            return out.to(query.dtype)
         context = plan.mask.shape[-1]
         gathered = self._gather_blocks(kv_cache, plan.own_tables.view(-1))
         # [num_decodes, context, kv_heads, dim] → [num_decodes, kv_heads, context, dim]
@@ -243,23 +244,27 @@ class TorchAttentionBackend:
         return out.reshape(num_decodes, num_heads, head_dim)
 
     @staticmethod
+    def _common_prefix(
+        q: torch.Tensor,  # [num_decodes, kv_heads, group, dim]
+        kv_cache: torch.Tensor,
+        plan: DecodePlan,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [decodes, kv_heads, group, (dim)] float32
+        """Every decode's attention over the common blocks, read once for all of them: each
+        KV head's queries of every sequence as rows of one call."""
+        assert plan.common_block_ids is not None
+        num_decodes, num_kv_heads, group, head_dim = q.shape
+        q_all = q.permute(1, 0, 2, 3).reshape(num_kv_heads, num_decodes * group, head_dim)
+        out, lse = attend_common_blocks(q_all, kv_cache, plan.common_block_ids)
+        out = out.view(num_kv_heads, num_decodes, group, head_dim).transpose(0, 1)
+        return out, lse.view(num_kv_heads, num_decodes, group).transpose(0, 1)
+
     def _with_common_prefix(
+        self,
         q: torch.Tensor,  # [num_decodes, kv_heads, group, dim]
         own: tuple[torch.Tensor, torch.Tensor],  # over each sequence's own blocks: out, lse
         kv_cache: torch.Tensor,
         plan: DecodePlan,
     ) -> torch.Tensor:  # [num_decodes, heads, dim] float32
-        assert plan.common_block_ids is not None
         num_decodes, num_kv_heads, group, head_dim = q.shape
-        # The shared blocks, read once: [kv_heads, common_context, dim].
-        common_k = kv_cache[0, plan.common_block_ids].reshape(-1, num_kv_heads, head_dim)
-        common_v = kv_cache[1, plan.common_block_ids].reshape(-1, num_kv_heads, head_dim)
-        # Every sequence's queries against them at once, as rows of each KV head.
-        q_all = q.permute(1, 0, 2, 3).reshape(1, num_kv_heads, num_decodes * group, head_dim)
-        out_common, lse_common = attend_heads(
-            q_all, common_k.transpose(0, 1)[None], common_v.transpose(0, 1)[None]
-        )
-        out_common = out_common.view(num_kv_heads, num_decodes, group, head_dim).transpose(0, 1)
-        lse_common = lse_common.view(num_kv_heads, num_decodes, group).transpose(0, 1)
-        out = merge(out_common, lse_common, *own)
+        out = merge(*self._common_prefix(q, kv_cache, plan), *own)
         return out.reshape(num_decodes, num_kv_heads * group, head_dim)

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from blockserve.attention import cpu_kernels
 from blockserve.attention.metadata import AttentionBackend
 from blockserve.model.arch import LlamaArchConfig, RopeScaling
 from blockserve.model.attention_op import attend
@@ -132,6 +133,22 @@ class LlamaAttention(nn.Module):
         out = attend(self.backend, q, k, v, kv_cache, plan)  # [num_tokens, heads, dim]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
+    def forward_fused(
+        self, ops: Any, hidden: torch.Tensor, rope: Rope, kv_cache: torch.Tensor, plan: Any
+    ) -> torch.Tensor:
+        """`forward` with the rotary embedding applied in place by our fused operator."""
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        cos, sin = rope
+        ops.rotary_(qkv, cos.view(num_tokens, -1), sin.view(num_tokens, -1),
+                    self.num_heads, self.num_kv_heads)  # fmt: skip
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        out = attend(self.backend, q, k, v, kv_cache, plan)  # [num_tokens, heads, dim]
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
 
 class LlamaMLP(nn.Module):
     def __init__(self, config: LlamaArchConfig) -> None:
@@ -162,6 +179,25 @@ class LlamaDecoderLayer(nn.Module):
     ) -> torch.Tensor:
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, kv_cache, plan)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+    def forward_fused(
+        self,
+        ops: Any,
+        normed: torch.Tensor,  # input_layernorm(residual)
+        residual: torch.Tensor,  # the hidden states entering the layer; updated in place
+        next_norm: RMSNorm,  # the next layer's input norm, or the model's final norm
+        rope: Rope,
+        kv_cache: torch.Tensor,
+        plan: Any,
+    ) -> torch.Tensor:
+        """`forward` through our fused operators: each residual add is fused with the norm
+        after it, the last with `next_norm`. Leaves the layer's output in `residual` and
+        returns `next_norm` of it."""
+        attn = self.self_attn.forward_fused(ops, normed, rope, kv_cache, plan)
+        norm = self.post_attention_layernorm
+        normed = ops.add_rms_norm(residual, attn, norm.weight, norm.eps)
+        mlp = self.mlp.down_proj(ops.silu_and_mul(self.mlp.gate_up_proj(normed)))
+        return ops.add_rms_norm(residual, mlp, next_norm.weight, next_norm.eps)
 
 
 class LlamaModel(nn.Module):
@@ -204,9 +240,34 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden]
         hidden = self.model.embed_tokens(input_ids)
         rope = self.rotary(positions, hidden.dtype)
+        # Our fused CPU operators serve an eager forward; a compiled one fuses on its own.
+        ops = (
+            None
+            if torch.compiler.is_compiling()
+            else cpu_kernels.layer_ops(hidden, self.config.head_dim)
+        )
+        if ops is not None:
+            return self._forward_fused(ops, hidden, rope, kv_caches, plan)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             hidden = layer(hidden, rope, kv_cache, plan)
         return self.model.norm(hidden)
+
+    def _forward_fused(
+        self,
+        ops: Any,
+        hidden: torch.Tensor,
+        rope: Rope,
+        kv_caches: list[torch.Tensor],
+        plan: Any,
+    ) -> torch.Tensor:
+        layers = cast(list[LlamaDecoderLayer], list(self.model.layers))
+        # After each layer, the norm that takes its output: the next layer's, then the final.
+        next_norms = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
+        first = layers[0].input_layernorm
+        normed = ops.rms_norm(hidden, first.weight, first.eps)
+        for layer, next_norm, kv_cache in zip(layers, next_norms, kv_caches, strict=True):
+            normed = layer.forward_fused(ops, normed, hidden, next_norm, rope, kv_cache, plan)
+        return normed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_sampled, hidden] → [num_sampled, vocab] in float32."""

@@ -28,28 +28,18 @@ pytestmark = pytest.mark.skipif(
 Kernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
-# Libraries in the cache dir before the build: an older source's for this torch install (the
-# build replaces it), and one for another install sharing the dir (the build leaves it).
-OLDER, OTHER_INSTALL = "000000000000.so", "dense_bf16-000000000000-000000000000.so"
+OTHER_INSTALL_KERNELS = "bf16-000000000000-000000000000.so"
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A cache dir the kernel was built into."""
-    directory = tmp_path_factory.mktemp("kernel-cache")
-    target = cpu_kernels.library_path(directory)
-    target.parent.mkdir(parents=True)
-    install_prefix = target.name.rsplit("-", 1)[0]
-    (target.parent / f"{install_prefix}-{OLDER}").touch()
-    (target.parent / OTHER_INSTALL).touch()
-    cpu_kernels.build(target)
-    assert target.is_file()
-    return directory
+def cache_dir(cpu_kernels_dir: Path) -> Path:
+    return cpu_kernels_dir
 
 
 def test_a_build_replaces_its_installs_older_library_only(cache_dir: Path) -> None:
     names = sorted(path.name for path in (cache_dir / "cpu_kernels").iterdir())
-    assert names == sorted([cpu_kernels.library_path(cache_dir).name, OTHER_INSTALL])
+    # conftest.py's cpu_kernels_dir left an older build and another install's before building.
+    assert names == sorted([cpu_kernels.library_path(cache_dir).name, OTHER_INSTALL_KERNELS])
 
 
 @pytest.fixture(scope="module")
@@ -131,33 +121,89 @@ def test_refuses_what_it_does_not_handle(kernel: Kernel, change, message: str) -
 
 
 @pytest.mark.parametrize(
-    ("specs", "shared_blocks"),
+    ("specs", "shared_blocks", "expected"),
     [
-        ([(64, 1), (64, 1), (70, 1), (99, 1), (65, 1)], 4),  # decodes on a shared prefix
-        ([(48, 32), (50, 5), (70, 17), (0, 20), (60, 1)], 3),  # prefill chunks on one
-        ([(0, 20), (37, 9), (0, 70)], 0),  # prefills one by one: fresh, on cached blocks
+        # decodes on a shared prefix: its blocks read in place, the rest by the paged decode
+        ([(64, 1), (64, 1), (70, 1), (99, 1), (65, 1)], 4, ["prefix"]),
+        # prefill chunks on one: the common blocks in place, each chunk's own keys packed
+        ([(48, 32), (50, 5), (70, 17), (0, 20), (60, 1)], 3, ["dense", "prefix"]),
+        ([(0, 20), (37, 9), (0, 70)], 0, ["dense"]),  # prefills one by one
     ],
 )
 def test_the_backend_paths_use_it(
-    kernel: Kernel, monkeypatch: pytest.MonkeyPatch, specs, shared_blocks: int
+    kernel: Kernel, monkeypatch: pytest.MonkeyPatch, specs, shared_blocks: int, expected
 ) -> None:
-    """bf16 steps call the kernel for shared prefixes and prefills and still equal dense
+    """bf16 steps call the kernels for shared prefixes and prefills and still equal dense
     attention."""
-    calls = []
-
-    def counted() -> Kernel:
-        calls.append(1)
-        return kernel
-
-    monkeypatch.setattr(cpu_kernels, "dense_attention", counted)
+    calls: set[str] = set()
+    for name in ("dense", "prefix"):
+        op = getattr(cpu_kernels, f"{name}_attention")()
+        monkeypatch.setattr(
+            cpu_kernels, f"{name}_attention", lambda op=op, name=name: calls.add(name) or op
+        )
     case = make_case(specs, 6, 2, head_dim=64, dtype=torch.bfloat16, shared_blocks=shared_blocks)
     backend = TorchAttentionBackend()
     out = backend.forward(
         case.query, case.key, case.value, case.kv_cache, backend.prepare(case.metadata)
     )
-    assert calls
+    assert sorted(calls) == expected
     error = (out.double() - reference_attention(case)).abs().max().item()
     assert error < TOLERANCE[torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def prefix(kernel: Kernel) -> Kernel:
+    op = cpu_kernels.prefix_attention()
+    assert op is not None
+    return op
+
+
+def shuffled_cache(generator: torch.Generator, blocks: int, kv_heads: int, block_size: int = 16):
+    return tuple(
+        torch.randn(blocks, block_size, kv_heads, 64, generator=generator).bfloat16()
+        for _ in range(2)
+    )
+
+
+@pytest.mark.parametrize(("kv_heads", "rows", "num_blocks"), [(1, 1, 1), (3, 192, 64), (2, 37, 5)])
+def test_prefix_attention_reads_whole_blocks_in_place(
+    kernel: Kernel, prefix: Kernel, kv_heads: int, rows: int, num_blocks: int
+) -> None:
+    """Every row against every key of the listed blocks, in their listed order: what the
+    dense kernel gives on them gathered, to the bit."""
+    generator = torch.Generator().manual_seed(rows)
+    k_cache, v_cache = shuffled_cache(generator, 2 * num_blocks + 1, kv_heads)
+    ids = torch.randperm(2 * num_blocks + 1, generator=generator)[:num_blocks]
+    q = torch.randn(kv_heads, rows, 64, generator=generator).bfloat16()
+    out, lse = prefix(q, k_cache, v_cache, ids, 0.125)
+    k, v = (c[ids].reshape(-1, kv_heads, 64).transpose(0, 1)[None] for c in (k_cache, v_cache))
+    gathered_out, gathered_lse = kernel(q[None], k, v, None, 0.125)
+    assert out.shape == (kv_heads, rows, 64) and lse.shape == (kv_heads, rows)
+    assert torch.equal(out, gathered_out[0]) and torch.equal(lse, gathered_lse[0])
+    expected_out, _ = reference(q[None], k, v, None, 0.125)
+    assert (out.double() - expected_out[0]).abs().max().item() < 2**-8 * v.abs().max().item()
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda a: {**a, "q": a["q"].float()}, "bfloat16"),
+        (lambda a: {**a, "q": torch.zeros(3, 4, 64, dtype=torch.bfloat16)}, "per KV head"),
+        (lambda a: {**a, "ids": torch.tensor([1, 4])}, "outside the cache"),
+        (lambda a: {**a, "ids": torch.tensor([], dtype=torch.long)}, "n >= 1"),
+        (lambda a: {**a, "k": a["k"].transpose(0, 1)}, "contiguous and of one shape"),
+    ],
+)
+def test_prefix_attention_refuses_what_it_does_not_handle(prefix: Kernel, change, message):
+    args = {
+        "q": torch.zeros(2, 4, 64, dtype=torch.bfloat16),
+        "k": torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16),
+        "v": torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16),
+        "ids": torch.tensor([1, 3]),
+    }
+    args = change(args)
+    with pytest.raises(RuntimeError, match=message):
+        prefix(args["q"], args["k"], args["v"], args["ids"], 0.125)
 
 
 @pytest.fixture(scope="module")
@@ -218,11 +264,47 @@ def test_paged_decode_equals_float64_attention(
     assert (lse.double() - expected_lse).abs().max().item() < 1e-5
 
 
+def test_paged_decode_continues_from_a_prior(prefix: Kernel, paged: Kernel) -> None:
+    """Common blocks through `prefix_attention`, then each sequence's own blocks through the
+    paged decode continuing from that result: attention over both, as if in one softmax. A
+    prior row that saw no key (log-sum-exp -inf) starts afresh."""
+    seqs, kv_heads, group = 6, 3, 3
+    generator = torch.Generator().manual_seed(7)
+    k_cache, v_cache = shuffled_cache(generator, 40, kv_heads)
+    common = torch.tensor([5, 2, 30])
+    tables = torch.randperm(40, generator=generator)[: seqs * 4].view(seqs, 4)
+    lengths = torch.tensor([1, 16, 17, 40, 64, 33])
+    q = (torch.randn(seqs, kv_heads * group, 64, generator=generator) * 1.5).bfloat16()
+    q_rows = q.view(seqs, kv_heads, group, 64).permute(1, 0, 2, 3).reshape(kv_heads, -1, 64)
+    prior_out, prior_lse = prefix(q_rows, k_cache, v_cache, common, 0.125)
+    prior_out = prior_out.view(kv_heads, seqs, group, 64).transpose(0, 1)
+    prior_lse = prior_lse.view(kv_heads, seqs, group).transpose(0, 1)
+    out, lse = paged(q, k_cache, v_cache, tables, lengths, 0.125, prior_out, prior_lse)
+    whole = torch.cat([common.expand(seqs, -1), tables], dim=1)
+    expected_out, expected_lse = paged_reference(q, k_cache, v_cache, whole, lengths + 48, 0.125)
+    # The common part's probabilities are rounded to bf16 (the dense kernel's), the rest not.
+    assert (out.double() - expected_out).abs().max().item() < 2**-8 * v_cache.abs().max().item()
+    assert (lse.double() - expected_lse).abs().max().item() < 1e-5
+
+    empty = paged(
+        q, k_cache, v_cache, tables, lengths, 0.125,
+        torch.full_like(prior_out, 7.0), torch.full_like(prior_lse, float("-inf")),
+    )  # fmt: skip
+    alone = paged(q, k_cache, v_cache, tables, lengths, 0.125)
+    assert all(torch.equal(a, b) for a, b in zip(empty, alone, strict=True))
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
         (lambda a: {**a, "q": a["q"].float()}, "bfloat16"),
         (lambda a: {**a, "q": a["q"][..., :32]}, "head dimension must be 64"),
+        (lambda a: {**a, "prior": (torch.zeros(2, 2, 3, 64), None)}, "come together"),
+        (lambda a: {**a, "prior": (torch.zeros(2, 2, 3, 64), torch.zeros(2, 6))}, "prior_out must"),
+        (
+            lambda a: {**a, "prior": (torch.zeros(2, 2, 3, 64).double(), torch.zeros(2, 2, 3))},
+            "float32",
+        ),
         (lambda a: {**a, "q": torch.zeros(2, 18, 64, dtype=torch.bfloat16)}, "1 to 8 per KV head"),
         (lambda a: {**a, "tables": a["tables"] + 10}, "outside the cache"),
         (lambda a: {**a, "lengths": torch.tensor([5, 33])}, "exceeds its block table"),
@@ -237,10 +319,13 @@ def test_paged_decode_refuses_what_it_does_not_handle(paged: Kernel, change, mes
         "v": torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16),
         "tables": torch.tensor([[1, 2], [3, 0]]),
         "lengths": torch.tensor([20, 3]),
+        "prior": (None, None),
     }
     args = change(args)
     with pytest.raises(RuntimeError, match=message):
-        paged(args["q"], args["k"], args["v"], args["tables"], args["lengths"], 0.125)
+        paged(
+            args["q"], args["k"], args["v"], args["tables"], args["lengths"], 0.125, *args["prior"]
+        )
 
 
 @pytest.mark.parametrize(

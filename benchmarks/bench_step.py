@@ -1,0 +1,140 @@
+"""One model step of the offline shared-prefix workload, timed and profiled on its own.
+
+Runs the workload of bench_offline.py (64 × (1,024 shared + 32 own tokens), greedy, prefix
+caching on, bf16 where the host computes it natively) far enough to capture two of its steps,
+then runs each again and again on the same inputs: the model's forward, the LM head on the
+sampled rows, and the attention plan, as the runner does (the KV it writes is the same each
+time). The two steps:
+
+  prefill  the first step: one request's 1,056 tokens and 31 others' 32 own tokens on the
+           shared prefix it computes (2,048 tokens)
+  decode   a step of 64 decodes, each over 1,024 shared and 33 own tokens
+
+Each step runs with our fused layer operators (attention/cpu_kernels.py) and without,
+alternating, `--repeats` times each way per round; medians. `--profile N` then runs each step
+under torch.profiler and keeps its top N operators by self time (per step, milliseconds).
+
+    .venv/bin/python benchmarks/bench_step.py [--repeats 20] [--rounds 3] [--profile 15]
+        [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from bench_offline import make_prompts
+from report import emit
+from torch.profiler import ProfilerActivity, profile
+
+from blockserve import LLM, SamplingParams
+from blockserve.attention import cpu_kernels
+from blockserve.runner.inputs import ModelInputs
+from blockserve.runner.model_runner import ModelRunner
+from blockserve.sched.output import SchedulerOutput
+
+NUM_REQUESTS = 64
+
+
+def capture_steps(llm: LLM) -> dict[str, ModelInputs]:
+    """The inputs of the workload's first prefill step and of its first full decode step."""
+    runner: ModelRunner = llm.engine.core.runner
+    captured: dict[str, ModelInputs] = {}
+    execute = runner.execute
+
+    def capturing(output: SchedulerOutput) -> Any:
+        decodes = output.num_scheduled_tokens == len(output.scheduled) == NUM_REQUESTS
+        kind = "decode" if decodes else "prefill" if not captured else None
+        if kind is not None and kind not in captured:
+            runner._update_states(output)
+            captured[kind] = runner.prepare_inputs(output)
+        return execute(output)
+
+    runner.execute = capturing  # type: ignore[method-assign]
+    prompts = make_prompts("shared-prefix", NUM_REQUESTS, llm.engine.core.info.vocab_size)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    try:
+        llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        runner.execute = execute  # type: ignore[method-assign]
+    return captured
+
+
+@torch.inference_mode()
+def run_step(runner: ModelRunner, inputs: ModelInputs) -> None:
+    plan = runner.backend.prepare(inputs.metadata)
+    hidden = runner.forward(inputs.input_ids, inputs.positions, runner.kv_caches, plan)
+    runner.model.compute_logits(hidden[inputs.sample_indices])
+
+
+def time_step(runner: ModelRunner, inputs: ModelInputs, repeats: int) -> list[float]:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run_step(runner, inputs)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def top_operators(runner: ModelRunner, inputs: ModelInputs, repeats: int, count: int) -> list:
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        for _ in range(repeats):
+            run_step(runner, inputs)
+    events = sorted(profiler.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events)
+    return [
+        {
+            "op": e.key,
+            "ms_per_step": round(e.self_cpu_time_total / repeats / 1e3, 2),
+            "share": round(e.self_cpu_time_total / total, 3),
+            "calls_per_step": round(e.count / repeats, 1),
+        }
+        for e in events[:count]
+    ] + [{"op": "total", "ms_per_step": round(total / repeats / 1e3, 2)}]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--profile", type=int, default=0, metavar="N")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    llm = LLM(enable_prefix_caching=True, max_num_seqs=NUM_REQUESTS)
+    if not cpu_kernels.wait():
+        raise SystemExit("our CPU kernels are not available here (see the log)")
+    runner: ModelRunner = llm.engine.core.runner
+    steps = capture_steps(llm)
+    results: dict[str, Any] = {}
+    for kind, inputs in steps.items():
+        repeats = args.repeats if kind == "decode" else max(2, args.repeats // 10)
+        run_step(runner, inputs)  # warm
+        walls: dict[str, list[float]] = {"fused": [], "unfused": []}
+        for round_index in range(args.rounds):
+            order = ("fused", "unfused") if round_index % 2 == 0 else ("unfused", "fused")
+            for mode in order:
+                cpu_kernels.enable(True, layer=mode == "fused")
+                walls[mode].extend(time_step(runner, inputs, repeats))
+        cpu_kernels.enable(True)
+        medians = {mode: round(statistics.median(t) * 1e3, 2) for mode, t in walls.items()}
+        results[kind] = {
+            "tokens": int(inputs.input_ids.numel()),
+            "median_ms": medians,
+            "speedup": round(medians["unfused"] / medians["fused"], 3),
+        }
+        if args.profile:
+            for mode in ("unfused", "fused"):
+                cpu_kernels.enable(True, layer=mode == "fused")
+                results[kind][f"profile_{mode}"] = top_operators(
+                    runner, inputs, repeats, args.profile
+                )
+            cpu_kernels.enable(True)
+    emit({"benchmark": "step", "dtype": llm.engine.core.info.dtype, "steps": results}, args.out)
+
+
+if __name__ == "__main__":
+    main()

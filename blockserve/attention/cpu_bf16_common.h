@@ -1,0 +1,46 @@
+// Vector helpers shared by our AVX512-BF16 kernels (cpu_dense_bf16.cpp, cpu_layer_bf16.cpp).
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace blockserve_cpu {
+
+// exp(x) for x <= 0 (scores minus their running maximum): 2^(x log2 e) split into an integer
+// power, applied by `scalef`, and 2^f for f in [-0.5, 0.5] by its Taylor series to degree 6
+// (relative error ~1.2e-7). Arguments below -87 give ~0; -inf gives 0.
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+  const __m512 whole = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, whole);
+  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, whole);
+}
+
+inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh>(v); }
+
+inline __m512 widen_bf16(const uint16_t* p) {  // 16 bf16 → 16 f32 (exact)
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// 16 f32 → 16 bf16, rounded to nearest even (as torch rounds).
+inline void store_bf16(uint16_t* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+}
+
+// v rounded to bf16 and back: what a torch op in bf16 leaves between two steps.
+inline __m512 round_bf16(__m512 v) {
+  const __m256i half = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+}  // namespace blockserve_cpu

@@ -1,0 +1,168 @@
+"""Our fused layer operators (attention/cpu_layer_bf16.cpp): RMSNorm with and without the
+residual add, the rotary embedding in place, SiLU-and-multiply. Each equals the bf16 torch
+composition in model/llama.py bit for bit or within one bf16 step where noted, refuses what it
+does not handle, and the eager forward that uses them gives the forward without them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from blockserve.attention import cpu_kernels
+from blockserve.config import CacheConfig, ModelConfig
+from blockserve.model.llama import RMSNorm, RotaryEmbedding, apply_rotary
+from blockserve.runner.model_runner import ModelRunner
+from tests.runner.test_model_runner import all_logits, greedy_generate, mixed_batch
+from tests.tiny_models import save_tiny_model
+
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels.supported(),
+    reason="needs an x86 CPU with AVX512-BF16 and g++ (elsewhere torch's operators serve)",
+)
+
+
+@pytest.fixture(scope="module")
+def ops(cpu_kernels_dir: Path) -> Any:
+    assert cpu_kernels.load(cpu_kernels_dir) is not None
+    hidden = torch.zeros(1, 576, dtype=torch.bfloat16)
+    op = cpu_kernels.layer_ops(hidden, head_dim=64)
+    assert op is not None
+    return op
+
+
+def bf16_steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many bf16 steps apart each pair of elements is (same-signed values)."""
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+
+
+def randn(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).bfloat16()
+
+
+def norm_with(weight: torch.Tensor) -> RMSNorm:
+    norm = RMSNorm(weight.shape[0], 1e-5).bfloat16()
+    norm.weight.data.copy_(weight)
+    return norm
+
+
+@pytest.mark.parametrize("rows", [1, 64, 2048])
+def test_rms_norm_equals_torch_within_one_step(ops: Any, rows: int) -> None:
+    """Its mean of squares is summed in another order: now and then the normalized value is
+    one bf16 step apart, which the weight's product carries to at most two."""
+    x = randn(rows, 2 * 576, seed=rows)[:, 576:]  # rows of a wider tensor: a view
+    weight = randn(576, seed=1) + 1
+    expected = norm_with(weight)(x)
+    steps = bf16_steps(ops.rms_norm(x, weight, 1e-5), expected)
+    assert steps.max().item() <= 2
+    assert steps.sum().item() <= rows * 576 // 500
+
+
+def test_add_rms_norm_adds_in_place_then_normalizes(ops: Any) -> None:
+    """The residual to the bit; the norm as `rms_norm`'s."""
+    residual, update = randn(300, 576, seed=2), randn(300, 576, seed=3)
+    weight = randn(576, seed=4) + 1
+    expected_residual = residual + update
+    out = ops.add_rms_norm(residual, update, weight, 1e-5)
+    assert torch.equal(residual, expected_residual)
+    steps = bf16_steps(out, norm_with(weight)(expected_residual))
+    assert steps.max().item() <= 2
+    assert steps.sum().item() <= 300 * 576 // 500
+
+
+@pytest.mark.parametrize("tokens", [1, 37, 2048])
+def test_rotary_rotates_q_and_k_in_place_as_torch_does(ops: Any, tokens: int) -> None:
+    """SmolLM2's heads (9 q, 3 KV) at positions up to 8k: q and k to the bit, v untouched."""
+    qkv = randn(tokens, (9 + 2 * 3) * 64, seed=tokens)
+    positions = torch.randint(0, 8192, (tokens,), generator=torch.Generator().manual_seed(5))
+    cos, sin = RotaryEmbedding(64, 8192, 100000.0, None)(positions, torch.bfloat16)
+    q, k, v = qkv.split([9 * 64, 3 * 64, 3 * 64], dim=-1)
+    expected_q = apply_rotary(q.reshape(tokens, 9, 64), (cos, sin))
+    expected_k = apply_rotary(k.reshape(tokens, 3, 64), (cos, sin))
+    expected_v = v.clone()
+    ops.rotary_(qkv, cos.view(tokens, 32), sin.view(tokens, 32), 9, 3)
+    assert torch.equal(q.reshape(tokens, 9, 64), expected_q)
+    assert torch.equal(k.reshape(tokens, 3, 64), expected_k)
+    assert torch.equal(v, expected_v)
+
+
+def test_silu_and_mul_equals_torch_within_one_step(ops: Any) -> None:
+    """Its exp is our own: now and then one bf16 step apart, over gates from -24 to 24."""
+    gate_up = randn(512, 2 * 1536, seed=6, scale=6.0)
+    gate, up = gate_up.chunk(2, dim=-1)
+    steps = bf16_steps(ops.silu_and_mul(gate_up), F.silu(gate) * up)
+    assert steps.max().item() <= 1
+    assert steps.sum().item() <= 512 * 1536 // 500
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda o: o.rms_norm(torch.zeros(2, 64), torch.ones(64).bfloat16(), 1e-5), "bfloat16"),
+        (lambda o: o.rms_norm(bf16(2, 40), bf16(40), 1e-5), "multiple of 16"),
+        (lambda o: o.rms_norm(bf16(2, 64), bf16(32), 1e-5), "weight must be"),
+        (lambda o: o.rms_norm(bf16(2, 64).t(), bf16(2), 1e-5), "unit stride"),
+        (lambda o: o.add_rms_norm(bf16(2, 64), bf16(3, 64), bf16(64), 1e-5), "residual's shape"),
+        (lambda o: o.rotary_(bf16(2, 256), bf16(2, 32), bf16(2, 32), 2, 2), "qkv must be"),
+        (lambda o: o.rotary_(bf16(2, 256), bf16(2, 16), bf16(2, 32), 2, 1), "cos and sin"),
+        (lambda o: o.silu_and_mul(bf16(2, 48)), "multiples of 16"),
+    ],
+)
+def test_refuses_what_it_does_not_handle(ops: Any, call: Callable[[Any], Any], message: str):
+    with pytest.raises(RuntimeError, match=message):
+        call(ops)
+
+
+def bf16(*shape: int) -> torch.Tensor:
+    return torch.zeros(*shape, dtype=torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def runner(ops: Any, tmp_path_factory: pytest.TempPathFactory) -> ModelRunner:
+    """A tiny Llama whose heads are 64 wide (the kernels' width), in bf16."""
+    model_dir = save_tiny_model(
+        tmp_path_factory.mktemp("tiny-llama-64"),
+        hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1,
+    )  # fmt: skip
+    return ModelRunner(
+        ModelConfig(model=str(model_dir), dtype="bfloat16"),
+        CacheConfig(num_gpu_blocks_override=64),
+    )
+
+
+def test_the_fused_forward_equals_the_unfused_one(
+    runner: ModelRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fresh prefill, a prefill on cached blocks and a decode in one step, then 16 greedy
+    tokens for 3 prompts: the same logits and tokens with our operators as without."""
+    batch = mixed_batch(Path(runner.loaded.model_dir))
+    served: list[bool] = []  # whether each forward had our operators
+
+    def counted(*args: Any) -> Any:
+        found = layer_ops(*args)
+        served.append(found is not None)
+        return found
+
+    layer_ops = cpu_kernels.layer_ops
+    monkeypatch.setattr(cpu_kernels, "layer_ops", counted)
+    results = []
+    generator = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(0, 300, (n,), generator=generator).tolist() for n in (5, 17, 40)]
+    for on in (True, False):
+        cpu_kernels.enable(True, layer=on)
+        try:
+            all_logits(runner, batch.first)
+            logits = all_logits(runner, batch.second)
+            results.append((logits, greedy_generate(runner, prompts, 16)))
+        finally:
+            cpu_kernels.enable(True)
+    assert served == [True] * 18 + [False] * 18  # 2 + 16 forwards each way
+    (fused, fused_tokens), (unfused, unfused_tokens) = results
+    assert fused.shape == unfused.shape == (29, 320)
+    assert (fused - unfused).abs().max().item() <= 2**-7 * unfused.abs().max().item()
+    assert fused_tokens == unfused_tokens
+    assert [len(tokens) for tokens in fused_tokens] == [16, 16, 16]
