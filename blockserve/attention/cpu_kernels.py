@@ -10,7 +10,7 @@ decodes, reading each sequence's own blocks in place. The layer ones (`rms_norm`
 (`layer_ops`). Elsewhere, or while they build, or if they cannot be built, torch's operators
 serve: the result is the same up to rounding.
 
-The build (~12 s, once per host, torch and source) runs on a thread of its own when the engine
+The build (~25 s, once per host, torch and sources) runs on a thread of its own when the engine
 starts, so start-up does not wait for it; the library lands under `<cache dir>/cpu_kernels`,
 named by a hash of what it was built from, and later starts load it in a fraction of a second.
 """
@@ -168,7 +168,7 @@ def load(cache_dir: Path) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | 
 def start_loading(cache_dir: Path) -> None:
     """Load (building first if needed) on a thread of its own, once per process."""
     global _loader
-    with _start_lock:  # not _lock: a build holds that for its ~12 s, and this must not wait
+    with _start_lock:  # not _lock: a build holds that for its ~25 s, and this must not wait
         if _op is not None or _loader is not None or not supported():
             return
         _loader = threading.Thread(target=load, args=(cache_dir,), name="cpu-kernel-build")
