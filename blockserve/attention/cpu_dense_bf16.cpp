@@ -272,6 +272,21 @@ std::tuple<at::Tensor, at::Tensor> dense_attention(const at::Tensor& q, const at
   return attend_packed(q, n, pack, counts, scale);
 }
 
+// What the operators reading the paged cache take: a 3-D bf16 q (shaped as `q_shape` says)
+// and two contiguous bf16 caches [blocks, block_size, kv_heads, 64] of one shape.
+void check_paged(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                 const char* q_shape) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, q_shape,
+              " and the caches [blocks, block_size, kv_heads, 64]");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
+                  v_cache.scalar_type() == at::kBFloat16,
+              "q and the caches must be bfloat16");
+  TORCH_CHECK(q.size(2) == kDim && k_cache.size(3) == kDim, "head dimension must be 64");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous(),
+              "the caches must be contiguous and of one shape");
+}
+
 // Rows of each KV head against every key of whole blocks of the paged cache, read in place:
 // a shared prefix's common blocks, seen by every query of the sequences that share them.
 //
@@ -280,15 +295,7 @@ std::tuple<at::Tensor, at::Tensor> dense_attention(const at::Tensor& q, const at
 std::tuple<at::Tensor, at::Tensor> prefix_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                                     const at::Tensor& v_cache,
                                                     const at::Tensor& block_ids, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
-              "q must be [kv_heads, rows, 64] and the caches [blocks, block_size, kv_heads, 64]");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
-                  v_cache.scalar_type() == at::kBFloat16,
-              "q and the caches must be bfloat16");
-  TORCH_CHECK(q.size(2) == kDim && k_cache.size(3) == kDim, "head dimension must be 64");
-  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
-                  v_cache.is_contiguous(),
-              "the caches must be contiguous and of one shape");
+  check_paged(q, k_cache, v_cache, "q must be [kv_heads, rows, 64]");
   const int64_t kv_heads = k_cache.size(2), block_size = k_cache.size(1);
   TORCH_CHECK(q.size(0) == kv_heads, "q must have one row set per KV head");
   TORCH_CHECK(block_ids.dim() == 1 && block_ids.numel() > 0, "block_ids must be [n], n >= 1");
@@ -477,15 +484,7 @@ std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::T
                                                 const at::Tensor& lengths, double scale,
                                                 const std::optional<at::Tensor>& prior_out,
                                                 const std::optional<at::Tensor>& prior_lse) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
-              "q must be [seqs, heads, 64] and the caches [blocks, block_size, kv_heads, 64]");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
-                  v_cache.scalar_type() == at::kBFloat16,
-              "q and the caches must be bfloat16");
-  TORCH_CHECK(q.size(2) == kDim && k_cache.size(3) == kDim, "head dimension must be 64");
-  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
-                  v_cache.is_contiguous(),
-              "the caches must be contiguous and of one shape");
+  check_paged(q, k_cache, v_cache, "q must be [seqs, heads, 64]");
   const int64_t seqs = q.size(0), kv_heads = k_cache.size(2), blocks = k_cache.size(0);
   TORCH_CHECK(q.size(1) % kv_heads == 0 && q.size(1) / kv_heads <= kMaxGroup,
               "query heads must be 1 to 8 per KV head");

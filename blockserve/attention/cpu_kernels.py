@@ -3,8 +3,9 @@ loaded into torch as the `blockserve_cpu` operators.
 
 They serve models in bfloat16 on x86 CPUs with AVX512-BF16 (docs/architecture.md, "Our CPU
 kernels"). The attention ones, for head dimension 64, serve the torch backend:
-`dense_attention` for a shared prefix's common blocks and prefills one by one, 2-3x torch's
-fused kernel (docs/benchmarks.md, "Attention on the workloads' shapes"); `paged_decode` for
+`dense_attention` for prefills one by one and each sequence's own blocks after a shared
+prefix, 2-3x torch's fused kernel (docs/benchmarks.md, "Attention on the workloads' shapes");
+`prefix_attention` for a shared prefix's common blocks, read in place; `paged_decode` for
 decodes, reading each sequence's own blocks in place. The layer ones (`rms_norm`,
 `add_rms_norm`, `rotary_`, `silu_and_mul`) serve an eager forward's elementwise math
 (`layer_ops`). Elsewhere, or while they build, or if they cannot be built, torch's operators

@@ -4,12 +4,14 @@ The whole step is one `[num_tokens, hidden]` tensor with `positions`; attention 
 the backend it is constructed with and the per-step plan it is handed (wrapped for a compiled
 forward: model/attention_op.py). Knows nothing of blocks beyond that plan. Parameter names
 follow Hugging Face's, except that q/k/v and gate/up are fused into `qkv_proj` and
-`gate_up_proj` (one matmul each); `load_weights` maps them.
+`gate_up_proj` (one matmul each); `load_weights` maps them. An eager bf16 forward on a CPU with
+our kernels runs each layer's norms, residual adds, rotary embedding and SiLU through our fused
+operators (`forward_fused`; attention/cpu_layer_bf16.cpp), with the same results up to a bf16
+step here and there.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from typing import Any, cast
 
@@ -19,8 +21,9 @@ from torch import nn
 
 from blockserve.attention import cpu_kernels
 from blockserve.attention.metadata import AttentionBackend
-from blockserve.model.arch import LlamaArchConfig, RopeScaling
+from blockserve.model.arch import LlamaArchConfig
 from blockserve.model.attention_op import attend
+from blockserve.model.rope import Rope, RotaryEmbedding, apply_rotary
 
 
 class Linear(nn.Linear):
@@ -46,63 +49,6 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2], with llama3-style scaling when configured.
-
-    llama3: wavelengths longer than original_max / low_freq_factor are slowed by `factor`,
-    shorter than original_max / high_freq_factor are kept, and those between are blended.
-    """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if scaling is None:
-        return inv_freq
-    old_len = scaling.original_max_position_embeddings
-    low_freq_wavelen = old_len / scaling.low_freq_factor
-    high_freq_wavelen = old_len / scaling.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
-    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor
-    )
-    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
-    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return torch.where(is_medium, blended, scaled)
-
-
-class RotaryEmbedding(nn.Module):
-    """cos/sin of each token's absolute position, looked up once per step for every layer.
-
-    The tables are float32 (exact at long contexts); the rotation itself runs in the model's
-    dtype, as the reference implementation does.
-    """
-
-    cos_cache: torch.Tensor  # [max_positions, head_dim / 2] float32
-    sin_cache: torch.Tensor
-
-    def __init__(
-        self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None
-    ):
-        super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        self.register_buffer("cos_cache", freqs.cos(), persistent=False)  # [max_pos, dim / 2]
-        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
-        cos = self.cos_cache[positions].unsqueeze(1).to(dtype)  # [num_tokens, 1, dim / 2]
-        sin = self.sin_cache[positions].unsqueeze(1).to(dtype)
-        return cos, sin
-
-
-Rope = tuple[torch.Tensor, torch.Tensor]
-
-
-def apply_rotary(x: torch.Tensor, rope: Rope) -> torch.Tensor:
-    """Rotate halves: (x1, x2) → (x1·cos − x2·sin, x2·cos + x1·sin). x: [tokens, heads, dim]."""
-    cos, sin = rope
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
 class LlamaAttention(nn.Module):
     def __init__(self, config: LlamaArchConfig, backend: AttentionBackend) -> None:
         super().__init__()
@@ -123,29 +69,20 @@ class LlamaAttention(nn.Module):
         rope: Rope,
         kv_cache: torch.Tensor,
         plan: Any,
+        ops: Any = None,  # our fused operators (LlamaForCausalLM.forward), or None
     ) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, rope), apply_rotary(k, rope)
-        out = attend(self.backend, q, k, v, kv_cache, plan)  # [num_tokens, heads, dim]
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
-
-    def forward_fused(
-        self, ops: Any, hidden: torch.Tensor, rope: Rope, kv_cache: torch.Tensor, plan: Any
-    ) -> torch.Tensor:
-        """`forward` with the rotary embedding applied in place by our fused operator."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
-        cos, sin = rope
-        ops.rotary_(qkv, cos.view(num_tokens, -1), sin.view(num_tokens, -1),
-                    self.num_heads, self.num_kv_heads)  # fmt: skip
+        if ops is not None:  # q and k rotated in place, in one pass
+            cos, sin = rope
+            ops.rotary_(qkv, cos.view(num_tokens, -1), sin.view(num_tokens, -1),
+                        self.num_heads, self.num_kv_heads)  # fmt: skip
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if ops is None:
+            q, k = apply_rotary(q, rope), apply_rotary(k, rope)
         out = attend(self.backend, q, k, v, kv_cache, plan)  # [num_tokens, heads, dim]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -157,8 +94,11 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+    def forward(self, x: torch.Tensor, ops: Any = None) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if ops is not None:
+            return self.down_proj(ops.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -193,11 +133,10 @@ class LlamaDecoderLayer(nn.Module):
         """`forward` through our fused operators: each residual add is fused with the norm
         after it, the last with `next_norm`. Leaves the layer's output in `residual` and
         returns `next_norm` of it."""
-        attn = self.self_attn.forward_fused(ops, normed, rope, kv_cache, plan)
+        attn = self.self_attn(normed, rope, kv_cache, plan, ops)
         norm = self.post_attention_layernorm
         normed = ops.add_rms_norm(residual, attn, norm.weight, norm.eps)
-        mlp = self.mlp.down_proj(ops.silu_and_mul(self.mlp.gate_up_proj(normed)))
-        return ops.add_rms_norm(residual, mlp, next_norm.weight, next_norm.eps)
+        return ops.add_rms_norm(residual, self.mlp(normed, ops), next_norm.weight, next_norm.eps)
 
 
 class LlamaModel(nn.Module):

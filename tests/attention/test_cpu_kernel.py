@@ -359,15 +359,31 @@ def test_decodes_read_their_blocks_in_place(
         assert (out.double() - expected).abs().max().item() < TOLERANCE[torch.bfloat16]
 
 
-def test_switched_off_torch_serves(kernel: Kernel, paged: Kernel) -> None:
+def test_switched_off_torch_serves(kernel: Kernel, prefix: Kernel, paged: Kernel) -> None:
+    hidden = torch.zeros(2, 576, dtype=torch.bfloat16)
+
+    def served() -> tuple[bool, ...]:
+        return (
+            cpu_kernels.dense_attention() is kernel,
+            cpu_kernels.prefix_attention() is prefix,
+            cpu_kernels.paged_decode() is paged,
+            cpu_kernels.layer_ops(hidden, head_dim=64) is not None,
+        )
+
     cpu_kernels.enable(False)
     try:
-        assert cpu_kernels.dense_attention() is None and cpu_kernels.paged_decode() is None
+        assert served() == (False, False, False, False)
         cpu_kernels.enable(True, paged=False)
-        assert cpu_kernels.dense_attention() is kernel and cpu_kernels.paged_decode() is None
+        assert served() == (True, True, False, True)
+        cpu_kernels.enable(True, layer=False)
+        assert served() == (True, True, True, False)
     finally:
         cpu_kernels.enable(True)
-    assert cpu_kernels.dense_attention() is kernel and cpu_kernels.paged_decode() is paged
+    assert served() == (True, True, True, True)
+    # Not for float32, other head widths, or a hidden size off the 16-wide vectors.
+    assert cpu_kernels.layer_ops(hidden.float(), head_dim=64) is None
+    assert cpu_kernels.layer_ops(hidden, head_dim=128) is None
+    assert cpu_kernels.layer_ops(hidden[:, :40], head_dim=64) is None
 
 
 def test_a_later_load_uses_the_built_library(

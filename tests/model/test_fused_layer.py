@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from blockserve.attention import cpu_kernels
 from blockserve.config import CacheConfig, ModelConfig
-from blockserve.model.llama import RMSNorm, RotaryEmbedding, apply_rotary
+from blockserve.model.llama import RMSNorm
+from blockserve.model.rope import RotaryEmbedding, apply_rotary
 from blockserve.runner.model_runner import ModelRunner
 from tests.runner.test_model_runner import all_logits, greedy_generate, mixed_batch
 from tests.tiny_models import save_tiny_model

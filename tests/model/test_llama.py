@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from blockserve.model.arch import RopeScaling
-from blockserve.model.llama import rope_inv_freq
+from blockserve.model.rope import rope_inv_freq
 from tests.model.test_arch import BASE, LLAMA3_ROPE
 from tests.runner.test_model_runner import greedy_generate, make_runner
 from tests.tiny_models import save_tiny_model
