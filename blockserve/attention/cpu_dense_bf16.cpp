@@ -109,7 +109,9 @@ void tile_block(const uint32_t* q, const uint16_t* kblock, const uint16_t* vbloc
   alignas(64) float scores[kTileRows][kKeyBlock];
   tile_scores(q, kblock, scale, scores);
   alignas(64) uint32_t probs[kTileRows][kKeyBlock / 2];  // bf16 pairs
+  float factor[kTileRows];  // what each row's output so far is scaled by
   for (int64_t r = 0; r < kTileRows; ++r) {
+    factor[r] = 1.0f;
     if (valid[r] <= 0) {  // nothing to see here: no change, no contribution
       std::memset(probs[r], 0, sizeof(probs[r]));
       continue;
@@ -121,7 +123,9 @@ void tile_block(const uint32_t* q, const uint16_t* kblock, const uint16_t* vbloc
       block_max = _mm512_max_ps(block_max, _mm512_loadu_ps(scores[r] + g * 16));
     const float old_max = state.max[row0 + r];
     const float new_max = std::max(old_max, _mm512_reduce_max_ps(block_max));
-    const float rescale = std::exp(old_max - new_max);  // 0 on the first block
+    // ~0 on the first block (exp(-87): the output and sum it scales are 0 then)
+    const float rescale =
+        _mm512_cvtss_f32(exp_nonpositive(_mm512_set1_ps(old_max - new_max)));
     __m512 total = _mm512_setzero_ps();
     __m512 e[kGroups];
     for (int64_t g = 0; g < kGroups; ++g) {
@@ -135,15 +139,14 @@ void tile_block(const uint32_t* q, const uint16_t* kblock, const uint16_t* vbloc
     }
     state.max[row0 + r] = new_max;
     state.sum[row0 + r] = state.sum[row0 + r] * rescale + _mm512_reduce_add_ps(total);
-    const __m512 factor = _mm512_set1_ps(rescale);
-    for (int64_t c = 0; c < kDim; c += 16) {
-      float* o = state.out[row0 + r] + c;
-      _mm512_store_ps(o, _mm512_mul_ps(_mm512_load_ps(o), factor));
-    }
+    factor[r] = rescale;
   }
   __m512 acc[kTileRows][kDim / 16];
-  for (int64_t r = 0; r < kTileRows; ++r)
-    for (int64_t c = 0; c < kDim / 16; ++c) acc[r][c] = _mm512_load_ps(state.out[row0 + r] + c * 16);
+  for (int64_t r = 0; r < kTileRows; ++r) {
+    const __m512 scale_by = _mm512_set1_ps(factor[r]);
+    for (int64_t c = 0; c < kDim / 16; ++c)
+      acc[r][c] = _mm512_mul_ps(_mm512_load_ps(state.out[row0 + r] + c * 16), scale_by);
+  }
   for (int64_t j = 0; j < kKeyBlock / 2; ++j) {
     __m512i values[kDim / 16];
     for (int64_t c = 0; c < kDim / 16; ++c)
@@ -375,7 +378,8 @@ inline void decode_chunk(const uint16_t* q, const uint16_t* kc, const uint16_t* 
   for (int r = 0; r < G; ++r) {
     const __m512 scores = _mm512_load_ps(probs[r]);
     const float new_max = std::max(state.max[r], _mm512_reduce_max_ps(scores));
-    const float rescale = std::exp(state.max[r] - new_max);  // 0 on the first chunk
+    const float rescale =  // ~0 on the first chunk, where what it scales is 0
+        _mm512_cvtss_f32(exp_nonpositive(_mm512_set1_ps(state.max[r] - new_max)));
     const __m512 e = exp_nonpositive(_mm512_sub_ps(scores, _mm512_set1_ps(new_max)));
     _mm512_store_ps(probs[r], e);
     state.sum[r] = state.sum[r] * rescale + _mm512_reduce_add_ps(e);
