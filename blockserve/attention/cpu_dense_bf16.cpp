@@ -166,14 +166,17 @@ struct Shapes {
 };
 
 // One task: rows row_start .. +16 of (batch b, head h) through every key block they see.
-void attend_task(const Shapes& n, int64_t b, int64_t h, int64_t row_start, const uint16_t* qp,
+// q_row(b * heads + h, row) points at a query row's 64 values.
+template <typename QRow>
+void attend_task(const Shapes& n, int64_t b, int64_t h, int64_t row_start, const QRow& q_row,
                  const uint16_t* kpack, const uint16_t* vpack, const int64_t* lengths,
                  float scale, float* outp, float* lsep) {
   alignas(64) uint16_t qtile[kTaskRows * kDim] = {};
   RowState state;
   const int64_t count = std::min(kTaskRows, n.rows - row_start);
   const int64_t head = b * n.heads + h;
-  std::memcpy(qtile, qp + (head * n.rows + row_start) * kDim, count * kDim * sizeof(uint16_t));
+  for (int64_t r = 0; r < count; ++r)
+    std::memcpy(qtile + r * kDim, q_row(head, row_start + r), kDim * sizeof(uint16_t));
   int64_t seen[kTaskRows] = {};  // keys each row sees; padding rows none
   int64_t longest = 0;
   for (int64_t r = 0; r < kTaskRows; ++r) {
@@ -209,23 +212,22 @@ void attend_task(const Shapes& n, int64_t b, int64_t h, int64_t row_start, const
 }
 
 // Pack each head's K and V (pack(head, values, out) writes one), then every task.
-template <typename Pack>
-std::tuple<at::Tensor, at::Tensor> attend_packed(const at::Tensor& q, const Shapes& n,
+template <typename QRow, typename Pack>
+std::tuple<at::Tensor, at::Tensor> attend_packed(const at::TensorOptions& options,
+                                                 const Shapes& n, const QRow& q_row,
                                                  const Pack& pack, const at::Tensor& counts,
                                                  double scale) {
   const int64_t heads = n.batch * n.heads;
-  at::Tensor kpack = at::empty({heads, n.padded * kDim}, q.options());
-  at::Tensor vpack = at::empty({heads, n.padded * kDim}, q.options());
+  at::Tensor kpack = at::empty({heads, n.padded * kDim}, options);
+  at::Tensor vpack = at::empty({heads, n.padded * kDim}, options);
   auto* kpp = reinterpret_cast<uint16_t*>(kpack.data_ptr());
   auto* vpp = reinterpret_cast<uint16_t*>(vpack.data_ptr());
   at::parallel_for(0, 2 * heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       pack(t / 2, t % 2 == 1, (t % 2 == 0 ? kpp : vpp) + (t / 2) * n.padded * kDim);
   });
-  const at::Tensor qc = q.contiguous();
-  at::Tensor out = at::empty({n.batch, n.heads, n.rows, kDim}, q.options().dtype(at::kFloat));
-  at::Tensor lse = at::empty({n.batch, n.heads, n.rows}, q.options().dtype(at::kFloat));
-  const auto* qp = reinterpret_cast<const uint16_t*>(qc.data_ptr());
+  at::Tensor out = at::empty({n.batch, n.heads, n.rows, kDim}, options.dtype(at::kFloat));
+  at::Tensor lse = at::empty({n.batch, n.heads, n.rows}, options.dtype(at::kFloat));
   const int64_t* lp = counts.defined() ? counts.data_ptr<int64_t>() : nullptr;
   float* outp = out.data_ptr<float>();
   float* lsep = lse.data_ptr<float>();
@@ -234,8 +236,8 @@ std::tuple<at::Tensor, at::Tensor> attend_packed(const at::Tensor& q, const Shap
   at::parallel_for(0, heads * per_head, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t head = t / per_head;
-      attend_task(n, head / n.heads, head % n.heads, (t % per_head) * kTaskRows, qp, kpp, vpp,
-                  lp, fscale, outp, lsep);
+      attend_task(n, head / n.heads, head % n.heads, (t % per_head) * kTaskRows, q_row, kpp,
+                  vpp, lp, fscale, outp, lsep);
     }
   });
   return {out, lse};
@@ -272,19 +274,23 @@ std::tuple<at::Tensor, at::Tensor> dense_attention(const at::Tensor& q, const at
     const auto at = [&](int64_t key) { return base + key * kDim; };
     values ? pack_values(at, keys, n.padded, out) : pack_keys(at, keys, out);
   };
-  return attend_packed(q, n, pack, counts, scale);
+  const at::Tensor qc = q.contiguous();
+  const auto* qp = reinterpret_cast<const uint16_t*>(qc.data_ptr());
+  const auto q_row = [&](int64_t head, int64_t row) { return qp + (head * n.rows + row) * kDim; };
+  return attend_packed(q.options(), n, q_row, pack, counts, scale);
 }
 
-// What the operators reading the paged cache take: a 3-D bf16 q (shaped as `q_shape` says)
-// and two contiguous bf16 caches [blocks, block_size, kv_heads, 64] of one shape.
+// What the operators reading the paged cache take: a bf16 q of `q_dims` dimensions (shaped
+// as `q_shape` says) and two contiguous bf16 caches [blocks, block_size, kv_heads, 64] of one
+// shape.
 void check_paged(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                 const char* q_shape) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, q_shape,
+                 int64_t q_dims, const char* q_shape) {
+  TORCH_CHECK(q.dim() == q_dims && k_cache.dim() == 4 && v_cache.dim() == 4, q_shape,
               " and the caches [blocks, block_size, kv_heads, 64]");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
                   v_cache.scalar_type() == at::kBFloat16,
               "q and the caches must be bfloat16");
-  TORCH_CHECK(q.size(2) == kDim && k_cache.size(3) == kDim, "head dimension must be 64");
+  TORCH_CHECK(q.size(-1) == kDim && k_cache.size(3) == kDim, "head dimension must be 64");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
                   v_cache.is_contiguous(),
               "the caches must be contiguous and of one shape");
@@ -293,21 +299,26 @@ void check_paged(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
 // Rows of each KV head against every key of whole blocks of the paged cache, read in place:
 // a shared prefix's common blocks, seen by every query of the sequences that share them.
 //
-//   q [kv_heads, rows, 64] bf16; k_cache / v_cache [blocks, block_size, kv_heads, 64] bf16;
-//   block_ids [n] integers → out [kv_heads, rows, 64] f32, lse [kv_heads, rows] f32.
+//   q [n, kv_heads, m, 64] bf16, any strides but the last (head h's rows are q[:, h] in
+//   order: a decode step's query as it is, [sequences, kv_heads, query heads per KV head,
+//   64]); k_cache / v_cache [blocks, block_size, kv_heads, 64] bf16; block_ids [b] integers
+//   → out [kv_heads, n * m, 64] f32, lse [kv_heads, n * m] f32.
 std::tuple<at::Tensor, at::Tensor> prefix_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                                     const at::Tensor& v_cache,
                                                     const at::Tensor& block_ids, double scale) {
-  check_paged(q, k_cache, v_cache, "q must be [kv_heads, rows, 64]");
+  check_paged(q, k_cache, v_cache, 4, "q must be [n, kv_heads, m, 64]");
+  TORCH_CHECK(q.stride(3) == 1, "q must have unit stride along its last dimension");
   const int64_t kv_heads = k_cache.size(2), block_size = k_cache.size(1);
-  TORCH_CHECK(q.size(0) == kv_heads, "q must have one row set per KV head");
+  TORCH_CHECK(q.size(1) == kv_heads, "q must have one row set per KV head");
   TORCH_CHECK(block_ids.dim() == 1 && block_ids.numel() > 0, "block_ids must be [n], n >= 1");
   const at::Tensor ids = block_ids.to(at::kLong).contiguous();
   const int64_t* ip = ids.data_ptr<int64_t>();
   for (int64_t b = 0; b < ids.numel(); ++b)
     TORCH_CHECK(ip[b] >= 0 && ip[b] < k_cache.size(0), "a block id is outside the cache");
   const int64_t keys = ids.numel() * block_size;
-  const Shapes n{1, kv_heads, q.size(1), keys, (keys + kKeyBlock - 1) / kKeyBlock * kKeyBlock};
+  const int64_t per_outer = q.size(2);
+  const Shapes n{1, kv_heads, q.size(0) * per_outer, keys,
+                 (keys + kKeyBlock - 1) / kKeyBlock * kKeyBlock};
   const auto* kp = reinterpret_cast<const uint16_t*>(k_cache.data_ptr());
   const auto* vp = reinterpret_cast<const uint16_t*>(v_cache.data_ptr());
   const auto pack = [&](int64_t head, bool values, uint16_t* out) {
@@ -318,7 +329,13 @@ std::tuple<at::Tensor, at::Tensor> prefix_attention(const at::Tensor& q, const a
     };
     values ? pack_values(at, keys, n.padded, out) : pack_keys(at, keys, out);
   };
-  auto [out, lse] = attend_packed(q.unsqueeze(0), n, pack, at::Tensor(), scale);
+  const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr());
+  const int64_t outer_stride = q.stride(0), head_stride = q.stride(1), row_stride = q.stride(2);
+  const auto q_row = [&](int64_t head, int64_t row) {
+    return qp + (row / per_outer) * outer_stride + head * head_stride +
+           (row % per_outer) * row_stride;
+  };
+  auto [out, lse] = attend_packed(q.options(), n, q_row, pack, at::Tensor(), scale);
   return {out.squeeze(0), lse.squeeze(0)};
 }
 
@@ -488,7 +505,7 @@ std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::T
                                                 const at::Tensor& lengths, double scale,
                                                 const std::optional<at::Tensor>& prior_out,
                                                 const std::optional<at::Tensor>& prior_lse) {
-  check_paged(q, k_cache, v_cache, "q must be [seqs, heads, 64]");
+  check_paged(q, k_cache, v_cache, 3, "q must be [seqs, heads, 64]");
   const int64_t seqs = q.size(0), kv_heads = k_cache.size(2), blocks = k_cache.size(0);
   TORCH_CHECK(q.size(1) % kv_heads == 0 && q.size(1) / kv_heads <= kMaxGroup,
               "query heads must be 1 to 8 per KV head");

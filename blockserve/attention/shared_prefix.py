@@ -67,19 +67,20 @@ def attend_heads(
 
 
 def attend_common_blocks(
-    q: torch.Tensor,  # [kv_heads, rows, dim]: every query of each KV head
+    q: torch.Tensor,  # [n, kv_heads, m, dim]: KV head h's queries are q[:, h], n * m of them
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, dim]
     block_ids: torch.Tensor,  # [num_common]
-) -> tuple[torch.Tensor, torch.Tensor]:  # [kv_heads, rows, (dim)] float32
-    """`attend_heads` of every row against all keys of whole cached blocks: read in place by
-    our CPU kernel where it serves, else gathered first."""
-    num_kv_heads, _, head_dim = q.shape
+) -> tuple[torch.Tensor, torch.Tensor]:  # [kv_heads, n * m, (dim)] float32
+    """`attend_heads` of every query against all keys of whole cached blocks: read in place
+    (and the queries where they are) by our CPU kernel where it serves, else gathered first."""
+    num_kv_heads, head_dim = q.shape[1], q.shape[3]
     kernel = cpu_kernels.prefix_attention()
     if kernel is not None and cpu_kernels.serves(q.device, q.dtype, head_dim):
         return kernel(q, kv_cache[0], kv_cache[1], block_ids, head_dim**-0.5)
+    rows = q.permute(1, 0, 2, 3).reshape(1, num_kv_heads, -1, head_dim)
     k = kv_cache[0, block_ids].reshape(-1, num_kv_heads, head_dim).transpose(0, 1)
     v = kv_cache[1, block_ids].reshape(-1, num_kv_heads, head_dim).transpose(0, 1)
-    out, lse = attend_heads(q[None], k[None], v[None])
+    out, lse = attend_heads(rows, k[None], v[None])
     return out[0], lse[0]
 
 
@@ -180,9 +181,8 @@ def attend_shared_prefix(
     q_rows = q.reshape(rows, num_kv_heads, group * max_queries, head_dim)
     own_mask = plan.own_mask.expand(-1, -1, group, -1, -1).reshape(rows, 1, group * max_queries, -1)
     out_own, lse_own = attend_heads(q_rows, own_k, own_v, own_mask)
-    # Every query of every row against the common keys: [kv_heads, rows * group * queries, dim]
-    q_all = q.permute(1, 0, 2, 3, 4).reshape(num_kv_heads, -1, head_dim)
-    out_common, lse_common = attend_common_blocks(q_all, kv_cache, plan.common_block_ids)
+    # Every query of every row against the common keys.
+    out_common, lse_common = attend_common_blocks(q_rows, kv_cache, plan.common_block_ids)
     shape = (num_kv_heads, rows, group, max_queries)
     out_common = out_common.view(*shape, head_dim).permute(1, 0, 2, 3, 4)
     lse_common = lse_common.view(shape).permute(1, 0, 2, 3)

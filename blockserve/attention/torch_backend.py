@@ -253,8 +253,7 @@ class TorchAttentionBackend:
         KV head's queries of every sequence as rows of one call."""
         assert plan.common_block_ids is not None
         num_decodes, num_kv_heads, group, head_dim = q.shape
-        q_all = q.permute(1, 0, 2, 3).reshape(num_kv_heads, num_decodes * group, head_dim)
-        out, lse = attend_common_blocks(q_all, kv_cache, plan.common_block_ids)
+        out, lse = attend_common_blocks(q, kv_cache, plan.common_block_ids)
         out = out.view(num_kv_heads, num_decodes, group, head_dim).transpose(0, 1)
         return out, lse.view(num_kv_heads, num_decodes, group).transpose(0, 1)
 

@@ -165,22 +165,28 @@ def shuffled_cache(generator: torch.Generator, blocks: int, kv_heads: int, block
     )
 
 
-@pytest.mark.parametrize(("kv_heads", "rows", "num_blocks"), [(1, 1, 1), (3, 192, 64), (2, 37, 5)])
+@pytest.mark.parametrize(
+    ("outer", "kv_heads", "inner", "num_blocks"),
+    [(1, 1, 1, 1), (64, 3, 3, 64), (2, 2, 37, 5)],  # (64, 3, 3): a decode step's query
+)
 def test_prefix_attention_reads_whole_blocks_in_place(
-    kernel: Kernel, prefix: Kernel, kv_heads: int, rows: int, num_blocks: int
+    kernel: Kernel, prefix: Kernel, outer: int, kv_heads: int, inner: int, num_blocks: int
 ) -> None:
-    """Every row against every key of the listed blocks, in their listed order: what the
-    dense kernel gives on them gathered, to the bit."""
-    generator = torch.Generator().manual_seed(rows)
+    """Every query of KV head h (q[:, h], read where it lies: here a strided view) against
+    every key of the listed blocks, in their listed order: what the dense kernel gives on them
+    gathered, to the bit."""
+    generator = torch.Generator().manual_seed(inner)
     k_cache, v_cache = shuffled_cache(generator, 2 * num_blocks + 1, kv_heads)
     ids = torch.randperm(2 * num_blocks + 1, generator=generator)[:num_blocks]
-    q = torch.randn(kv_heads, rows, 64, generator=generator).bfloat16()
+    wide = torch.randn(outer, kv_heads, inner, 128, generator=generator).bfloat16()
+    q = wide[..., 32:96]  # strides of a view into a wider tensor
     out, lse = prefix(q, k_cache, v_cache, ids, 0.125)
+    rows = q.permute(1, 0, 2, 3).reshape(1, kv_heads, outer * inner, 64)
     k, v = (c[ids].reshape(-1, kv_heads, 64).transpose(0, 1)[None] for c in (k_cache, v_cache))
-    gathered_out, gathered_lse = kernel(q[None], k, v, None, 0.125)
-    assert out.shape == (kv_heads, rows, 64) and lse.shape == (kv_heads, rows)
+    gathered_out, gathered_lse = kernel(rows, k, v, None, 0.125)
+    assert out.shape == (kv_heads, outer * inner, 64) and lse.shape == (kv_heads, outer * inner)
     assert torch.equal(out, gathered_out[0]) and torch.equal(lse, gathered_lse[0])
-    expected_out, _ = reference(q[None], k, v, None, 0.125)
+    expected_out, _ = reference(rows, k, v, None, 0.125)
     assert (out.double() - expected_out[0]).abs().max().item() < 2**-8 * v.abs().max().item()
 
 
@@ -188,7 +194,12 @@ def test_prefix_attention_reads_whole_blocks_in_place(
     ("change", "message"),
     [
         (lambda a: {**a, "q": a["q"].float()}, "bfloat16"),
-        (lambda a: {**a, "q": torch.zeros(3, 4, 64, dtype=torch.bfloat16)}, "per KV head"),
+        (lambda a: {**a, "q": torch.zeros(1, 3, 4, 64, dtype=torch.bfloat16)}, "per KV head"),
+        (lambda a: {**a, "q": a["q"][0]}, "\\[n, kv_heads, m, 64\\]"),
+        (
+            lambda a: {**a, "q": torch.zeros(1, 2, 64, 4, dtype=torch.bfloat16).transpose(2, 3)},
+            "unit stride",
+        ),
         (lambda a: {**a, "ids": torch.tensor([1, 4])}, "outside the cache"),
         (lambda a: {**a, "ids": torch.tensor([], dtype=torch.long)}, "n >= 1"),
         (lambda a: {**a, "k": a["k"].transpose(0, 1)}, "contiguous and of one shape"),
@@ -196,7 +207,7 @@ def test_prefix_attention_reads_whole_blocks_in_place(
 )
 def test_prefix_attention_refuses_what_it_does_not_handle(prefix: Kernel, change, message):
     args = {
-        "q": torch.zeros(2, 4, 64, dtype=torch.bfloat16),
+        "q": torch.zeros(1, 2, 4, 64, dtype=torch.bfloat16),
         "k": torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16),
         "v": torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16),
         "ids": torch.tensor([1, 3]),
@@ -275,8 +286,9 @@ def test_paged_decode_continues_from_a_prior(prefix: Kernel, paged: Kernel) -> N
     tables = torch.randperm(40, generator=generator)[: seqs * 4].view(seqs, 4)
     lengths = torch.tensor([1, 16, 17, 40, 64, 33])
     q = (torch.randn(seqs, kv_heads * group, 64, generator=generator) * 1.5).bfloat16()
-    q_rows = q.view(seqs, kv_heads, group, 64).permute(1, 0, 2, 3).reshape(kv_heads, -1, 64)
-    prior_out, prior_lse = prefix(q_rows, k_cache, v_cache, common, 0.125)
+    prior_out, prior_lse = prefix(
+        q.view(seqs, kv_heads, group, 64), k_cache, v_cache, common, 0.125
+    )
     prior_out = prior_out.view(kv_heads, seqs, group, 64).transpose(0, 1)
     prior_lse = prior_lse.view(kv_heads, seqs, group).transpose(0, 1)
     out, lse = paged(q, k_cache, v_cache, tables, lengths, 0.125, prior_out, prior_lse)
