@@ -41,26 +41,27 @@ NUM_REQUESTS = 64
 
 
 def capture_steps(llm: LLM) -> dict[str, ModelInputs]:
-    """The inputs of the workload's first prefill step and of its first full decode step."""
+    """The inputs of the workload's first prefill step and of its first full decode step, as
+    the runner prepared them (fresh tensors each step)."""
     runner: ModelRunner = llm.engine.core.runner
     captured: dict[str, ModelInputs] = {}
-    execute = runner.execute
+    prepare = runner.prepare_inputs
 
-    def capturing(output: SchedulerOutput) -> Any:
+    def capturing(output: SchedulerOutput) -> ModelInputs:
+        inputs = prepare(output)
         decodes = output.num_scheduled_tokens == len(output.scheduled) == NUM_REQUESTS
         kind = "decode" if decodes else "prefill" if not captured else None
         if kind is not None and kind not in captured:
-            runner._update_states(output)
-            captured[kind] = runner.prepare_inputs(output)
-        return execute(output)
+            captured[kind] = inputs
+        return inputs
 
-    runner.execute = capturing  # type: ignore[method-assign]
+    runner.prepare_inputs = capturing  # type: ignore[method-assign]
     prompts = make_prompts("shared-prefix", NUM_REQUESTS, llm.engine.core.info.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     try:
         llm.generate(prompts, params, use_tqdm=False)
     finally:
-        runner.execute = execute  # type: ignore[method-assign]
+        runner.prepare_inputs = prepare  # type: ignore[method-assign]
     return captured
 
 
