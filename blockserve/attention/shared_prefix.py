@@ -46,16 +46,18 @@ def attend_heads(
     k: torch.Tensor,  # [batch, heads, keys, dim]
     v: torch.Tensor,
     mask: torch.Tensor | None = None,  # bool, broadcastable to [batch, heads, queries, keys]
+    lengths: torch.Tensor | None = None,  # [batch, queries]: `mask` as key counts, if known
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`attend` for 4-D inputs with as many K/V heads as query heads: our CPU kernel in bf16
     with head dimension 64 once it is loaded (attention/cpu_kernels.py) where every row sees a
-    prefix of the keys, else torch's fused CPU kernel where it exists (outputs float32 like
-    `attend`), else the explicit path."""
+    prefix of the keys (`lengths`, or found from `mask`), else torch's fused CPU kernel where
+    it exists (outputs float32 like `attend`), else the explicit path."""
     if _FUSED_CPU_WITH_LSE is None or q.device.type != "cpu":
         return attend(q, k, v, mask)
     kernel = cpu_kernels.dense_attention()
     if kernel is not None and cpu_kernels.serves(q.device, q.dtype, q.shape[-1]):
-        lengths = None if mask is None else prefix_lengths(mask, q.shape[0], q.shape[2], k.shape[2])
+        if mask is not None and lengths is None:
+            lengths = prefix_lengths(mask, q.shape[0], q.shape[2], k.shape[2])
         if mask is None or lengths is not None:
             return kernel(q, k, v, lengths, q.shape[-1] ** -0.5)
     additive = None
@@ -121,6 +123,7 @@ class SharedPrefixPlan:
     common_block_ids: torch.Tensor  # [num_common]
     own_block_ids: torch.Tensor  # [rows * max_own_blocks] (padding → block 0)
     own_mask: torch.Tensor  # [rows, 1, 1, max_queries, max_own_blocks * block_size]
+    own_counts: torch.Tensor  # [rows, max_queries]: own keys each query sees (a prefix of them)
 
 
 def plan_shared_prefix(
@@ -157,6 +160,7 @@ def plan_shared_prefix(
         common_block_ids=tables[0, :num_common],
         own_block_ids=own.reshape(-1),
         own_mask=visible[:, None, None],  # [rows, 1 (kv head), 1 (group), queries, keys]
+        own_counts=visible.sum(-1),
     )
 
 
@@ -180,7 +184,8 @@ def attend_shared_prefix(
     # Each KV head's group of query heads becomes rows: [rows, kv_heads, group * queries, dim]
     q_rows = q.reshape(rows, num_kv_heads, group * max_queries, head_dim)
     own_mask = plan.own_mask.expand(-1, -1, group, -1, -1).reshape(rows, 1, group * max_queries, -1)
-    out_own, lse_own = attend_heads(q_rows, own_k, own_v, own_mask)
+    own_counts = plan.own_counts[:, None].expand(-1, group, -1).reshape(rows, group * max_queries)
+    out_own, lse_own = attend_heads(q_rows, own_k, own_v, own_mask, own_counts)
     # Every query of every row against the common keys.
     out_common, lse_common = attend_common_blocks(q_rows, kv_cache, plan.common_block_ids)
     shape = (num_kv_heads, rows, group, max_queries)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blockserve.attention.torch_backend import TorchAttentionBackend
+from blockserve.attention.shared_prefix import plan_shared_prefix, prefix_lengths
+from blockserve.attention.torch_backend import TorchAttentionBackend, split_batch
 from tests.attention.cases import make_case, reference_attention
 
 MIXED = [(0, 23), (37, 1), (16, 9), (100, 1), (5, 30), (1, 1)]
@@ -51,3 +52,20 @@ def test_decode_only_batch_with_different_lengths() -> None:
     assert plan.decode.common_block_ids is None
     out = backend.forward(case.query, case.key, case.value, case.kv_cache, plan)
     assert (out.double() - reference_attention(case)).abs().max().item() < 1e-5
+
+
+def test_a_shared_prefix_plan_counts_each_querys_own_keys() -> None:
+    """Prefill chunks on one shared prefix: each query sees a prefix of its sequence's own
+    keys, counted once in the plan (our CPU kernel takes the counts; torch's the mask)."""
+    specs = [(48, 32), (50, 5), (70, 17), (60, 1)]  # the last is a decode: not in the plan
+    case = make_case(specs, 6, 2, head_dim=16, shared_blocks=3)
+    split = split_batch(case.metadata)
+    plan = plan_shared_prefix(case.metadata, split.prefix_rows, split.prefix_token_starts)
+    assert plan is not None
+    rows, queries = plan.valid.shape
+    keys = plan.own_mask.shape[-1]
+    found = prefix_lengths(plan.own_mask[:, :, 0], rows, queries, keys)
+    assert found is not None and torch.equal(plan.own_counts, found)
+    # Query j of a sequence with c cached tokens sees its own keys up to position c + j.
+    expected = [[c - 48 + j + 1 if j < n else 0 for j in range(queries)] for c, n in specs[:3]]
+    assert plan.own_counts.tolist() == expected
