@@ -10,8 +10,9 @@ The default model's attention: 9 query heads over 3 KV heads, head dimension 64.
   causal-544, causal-1056   one fresh prefill (no-sharing run; the shared prefix's first request)
 Variants:
   fused           torch's CPU flash attention
-  ours            our kernel (attention/cpu_dense_bf16.cpp), bf16 where the CPU has AVX512-BF16:
-                  masked cases as per-row key counts, causal ones with query heads folded
+  ours            our kernel (attention/cpu_attention.h): bf16 where the CPU has AVX512-BF16,
+                  float32 where it has AVX2; masked cases as per-row key counts, causal ones
+                  with query heads folded
   explicit        the same in separate ops: float32 scores, softmax, product
   compiled        `explicit` through torch.compile (inductor fuses the softmax into C++ loops)
   batched-products  decode-alone as the backend computes it in bf16 (products in bf16)
@@ -154,29 +155,27 @@ def variant_sets(dtype: torch.dtype, seen: torch.Tensor) -> dict[str, dict[str, 
         },
     }
     sets["dense"]["compiled"] = compiled
-    kernel = cpu_kernels.load(default_cache_dir()) if cpu_kernels.supported() else None
-    if kernel is not None and dtype == torch.bfloat16:
-        scale = DIM**-0.5
+    ops = cpu_kernels.load(default_cache_dir(), dtype) if cpu_kernels.supported(dtype) else None
+    if ops is not None:
+        kernel, scale = ops.dense_attention, DIM**-0.5
         sets["dense"]["ours"] = lambda q, k, v: kernel(q, k, v, None, scale)[0]
         sets["own"]["ours"] = lambda q, k, v, m: kernel(q, k, v, seen, scale)[0]
         sets["alone"]["ours"] = lambda q, k, v, m: kernel(q, k, v, None, scale)[0]
-        paged = paged_variant()
+        paged = paged_variant(ops.paged_decode)
         sets["own"]["ours-paged"] = paged
         sets["alone"]["ours-paged"] = paged
-        sets["alone"]["gather+products"] = paged_variant(through_backend=True)
+        sets["alone"]["gather+products"] = paged_variant(ops.paged_decode, through_backend=True)
         sets["causal"]["ours"] = lambda q, k, v: attend_causal(
             kernel, *(x[0].transpose(0, 1) for x in (q, k, v))
         ).transpose(0, 1)[None]
     return sets
 
 
-def paged_variant(through_backend: bool = False) -> Callable[..., torch.Tensor]:
+def paged_variant(kernel: Callable, through_backend: bool = False) -> Callable[..., torch.Tensor]:
     """Decodes through `paged_decode` (or, `through_backend`, the torch backend's decode path
     without it): q, k, v [decodes, kv_heads, n, dim] and a key mask [decodes, 1, 1, keys] that
     shows each decode a prefix of its keys. The paged cache is laid out once per input (in the
     engine the keys already lie there)."""
-    kernel = cpu_kernels.paged_decode()
-    assert kernel is not None
     laid_out: dict[tuple[int, int], Tensors] = {}
     backend = TorchAttentionBackend()
 

@@ -28,6 +28,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
+import torch
 from report import emit
 from torch.profiler import ProfilerActivity, profile
 
@@ -125,7 +126,7 @@ def run(
         "dtype": engine.core.info.dtype,
         "compiled": compile_layers,
         "max_tokens": max_tokens,
-        "paged_decode": paged_decode and cpu_kernels.paged_decode() is not None,
+        "paged_decode": paged_decode and cpu_kernels.loaded(getattr(torch, engine.core.info.dtype)),
         "wall_s": round(wall, 2),
         "output_tokens_per_s": round(num_output / wall, 1),
         "total_tokens_per_s": round((num_output + num_prompt) / wall, 1),

@@ -23,17 +23,21 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def cpu_kernels_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A cache dir our CPU kernels were built into (once a session: ~25 s). Before the build
-    it held an older source's library for this torch install, which the build replaces, and
-    another install's, which it leaves (tests/attention/test_cpu_kernel.py checks both)."""
+    """A cache dir every CPU kernel library the host can run was built into (once a session:
+    ~20 s each). Before the builds it held, for each, an older source's library for this torch
+    install, which its build replaces, and another install's, which they leave
+    (tests/attention/test_cpu_kernel.py checks both)."""
     from blockserve.attention import cpu_kernels
 
     directory = tmp_path_factory.mktemp("kernel-cache")
-    target = cpu_kernels.library_path(directory)
-    target.parent.mkdir(parents=True)
-    install_prefix = target.name.rsplit("-", 1)[0]
-    (target.parent / f"{install_prefix}-000000000000.so").touch()
-    (target.parent / "bf16-000000000000-000000000000.so").touch()
-    cpu_kernels.build(target)
-    assert target.is_file()
+    (directory / "cpu_kernels").mkdir()
+    (directory / "cpu_kernels" / "bf16-000000000000-000000000000.so").touch()
+    for dtype in cpu_kernels.LIBRARIES:
+        if not cpu_kernels.supported(dtype):
+            continue
+        target = cpu_kernels.library_path(directory, dtype)
+        install_prefix = target.name.rsplit("-", 1)[0]
+        (target.parent / f"{install_prefix}-000000000000.so").touch()
+        cpu_kernels.build(target, dtype)
+        assert target.is_file()
     return directory

@@ -1,19 +1,25 @@
-"""Our CPU kernels (cpu_dense_bf16.cpp, cpu_layer_bf16.cpp), built with the host's g++ and
-loaded into torch as the `blockserve_cpu` operators.
+"""Our CPU kernels, built with the host's g++ and loaded into torch as operators: two
+libraries, one per dtype a model is served in on a CPU.
 
-They serve models in bfloat16 on x86 CPUs with AVX512-BF16 (docs/architecture.md, "Our CPU
-kernels"). The attention ones, for head dimension 64, serve the torch backend:
+- `bf16`, for x86 CPUs with AVX512-BF16 (cpu_dense_bf16.cpp, cpu_layer_bf16.cpp), as the
+  `blockserve_cpu` operators: attention and the fused layer operators.
+- `f32`, for x86 CPUs with AVX2 and FMA (cpu_dense_f32.cpp), as `blockserve_cpu_f32`:
+  attention. Every x86-64 host the project runs on has these; it is what serves float32, the
+  dtype `auto` picks where bf16 is not native.
+
+The attention ones, for head dimension 64 (cpu_attention.h), serve the torch backend:
 `dense_attention` for prefills one by one and each sequence's own blocks after a shared
-prefix, 2-3x torch's fused kernel (docs/benchmarks.md, "Attention on the workloads' shapes");
-`prefix_attention` for a shared prefix's common blocks, read in place; `paged_decode` for
-decodes, reading each sequence's own blocks in place. The layer ones (`rms_norm`,
-`add_rms_norm`, `rotary_`, `silu_and_mul`) serve an eager forward's elementwise math
-(`layer_ops`). Elsewhere, or while they build, or if they cannot be built, torch's operators
-serve: the result is the same up to rounding.
+prefix (in bf16 2-3x torch's fused kernel: docs/benchmarks.md, "Attention on the workloads'
+shapes"); `prefix_attention` for a shared prefix's common blocks, read in place;
+`paged_decode` for decodes, reading each sequence's own blocks in place. The layer ones
+(`rms_norm`, `add_rms_norm`, `rotary_`, `silu_and_mul`) serve an eager bf16 forward's
+elementwise math (`layer_ops`). Elsewhere, or while they build, or if they cannot be built,
+torch's operators serve: the result is the same up to rounding.
 
-The build (~25 s, once per host, torch and sources) runs on a thread of its own when the engine
+A build (~25 s, once per host, torch and sources) runs on a thread of its own when an engine
 starts, so start-up does not wait for it; the library lands under `<cache dir>/cpu_kernels`,
-named by a hash of what it was built from, and later starts load it in a fraction of a second.
+named by its dtype and a hash of what it was built from, and later starts load it in a
+fraction of a second. `make setup` builds every library the host can run.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,24 +43,49 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(
-    Path(__file__).with_name(name)
-    for name in ("cpu_dense_bf16.cpp", "cpu_layer_bf16.cpp", "cpu_bf16_common.h")
-)
-FLAGS = (
-    "-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-w",
-    "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma",
-)  # fmt: skip
 HEAD_DIM = 64
 MAX_DECODE_GROUP = 8  # query heads per KV head that paged_decode takes
+COMMON_FLAGS = ("-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-w")
+
+
+@dataclass(frozen=True, slots=True)
+class Library:
+    """One of our kernel libraries: what it serves, what it is built from, what it needs."""
+
+    name: str  # the file's prefix
+    dtype: torch.dtype
+    namespace: str  # of its operators under torch.ops
+    sources: tuple[str, ...]  # files next to this module; .cpp ones are compiled
+    flags: tuple[str, ...]  # the instruction set it is built for
+    needs: tuple[str, ...]  # torch.cpu.get_capabilities() flags the host must have
+    layer_ops: bool  # whether it has the fused layer operators
+
+    def paths(self) -> tuple[Path, ...]:
+        return tuple(Path(__file__).with_name(name) for name in self.sources)
+
+
+LIBRARIES = {
+    library.dtype: library
+    for library in (
+        Library(
+            "bf16", torch.bfloat16, "blockserve_cpu",
+            ("cpu_dense_bf16.cpp", "cpu_layer_bf16.cpp", "cpu_bf16_common.h", "cpu_attention.h"),
+            ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma"),
+            ("avx512_bf16",), layer_ops=True,
+        ),
+        Library(
+            "f32", torch.float32, "blockserve_cpu_f32",
+            ("cpu_dense_f32.cpp", "cpu_attention.h"),
+            ("-mavx2", "-mfma"),
+            ("avx2", "fma3"), layer_ops=False,
+        ),
+    )
+}  # fmt: skip
 
 _lock = threading.Lock()  # one load (and build) at a time
 _start_lock = threading.Lock()
-_op: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
-_paged: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
-_prefix: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
-_layer: Any = None  # the operator namespace, once loaded
-_loader: threading.Thread | None = None
+_loaded: dict[torch.dtype, Any] = {}  # dtype → its operators (the torch.ops namespace)
+_loaders: dict[torch.dtype, threading.Thread] = {}
 _builds: dict[subprocess.Popen, Path] = {}  # running compiles → their scratch directories
 _enabled = True
 _paged_enabled = True
@@ -61,26 +93,30 @@ _layer_enabled = True
 
 
 def serves(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether a model on `device` in `dtype` with `head_dim` would use the kernel."""
-    return device.type == "cpu" and dtype == torch.bfloat16 and head_dim == HEAD_DIM
+    """Whether a model on `device` in `dtype` with `head_dim` would use our kernels."""
+    return device.type == "cpu" and dtype in LIBRARIES and head_dim == HEAD_DIM
 
 
-def supported() -> bool:
-    """An x86 CPU with AVX512-BF16, a g++ to build with, and not switched off by
-    `BLOCKSERVE_CPU_ATTENTION_KERNEL=0` (to compare against torch's kernel)."""
-    if os.environ.get("BLOCKSERVE_CPU_ATTENTION_KERNEL", "1") == "0":
+def supported(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether `dtype`'s library can run here: an x86 CPU with the instructions it is built
+    for, a g++ to build with, and not switched off by `BLOCKSERVE_CPU_ATTENTION_KERNEL=0` (to
+    compare against torch's kernels)."""
+    if os.environ.get("BLOCKSERVE_CPU_ATTENTION_KERNEL", "1") == "0" or dtype not in LIBRARIES:
         return False
     flags = torch.cpu.get_capabilities()
-    return bool(flags.get("avx512_bf16")) and shutil.which("g++") is not None
+    has = all(flags.get(flag) for flag in LIBRARIES[dtype].needs)
+    return has and shutil.which("g++") is not None
 
 
-def library_path(cache_dir: Path) -> Path:
-    """`bf16-<torch install>-<sources and flags>.so`: each torch install (several venvs may
-    share a cache dir) keeps its own build, and a new source replaces only its own."""
+def library_path(cache_dir: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """`<bf16|f32>-<torch install>-<sources and flags>.so`: each torch install (several venvs
+    may share a cache dir) keeps its own build, and a new source replaces only its own."""
+    library = LIBRARIES[dtype]
     torch_lib = Path(torch.__file__).parent / "lib"
     install = digest(torch.__version__, str(torch_lib))
-    source = digest(*(path.read_bytes() for path in SOURCES), " ".join(FLAGS))
-    return cache_dir / "cpu_kernels" / f"bf16-{install}-{source}.so"
+    flags = " ".join(COMMON_FLAGS + library.flags)
+    source = digest(*(path.read_bytes() for path in library.paths()), flags)
+    return cache_dir / "cpu_kernels" / f"{library.name}-{install}-{source}.so"
 
 
 def digest(*parts: str | bytes) -> str:
@@ -91,10 +127,12 @@ def digest(*parts: str | bytes) -> str:
     return hasher.hexdigest()[:12]
 
 
-def build(target: Path) -> None:
-    """Compile the kernel into `target` (written whole: another process may be loading it)."""
+def build(target: Path, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Compile `dtype`'s library into `target` (written whole: another process may be loading
+    it)."""
     from torch.utils.cpp_extension import include_paths
 
+    library = LIBRARIES[dtype]
     torch_lib = Path(torch.__file__).parent / "lib"
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -102,9 +140,9 @@ def build(target: Path) -> None:
     # At the lowest priority: it runs while the engine starts and serves.
     nice = ["nice", "-n", "19"] if shutil.which("nice") else []
     command = [
-        *nice, "g++", *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        *nice, "g++", *COMMON_FLAGS, *library.flags, f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         *(f"-I{path}" for path in include_paths()),
-        *(str(path) for path in SOURCES if path.suffix == ".cpp"),
+        *(str(path) for path in library.paths() if path.suffix == ".cpp"),
         f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lc10", "-ltorch_cpu",
         "-o", str(scratch / target.name),
     ]  # fmt: skip
@@ -118,7 +156,7 @@ def build(target: Path) -> None:
             raise subprocess.CalledProcessError(process.returncode, command, stderr=errors)
         os.replace(scratch / target.name, target)
         install = target.name.split("-")[1]
-        for stale in target.parent.glob(f"*-{install}-*.so"):  # an older source's
+        for stale in target.parent.glob(f"{library.name}-{install}-*.so"):  # an older source's
             if stale != target:
                 stale.unlink(missing_ok=True)
     finally:
@@ -141,85 +179,106 @@ def _stop_builds() -> None:
         _stop(process, scratch)
 
 
-def load(cache_dir: Path) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
-    """Build if needed and load the kernel; None (logged) where that fails. Blocking."""
-    global _op, _paged, _prefix, _layer
+def load(cache_dir: Path, dtype: torch.dtype = torch.bfloat16) -> Any:
+    """Build if needed and load `dtype`'s library: its operators (a torch.ops namespace), or
+    None (logged) where that fails. Blocking."""
     with _lock:
-        if _op is not None:
-            return _op
-        target = library_path(cache_dir)
+        if dtype in _loaded:
+            return _loaded[dtype]
+        target = library_path(cache_dir, dtype)
         started = time.perf_counter()
         try:
             if not target.exists():
-                build(target)
+                build(target, dtype)
             torch.ops.load_library(str(target))
         except (OSError, subprocess.SubprocessError) as error:
             detail = getattr(error, "stderr", "") or ""
             logger.warning("CPU kernels not built, torch's are used: %s %s", error, detail)
             return None
-        _paged = torch.ops.blockserve_cpu.paged_decode
-        _prefix = torch.ops.blockserve_cpu.prefix_attention
-        _layer = torch.ops.blockserve_cpu
-        _op = torch.ops.blockserve_cpu.dense_attention
+        _loaded[dtype] = getattr(torch.ops, LIBRARIES[dtype].namespace)
         seconds = time.perf_counter() - started
         logger.info("CPU kernels ready in %.1f s (%s)", seconds, target)
-        return _op
+        return _loaded[dtype]
 
 
-def start_loading(cache_dir: Path) -> None:
-    """Load (building first if needed) on a thread of its own, once per process."""
-    global _loader
+def start_loading(cache_dir: Path, dtype: torch.dtype) -> None:
+    """Load `dtype`'s library (building first if needed) on a thread of its own, once per
+    process."""
     with _start_lock:  # not _lock: a build holds that for its ~25 s, and this must not wait
-        if _op is not None or _loader is not None or not supported():
+        if dtype in _loaded or dtype in _loaders or not supported(dtype):
             return
-        _loader = threading.Thread(target=load, args=(cache_dir,), name="cpu-kernel-build")
-        _loader.daemon = True
-        _loader.start()
+        loader = threading.Thread(target=load, args=(cache_dir, dtype), name="cpu-kernel-build")
+        loader.daemon = True
+        _loaders[dtype] = loader
+        loader.start()
 
 
 def wait(timeout: float | None = None) -> bool:
-    """Block until a started load ends; whether the kernel is in use."""
-    thread = _loader
-    if thread is not None:
-        thread.join(timeout)
-    return _op is not None
+    """Block until the started loads end; whether any was started and all of them loaded."""
+    for loader in list(_loaders.values()):
+        loader.join(timeout)
+    return bool(_loaders) and all(dtype in _loaded for dtype in _loaders)
 
 
 def main() -> None:
-    """Build into the default cache dir now (`make setup` does, so that the first start need
-    not)."""
+    """Build every library the host can run into the default cache dir now (`make setup`
+    does, so that the first start need not)."""
     from blockserve.model.loader import default_cache_dir
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if not supported():
-        logger.info("CPU kernels: not for this host (needs AVX512-BF16 and g++)")
-        return
-    load(default_cache_dir())
+    for dtype, library in LIBRARIES.items():
+        if supported(dtype):
+            load(default_cache_dir(), dtype)
+        else:
+            logger.info("CPU kernels %s: not for this host (needs %s and g++)",
+                        library.name, " ".join(library.needs))  # fmt: skip
 
 
-def dense_attention() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
-    """The loaded kernel, or None: never waits."""
-    return _op if _enabled else None
+def loaded(dtype: torch.dtype) -> bool:
+    """Whether `dtype`'s library is loaded (switched in or not)."""
+    return dtype in _loaded
 
 
-def prefix_attention() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
-    """The loaded kernel for rows against whole blocks read in place (a shared prefix's common
-    blocks), or None: switched with `dense_attention`."""
-    return _prefix if _enabled else None
+def _ops_for(x: torch.Tensor) -> Any:
+    """The loaded operators for tensors like `x` (head dimension last), or None."""
+    if not serves(x.device, x.dtype, x.shape[-1]):
+        return None
+    return _loaded.get(x.dtype)
 
 
-def paged_decode() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
-    """The loaded paged-decode kernel (decodes reading their keys in place), or None."""
-    return _paged if _paged_enabled else None
+def dense_attention(q: torch.Tensor) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
+    """The loaded kernel for query rows like `q` against keys given whole, or None: never
+    waits."""
+    ops = _ops_for(q) if _enabled else None
+    return None if ops is None else ops.dense_attention
+
+
+def prefix_attention(q: torch.Tensor) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
+    """The loaded kernel for rows like `q` against whole blocks read in place (a shared
+    prefix's common blocks), or None: switched with `dense_attention`."""
+    ops = _ops_for(q) if _enabled else None
+    return None if ops is None else ops.prefix_attention
+
+
+def paged_decode(q: torch.Tensor) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
+    """The loaded paged-decode kernel (decodes reading their keys in place) for queries like
+    `q`, or None."""
+    ops = _ops_for(q) if _paged_enabled else None
+    return None if ops is None else ops.paged_decode
 
 
 def layer_ops(hidden: torch.Tensor, head_dim: int) -> Any:
-    """The fused layer operators (`torch.ops.blockserve_cpu`) for an eager forward whose
-    hidden states are `hidden`, or None where torch's operators serve: not loaded or switched
-    off, not a model `serves` names, a hidden size not a multiple of 16."""
-    if _layer is None or not _layer_enabled or hidden.shape[-1] % 16:
+    """The fused layer operators for an eager forward whose hidden states are `hidden`, or
+    None where torch's operators serve: not loaded or switched off, a dtype whose library has
+    none (float32), a head dimension not 64, a hidden size not a multiple of 16."""
+    if (
+        not _layer_enabled
+        or hidden.shape[-1] % 16
+        or not serves(hidden.device, hidden.dtype, head_dim)
+    ):
         return None
-    return _layer if serves(hidden.device, hidden.dtype, head_dim) else None
+    ops = _loaded.get(hidden.dtype)
+    return ops if ops is not None and LIBRARIES[hidden.dtype].layer_ops else None
 
 
 def enable(on: bool, *, paged: bool | None = None, layer: bool | None = None) -> None:

@@ -60,9 +60,7 @@ def attend_prefills(
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
     key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
     value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
-    kernel = cpu_kernels.dense_attention()
-    if not cpu_kernels.serves(query.device, query.dtype, head_dim):  # the cuda backend too
-        kernel = None
+    kernel = cpu_kernels.dense_attention(query)  # None on the cuda backend
     for prefill in prefills:
         start, end = prefill.token_start, prefill.token_end
         if kernel is not None:

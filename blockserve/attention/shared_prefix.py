@@ -54,8 +54,8 @@ def attend_heads(
     it exists (outputs float32 like `attend`), else the explicit path."""
     if _FUSED_CPU_WITH_LSE is None or q.device.type != "cpu":
         return attend(q, k, v, mask)
-    kernel = cpu_kernels.dense_attention()
-    if kernel is not None and cpu_kernels.serves(q.device, q.dtype, q.shape[-1]):
+    kernel = cpu_kernels.dense_attention(q)
+    if kernel is not None:
         if mask is not None and lengths is None:
             lengths = prefix_lengths(mask, q.shape[0], q.shape[2], k.shape[2])
         if mask is None or lengths is not None:
@@ -76,8 +76,8 @@ def attend_common_blocks(
     """`attend_heads` of every query against all keys of whole cached blocks: read in place
     (and the queries where they are) by our CPU kernel where it serves, else gathered first."""
     num_kv_heads, head_dim = q.shape[1], q.shape[3]
-    kernel = cpu_kernels.prefix_attention()
-    if kernel is not None and cpu_kernels.serves(q.device, q.dtype, head_dim):
+    kernel = cpu_kernels.prefix_attention(q)
+    if kernel is not None:
         return kernel(q, kv_cache[0], kv_cache[1], block_ids, head_dim**-0.5)
     rows = q.permute(1, 0, 2, 3).reshape(1, num_kv_heads, -1, head_dim)
     k = kv_cache[0, block_ids].reshape(-1, num_kv_heads, head_dim).transpose(0, 1)

@@ -4,9 +4,9 @@ Handles any mix in one batch: fresh prefills, prefill chunks on cached prefix bl
 among the new tokens, full over the prefix) and single-token decodes, with GQA. Its per-step
 plan is built once by `prepare` and passed to every layer. Decodes are batched: blocks all of
 them share (a common prompt prefix) are read once for all queries; each sequence's other
-blocks are read in place by our paged-decode kernel (bf16, attention/cpu_kernels.py) or else
-gathered whole into a workspace reused by every layer; the two partial results merge by their
-log-sum-exp. Each prefill sequence gets its own call. Measured choices:
+blocks are read in place by our paged-decode kernel (bf16 or float32: attention/cpu_kernels.py)
+or else gathered whole into a workspace reused by every layer; the two partial results merge
+by their log-sum-exp. Each prefill sequence gets its own call. Measured choices:
 docs/benchmarks.md ("Model executor").
 """
 
@@ -207,12 +207,8 @@ class TorchAttentionBackend:
         num_kv_heads = kv_cache.shape[3]
         group = num_heads // num_kv_heads
         q = query.view(num_decodes, num_kv_heads, group, head_dim)
-        paged = cpu_kernels.paged_decode()
-        if (
-            paged is not None
-            and cpu_kernels.serves(query.device, query.dtype, head_dim)
-            and group <= cpu_kernels.MAX_DECODE_GROUP
-        ):
+        paged = cpu_kernels.paged_decode(query)
+        if paged is not None and group <= cpu_kernels.MAX_DECODE_GROUP:
             # Our kernel reads each sequence's own blocks in place (no gather), continuing
             # from the common blocks' result: no merge.
             prior = () if plan.common_block_ids is None else self._common_prefix(q, kv_cache, plan)

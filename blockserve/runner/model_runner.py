@@ -61,7 +61,7 @@ class ModelRunner:
         self.model = self.loaded.model
         self.arch = self.loaded.arch
         if cpu_kernels.serves(self.device, dtype, self.arch.head_dim):
-            cpu_kernels.start_loading(default_cache_dir())  # torch's kernel serves meanwhile
+            cpu_kernels.start_loading(default_cache_dir(), dtype)  # torch's kernel serves meanwhile
         self.block_size = cache_config.block_size
         self.num_blocks = num_blocks_for(
             self.arch,

@@ -1,7 +1,7 @@
-"""Our CPU attention kernels (attention/cpu_dense_bf16.cpp): built by g++ into the cache dir,
-equal to a float64 reference within bf16 rounding, refusing what they do not handle, and used
-by the torch backend once loaded: the dense kernel for shared prefixes and prefills, the paged
-one for decodes."""
+"""Our CPU attention kernels (attention/cpu_attention.h), in both libraries (bf16 for
+AVX512-BF16, f32 for AVX2): built by g++ into the cache dir, equal to a float64 reference
+within their dtype's rounding, refusing what they do not handle, and used by the torch backend
+once loaded: the dense kernel for shared prefixes and prefills, the paged one for decodes."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -20,12 +21,35 @@ from blockserve.attention.torch_backend import TorchAttentionBackend
 from tests.attention.cases import make_case, reference_attention
 from tests.attention.test_torch_backend import TOLERANCE
 
-pytestmark = pytest.mark.skipif(
-    not cpu_kernels.supported(),
-    reason="needs an x86 CPU with AVX512-BF16 and g++ (elsewhere torch's kernel serves)",
-)
+DTYPES = [
+    pytest.param(
+        torch.bfloat16,
+        id="bf16",
+        marks=pytest.mark.skipif(
+            not cpu_kernels.supported(torch.bfloat16),
+            reason="needs an x86 CPU with AVX512-BF16 and g++ (elsewhere torch's kernels serve)",
+        ),
+    ),
+    pytest.param(
+        torch.float32,
+        id="f32",
+        marks=pytest.mark.skipif(
+            not cpu_kernels.supported(torch.float32),
+            reason="needs an x86 CPU with AVX2 and FMA, and g++ (elsewhere torch's kernels serve)",
+        ),
+    ),
+]
+NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
+# What the dense and prefix kernels' outputs may be off by, in units of the largest value:
+# bf16 rounds the probabilities to bf16; float32 keeps them.
+ROUNDING = {torch.bfloat16: 2**-8, torch.float32: 1e-6}
 
 Kernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+@pytest.fixture(scope="module", params=DTYPES)
+def dtype(request: pytest.FixtureRequest) -> torch.dtype:
+    return request.param
 
 
 OTHER_INSTALL_KERNELS = "bf16-000000000000-000000000000.so"
@@ -38,14 +62,27 @@ def cache_dir(cpu_kernels_dir: Path) -> Path:
 
 def test_a_build_replaces_its_installs_older_library_only(cache_dir: Path) -> None:
     names = sorted(path.name for path in (cache_dir / "cpu_kernels").iterdir())
-    # conftest.py's cpu_kernels_dir left an older build and another install's before building.
-    assert names == sorted([cpu_kernels.library_path(cache_dir).name, OTHER_INSTALL_KERNELS])
+    # conftest.py's cpu_kernels_dir left an older build of each library and another install's
+    # before building: each build replaced its own older one alone.
+    built = [
+        cpu_kernels.library_path(cache_dir, dtype).name
+        for dtype in cpu_kernels.LIBRARIES
+        if cpu_kernels.supported(dtype)
+    ]
+    assert built and names == sorted([*built, OTHER_INSTALL_KERNELS])
 
 
 @pytest.fixture(scope="module")
-def kernel(cache_dir: Path) -> Kernel:
-    op = cpu_kernels.load(cache_dir)
-    assert op is not None
+def ops(cache_dir: Path, dtype: torch.dtype) -> Any:
+    loaded = cpu_kernels.load(cache_dir, dtype)
+    assert loaded is not None
+    return loaded
+
+
+@pytest.fixture(scope="module")
+def kernel(ops: Any, dtype: torch.dtype) -> Kernel:
+    op = cpu_kernels.dense_attention(torch.zeros(1, 64, dtype=dtype))
+    assert op is ops.dense_attention
     return op
 
 
@@ -72,14 +109,14 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths, scale:
     ],
 )
 def test_equals_float64_attention(
-    kernel: Kernel, batch: int, heads: int, rows: int, keys: int, seen: str
+    kernel: Kernel, dtype: torch.dtype, batch: int, heads: int, rows: int, keys: int, seen: str
 ) -> None:
-    """Rows and keys off the kernel's tiles (4 rows, 64 keys) included: the padding is unseen.
-    The output's error is the bf16 probabilities' rounding: at most 2^-8 of the largest value.
+    """Rows and keys off the kernel's tiles (4 or 6 rows, 64 keys) included: the padding is
+    unseen. The output's error is the probabilities' rounding (ROUNDING of the largest value).
     A row that sees no key gets zeros and a log-sum-exp of -inf."""
     generator = torch.Generator().manual_seed(rows * 1000 + keys)
     q, k, v = (
-        (torch.randn(batch, heads, n, 64, generator=generator) * 1.5).bfloat16()
+        (torch.randn(batch, heads, n, 64, generator=generator) * 1.5).to(dtype)
         for n in (rows, keys, keys)
     )
     lengths = {
@@ -94,7 +131,7 @@ def test_equals_float64_attention(
     expected_out, expected_lse = reference(q, k, v, lengths, 0.125)
     assert out.dtype == lse.dtype == torch.float32
     assert out.shape == (batch, heads, rows, 64) and lse.shape == (batch, heads, rows)
-    bound = 2**-8 * v.abs().max().item()
+    bound = ROUNDING[dtype] * v.abs().max().item()
     assert (out.double() - expected_out).abs().max().item() < bound
     finite = torch.isfinite(expected_lse)
     assert (lse.double()[finite] - expected_lse[finite]).abs().max().item() < 1e-5
@@ -105,16 +142,18 @@ def test_equals_float64_attention(
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (lambda q, k, v: (q.float(), k, v), "bfloat16"),
+        (lambda q, k, v: (q.half(), k, v), "must be {dtype}"),
         (lambda q, k, v: (q[..., :32], k[..., :32], v[..., :32]), "head dimension must be 64"),
         (lambda q, k, v: (q, k[:, :, :0], v[:, :, :0]), "at least one key"),
         (lambda q, k, v: (q, k, v[:, :, :3]), "k and v must match"),
         (lambda q, k, v: (q[0], k[0], v[0]), "must be \\[batch, heads, n, 64\\]"),
     ],
 )
-def test_refuses_what_it_does_not_handle(kernel: Kernel, change, message: str) -> None:
-    q, k, v = (torch.zeros(1, 2, 8, 64, dtype=torch.bfloat16) for _ in range(3))
-    with pytest.raises(RuntimeError, match=message):
+def test_refuses_what_it_does_not_handle(
+    kernel: Kernel, dtype: torch.dtype, change, message: str
+) -> None:
+    q, k, v = (torch.zeros(1, 2, 8, 64, dtype=dtype) for _ in range(3))
+    with pytest.raises(RuntimeError, match=message.format(dtype=NAMES[dtype])):
         kernel(*change(q, k, v), None, 0.125)
     with pytest.raises(RuntimeError, match="lengths must be"):
         kernel(q, k, v, torch.ones(1, 3, dtype=torch.long), 0.125)
@@ -131,36 +170,45 @@ def test_refuses_what_it_does_not_handle(kernel: Kernel, change, message: str) -
     ],
 )
 def test_the_backend_paths_use_it(
-    kernel: Kernel, monkeypatch: pytest.MonkeyPatch, specs, shared_blocks: int, expected
+    kernel: Kernel,
+    dtype: torch.dtype,
+    monkeypatch: pytest.MonkeyPatch,
+    specs,
+    shared_blocks: int,
+    expected,
 ) -> None:
-    """bf16 steps call the kernels for shared prefixes and prefills and still equal dense
+    """Steps call the kernels for shared prefixes and prefills and still equal dense
     attention."""
     calls: set[str] = set()
     for name in ("dense", "prefix"):
-        op = getattr(cpu_kernels, f"{name}_attention")()
+        find = getattr(cpu_kernels, f"{name}_attention")
         monkeypatch.setattr(
-            cpu_kernels, f"{name}_attention", lambda op=op, name=name: calls.add(name) or op
+            cpu_kernels,
+            f"{name}_attention",
+            lambda q, find=find, name=name: calls.add(name) or find(q),
         )
-    case = make_case(specs, 6, 2, head_dim=64, dtype=torch.bfloat16, shared_blocks=shared_blocks)
+    case = make_case(specs, 6, 2, head_dim=64, dtype=dtype, shared_blocks=shared_blocks)
     backend = TorchAttentionBackend()
     out = backend.forward(
         case.query, case.key, case.value, case.kv_cache, backend.prepare(case.metadata)
     )
     assert sorted(calls) == expected
     error = (out.double() - reference_attention(case)).abs().max().item()
-    assert error < TOLERANCE[torch.bfloat16]
+    assert error < TOLERANCE[dtype]
 
 
 @pytest.fixture(scope="module")
-def prefix(kernel: Kernel) -> Kernel:
-    op = cpu_kernels.prefix_attention()
-    assert op is not None
+def prefix(ops: Any, dtype: torch.dtype) -> Kernel:
+    op = cpu_kernels.prefix_attention(torch.zeros(1, 64, dtype=dtype))
+    assert op is ops.prefix_attention
     return op
 
 
-def shuffled_cache(generator: torch.Generator, blocks: int, kv_heads: int, block_size: int = 16):
+def shuffled_cache(
+    generator: torch.Generator, blocks: int, kv_heads: int, dtype: torch.dtype, block_size: int = 16
+):
     return tuple(
-        torch.randn(blocks, block_size, kv_heads, 64, generator=generator).bfloat16()
+        torch.randn(blocks, block_size, kv_heads, 64, generator=generator).to(dtype)
         for _ in range(2)
     )
 
@@ -170,15 +218,21 @@ def shuffled_cache(generator: torch.Generator, blocks: int, kv_heads: int, block
     [(1, 1, 1, 1), (64, 3, 3, 64), (2, 2, 37, 5)],  # (64, 3, 3): a decode step's query
 )
 def test_prefix_attention_reads_whole_blocks_in_place(
-    kernel: Kernel, prefix: Kernel, outer: int, kv_heads: int, inner: int, num_blocks: int
+    kernel: Kernel,
+    prefix: Kernel,
+    dtype: torch.dtype,
+    outer: int,
+    kv_heads: int,
+    inner: int,
+    num_blocks: int,
 ) -> None:
     """Every query of KV head h (q[:, h], read where it lies: here a strided view) against
     every key of the listed blocks, in their listed order: what the dense kernel gives on them
     gathered, to the bit."""
     generator = torch.Generator().manual_seed(inner)
-    k_cache, v_cache = shuffled_cache(generator, 2 * num_blocks + 1, kv_heads)
+    k_cache, v_cache = shuffled_cache(generator, 2 * num_blocks + 1, kv_heads, dtype)
     ids = torch.randperm(2 * num_blocks + 1, generator=generator)[:num_blocks]
-    wide = torch.randn(outer, kv_heads, inner, 128, generator=generator).bfloat16()
+    wide = torch.randn(outer, kv_heads, inner, 128, generator=generator).to(dtype)
     q = wide[..., 32:96]  # strides of a view into a wider tensor
     out, lse = prefix(q, k_cache, v_cache, ids, 0.125)
     rows = q.permute(1, 0, 2, 3).reshape(1, kv_heads, outer * inner, 64)
@@ -187,40 +241,40 @@ def test_prefix_attention_reads_whole_blocks_in_place(
     assert out.shape == (kv_heads, outer * inner, 64) and lse.shape == (kv_heads, outer * inner)
     assert torch.equal(out, gathered_out[0]) and torch.equal(lse, gathered_lse[0])
     expected_out, _ = reference(rows, k, v, None, 0.125)
-    assert (out.double() - expected_out[0]).abs().max().item() < 2**-8 * v.abs().max().item()
+    bound = ROUNDING[dtype] * v.abs().max().item()
+    assert (out.double() - expected_out[0]).abs().max().item() < bound
 
 
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (lambda a: {**a, "q": a["q"].float()}, "bfloat16"),
-        (lambda a: {**a, "q": torch.zeros(1, 3, 4, 64, dtype=torch.bfloat16)}, "per KV head"),
+        (lambda a: {**a, "q": a["q"].half()}, "must be {dtype}"),
+        (lambda a: {**a, "q": a["q"].new_zeros(1, 3, 4, 64)}, "per KV head"),
         (lambda a: {**a, "q": a["q"][0]}, "\\[n, kv_heads, m, 64\\]"),
-        (
-            lambda a: {**a, "q": torch.zeros(1, 2, 64, 4, dtype=torch.bfloat16).transpose(2, 3)},
-            "unit stride",
-        ),
+        (lambda a: {**a, "q": a["q"].new_zeros(1, 2, 64, 4).transpose(2, 3)}, "unit stride"),
         (lambda a: {**a, "ids": torch.tensor([1, 4])}, "outside the cache"),
         (lambda a: {**a, "ids": torch.tensor([], dtype=torch.long)}, "n >= 1"),
         (lambda a: {**a, "k": a["k"].transpose(0, 1)}, "contiguous and of one shape"),
     ],
 )
-def test_prefix_attention_refuses_what_it_does_not_handle(prefix: Kernel, change, message):
+def test_prefix_attention_refuses_what_it_does_not_handle(
+    prefix: Kernel, dtype: torch.dtype, change, message
+):
     args = {
-        "q": torch.zeros(1, 2, 4, 64, dtype=torch.bfloat16),
-        "k": torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16),
-        "v": torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16),
+        "q": torch.zeros(1, 2, 4, 64, dtype=dtype),
+        "k": torch.zeros(4, 16, 2, 64, dtype=dtype),
+        "v": torch.zeros(4, 16, 2, 64, dtype=dtype),
         "ids": torch.tensor([1, 3]),
     }
     args = change(args)
-    with pytest.raises(RuntimeError, match=message):
+    with pytest.raises(RuntimeError, match=message.format(dtype=NAMES[dtype])):
         prefix(args["q"], args["k"], args["v"], args["ids"], 0.125)
 
 
 @pytest.fixture(scope="module")
-def paged(kernel: Kernel) -> Kernel:
-    op = cpu_kernels.paged_decode()
-    assert op is not None
+def paged(ops: Any, dtype: torch.dtype) -> Kernel:
+    op = cpu_kernels.paged_decode(torch.zeros(1, 64, dtype=dtype))
+    assert op is ops.paged_decode
     return op
 
 
@@ -252,18 +306,24 @@ def paged_reference(q, k_cache, v_cache, tables, lengths, scale: float):
     ],
 )
 def test_paged_decode_equals_float64_attention(
-    paged: Kernel, seqs: int, kv_heads: int, group: int, block_size: int, max_blocks: int
+    paged: Kernel,
+    dtype: torch.dtype,
+    seqs: int,
+    kv_heads: int,
+    group: int,
+    block_size: int,
+    max_blocks: int,
 ) -> None:
     """Keys read in place through shuffled block tables, lengths from 1 to a full table (a
-    last block cut anywhere): float32 sums of bf16 products and float32 probabilities, so the
-    error is float32 rounding."""
+    last block cut anywhere): float32 sums of products and float32 probabilities, so the error
+    is float32 rounding."""
     generator = torch.Generator().manual_seed(seqs * 100 + group)
     num_blocks = seqs * max_blocks + 1
     k_cache, v_cache = (
-        torch.randn(num_blocks, block_size, kv_heads, 64, generator=generator).bfloat16()
+        torch.randn(num_blocks, block_size, kv_heads, 64, generator=generator).to(dtype)
         for _ in range(2)
     )
-    q = (torch.randn(seqs, kv_heads * group, 64, generator=generator) * 1.5).bfloat16()
+    q = (torch.randn(seqs, kv_heads * group, 64, generator=generator) * 1.5).to(dtype)
     tables = torch.randperm(num_blocks, generator=generator)[: seqs * max_blocks].view(seqs, -1)
     lengths = torch.randint(1, max_blocks * block_size + 1, (seqs,), generator=generator)
     lengths[0] = 1
@@ -275,17 +335,19 @@ def test_paged_decode_equals_float64_attention(
     assert (lse.double() - expected_lse).abs().max().item() < 1e-5
 
 
-def test_paged_decode_continues_from_a_prior(prefix: Kernel, paged: Kernel) -> None:
+def test_paged_decode_continues_from_a_prior(
+    prefix: Kernel, paged: Kernel, dtype: torch.dtype
+) -> None:
     """Common blocks through `prefix_attention`, then each sequence's own blocks through the
     paged decode continuing from that result: attention over both, as if in one softmax. A
     prior row that saw no key (log-sum-exp -inf) starts afresh."""
     seqs, kv_heads, group = 6, 3, 3
     generator = torch.Generator().manual_seed(7)
-    k_cache, v_cache = shuffled_cache(generator, 40, kv_heads)
+    k_cache, v_cache = shuffled_cache(generator, 40, kv_heads, dtype)
     common = torch.tensor([5, 2, 30])
     tables = torch.randperm(40, generator=generator)[: seqs * 4].view(seqs, 4)
     lengths = torch.tensor([1, 16, 17, 40, 64, 33])
-    q = (torch.randn(seqs, kv_heads * group, 64, generator=generator) * 1.5).bfloat16()
+    q = (torch.randn(seqs, kv_heads * group, 64, generator=generator) * 1.5).to(dtype)
     prior_out, prior_lse = prefix(
         q.view(seqs, kv_heads, group, 64), k_cache, v_cache, common, 0.125
     )
@@ -294,8 +356,9 @@ def test_paged_decode_continues_from_a_prior(prefix: Kernel, paged: Kernel) -> N
     out, lse = paged(q, k_cache, v_cache, tables, lengths, 0.125, prior_out, prior_lse)
     whole = torch.cat([common.expand(seqs, -1), tables], dim=1)
     expected_out, expected_lse = paged_reference(q, k_cache, v_cache, whole, lengths + 48, 0.125)
-    # The common part's probabilities are rounded to bf16 (the dense kernel's), the rest not.
-    assert (out.double() - expected_out).abs().max().item() < 2**-8 * v_cache.abs().max().item()
+    # The common part's probabilities are rounded as the dense kernel's are, the rest not.
+    bound = ROUNDING[dtype] * v_cache.abs().max().item()
+    assert (out.double() - expected_out).abs().max().item() < bound
     assert (lse.double() - expected_lse).abs().max().item() < 1e-5
 
     empty = paged(
@@ -309,7 +372,7 @@ def test_paged_decode_continues_from_a_prior(prefix: Kernel, paged: Kernel) -> N
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (lambda a: {**a, "q": a["q"].float()}, "bfloat16"),
+        (lambda a: {**a, "q": a["q"].half()}, "must be {dtype}"),
         (lambda a: {**a, "q": a["q"][..., :32]}, "head dimension must be 64"),
         (lambda a: {**a, "prior": (torch.zeros(2, 2, 3, 64), None)}, "come together"),
         (lambda a: {**a, "prior": (torch.zeros(2, 2, 3, 64), torch.zeros(2, 6))}, "prior_out must"),
@@ -317,24 +380,26 @@ def test_paged_decode_continues_from_a_prior(prefix: Kernel, paged: Kernel) -> N
             lambda a: {**a, "prior": (torch.zeros(2, 2, 3, 64).double(), torch.zeros(2, 2, 3))},
             "float32",
         ),
-        (lambda a: {**a, "q": torch.zeros(2, 18, 64, dtype=torch.bfloat16)}, "1 to 8 per KV head"),
+        (lambda a: {**a, "q": a["q"].new_zeros(2, 18, 64)}, "1 to 8 per KV head"),
         (lambda a: {**a, "tables": a["tables"] + 10}, "outside the cache"),
         (lambda a: {**a, "lengths": torch.tensor([5, 33])}, "exceeds its block table"),
         (lambda a: {**a, "lengths": torch.tensor([5])}, "lengths \\[seqs\\]"),
         (lambda a: {**a, "k": a["k"].transpose(0, 1)}, "contiguous and of one shape"),
     ],
 )
-def test_paged_decode_refuses_what_it_does_not_handle(paged: Kernel, change, message) -> None:
+def test_paged_decode_refuses_what_it_does_not_handle(
+    paged: Kernel, dtype: torch.dtype, change, message
+) -> None:
     args = {
-        "q": torch.zeros(2, 6, 64, dtype=torch.bfloat16),
-        "k": torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16),
-        "v": torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16),
+        "q": torch.zeros(2, 6, 64, dtype=dtype),
+        "k": torch.zeros(4, 16, 2, 64, dtype=dtype),
+        "v": torch.zeros(4, 16, 2, 64, dtype=dtype),
         "tables": torch.tensor([[1, 2], [3, 0]]),
         "lengths": torch.tensor([20, 3]),
         "prior": (None, None),
     }
     args = change(args)
-    with pytest.raises(RuntimeError, match=message):
+    with pytest.raises(RuntimeError, match=message.format(dtype=NAMES[dtype])):
         paged(
             args["q"], args["k"], args["v"], args["tables"], args["lengths"], 0.125, *args["prior"]
         )
@@ -348,37 +413,41 @@ def test_paged_decode_refuses_what_it_does_not_handle(paged: Kernel, change, mes
     ],
 )
 def test_decodes_read_their_blocks_in_place(
-    paged: Kernel, monkeypatch: pytest.MonkeyPatch, specs, shared_blocks: int
+    paged: Kernel, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch, specs, shared_blocks: int
 ) -> None:
-    """bf16 decodes go through the paged kernel (no gather) and equal dense attention, as the
-    torch path does with it switched off."""
+    """Decodes go through the paged kernel (no gather) and equal dense attention, as the torch
+    path does with it switched off."""
     calls = []
 
-    def counted() -> Kernel:
-        calls.append(1)
+    def counted(q: torch.Tensor) -> Kernel:
+        calls.append(q.dtype)
         return paged
 
-    case = make_case(specs, 9, 3, head_dim=64, dtype=torch.bfloat16, shared_blocks=shared_blocks)
+    case = make_case(specs, 9, 3, head_dim=64, dtype=dtype, shared_blocks=shared_blocks)
     backend = TorchAttentionBackend()
     plan = backend.prepare(case.metadata)
     expected = reference_attention(case)
-    monkeypatch.setattr(cpu_kernels, "paged_decode", lambda: None)
+    monkeypatch.setattr(cpu_kernels, "paged_decode", lambda q: None)
     without = backend.forward(case.query, case.key, case.value, case.kv_cache, plan)
     monkeypatch.setattr(cpu_kernels, "paged_decode", counted)
     with_kernel = backend.forward(case.query, case.key, case.value, case.kv_cache, plan)
-    assert calls == [1]
+    assert calls == [dtype]
     for out in (without, with_kernel):
-        assert (out.double() - expected).abs().max().item() < TOLERANCE[torch.bfloat16]
+        assert (out.double() - expected).abs().max().item() < TOLERANCE[dtype]
 
 
-def test_switched_off_torch_serves(kernel: Kernel, prefix: Kernel, paged: Kernel) -> None:
-    hidden = torch.zeros(2, 576, dtype=torch.bfloat16)
+def test_switched_off_torch_serves(
+    kernel: Kernel, prefix: Kernel, paged: Kernel, dtype: torch.dtype
+) -> None:
+    """Each switch takes out its kernels; the fused layer operators exist in bf16 alone."""
+    q, hidden = torch.zeros(2, 64, dtype=dtype), torch.zeros(2, 576, dtype=dtype)
+    layer = dtype == torch.bfloat16
 
     def served() -> tuple[bool, ...]:
         return (
-            cpu_kernels.dense_attention() is kernel,
-            cpu_kernels.prefix_attention() is prefix,
-            cpu_kernels.paged_decode() is paged,
+            cpu_kernels.dense_attention(q) is kernel,
+            cpu_kernels.prefix_attention(q) is prefix,
+            cpu_kernels.paged_decode(q) is paged,
             cpu_kernels.layer_ops(hidden, head_dim=64) is not None,
         )
 
@@ -386,40 +455,42 @@ def test_switched_off_torch_serves(kernel: Kernel, prefix: Kernel, paged: Kernel
     try:
         assert served() == (False, False, False, False)
         cpu_kernels.enable(True, paged=False)
-        assert served() == (True, True, False, True)
+        assert served() == (True, True, False, layer)
         cpu_kernels.enable(True, layer=False)
         assert served() == (True, True, True, False)
     finally:
         cpu_kernels.enable(True)
-    assert served() == (True, True, True, True)
-    # Not for float32, other head widths, or a hidden size off the 16-wide vectors.
-    assert cpu_kernels.layer_ops(hidden.float(), head_dim=64) is None
+    assert served() == (True, True, True, layer)
+    # Not for another dtype, other head widths, or a hidden size off the 16-wide vectors.
+    assert cpu_kernels.dense_attention(q.half()) is None
+    assert cpu_kernels.paged_decode(q[:, :32]) is None
+    assert cpu_kernels.layer_ops(hidden.half(), head_dim=64) is None
     assert cpu_kernels.layer_ops(hidden, head_dim=128) is None
     assert cpu_kernels.layer_ops(hidden[:, :40], head_dim=64) is None
 
 
 def test_a_later_load_uses_the_built_library(
-    kernel: Kernel, cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+    kernel: Kernel, cache_dir: Path, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Named by what it was built from, the library is found again, not rebuilt."""
 
-    def no_build(target: Path) -> None:
+    def no_build(target: Path, dtype: torch.dtype) -> None:
         raise AssertionError(f"rebuilt {target}")
 
-    monkeypatch.setattr(cpu_kernels, "_op", None)
+    monkeypatch.setattr(cpu_kernels, "_loaded", {})
     monkeypatch.setattr(cpu_kernels, "build", no_build)
-    assert cpu_kernels.load(cache_dir) is not None
+    assert cpu_kernels.load(cache_dir, dtype) is not None
 
 
-def test_a_build_cut_short_at_exit_leaves_nothing(tmp_path: Path) -> None:
+def test_a_build_cut_short_at_exit_leaves_nothing(tmp_path: Path, dtype: torch.dtype) -> None:
     """A server stopped while the kernel builds: the compiler's process group ends and its
     scratch directory goes (the atexit hook), so neither runs on nor litters the cache."""
-    target = cpu_kernels.library_path(tmp_path)
+    target = cpu_kernels.library_path(tmp_path, dtype)
     failures: list[BaseException] = []
 
     def run() -> None:
         try:
-            cpu_kernels.build(target)
+            cpu_kernels.build(target, dtype)
         except subprocess.CalledProcessError as error:
             failures.append(error)
 

@@ -1,0 +1,444 @@
+// The parts of our CPU attention operators that do not depend on the element type: argument
+// checks, the split into tasks across threads, the paged cache's addressing, online-softmax
+// state. Each library (cpu_dense_bf16.cpp for bfloat16 with AVX512-BF16, cpu_dense_f32.cpp
+// for float32 with AVX2) supplies the arithmetic as a kernel policy K:
+//
+//   using Elem;                         uint16_t (bf16 bits) or float
+//   kType, kTypeName                    its at::ScalarType and its name in errors
+//   kTileRows, kTaskRows                rows worked on together; rows a task takes (a multiple)
+//   pack_keys(key_at, keys, padded, out), pack_values(key_at, keys, padded, out)
+//                                       one head's K / V in the layout tile_block reads
+//   tile_block(q, kblock, vblock, valid, scale, state, row0)
+//                                       kTileRows query rows through one block of kKeyBlock
+//                                       keys: softmax update, then out += probabilities · V
+//   decode_chunk<G>(q, k_cache, v_cache, first, count, stride, scale, state)
+//                                       G query rows through 1 to 16 keys read in place
+//
+// Three operators: `dense_attention`, many query rows against one set of keys, each row
+// seeing a prefix of them (all, or its own count: a causal or padded row);
+// `prefix_attention`, the same with every row seeing all keys of whole blocks read from the
+// paged cache (a shared prefix's common blocks); and `paged_decode`, one query token per
+// sequence reading its keys in place from the paged cache. Head dimension 64; out float32
+// with each row's log-sum-exp.
+//
+// Everything here has internal linkage: each library keeps its own copy, compiled for its
+// own instruction set.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <tuple>
+
+namespace blockserve_cpu {
+namespace {
+
+constexpr int64_t kDim = 64;
+constexpr int64_t kKeyBlock = 64;  // keys per softmax block of dense and prefix attention
+constexpr int64_t kMaxGroup = 8;   // query heads per KV head that paged_decode takes
+constexpr int64_t kChunksAhead = 8;  // decode chunks requested ahead (1 and 4 measured slower)
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+template <int64_t Rows>
+struct RowState {
+  float max[Rows];
+  float sum[Rows];
+  alignas(64) float out[Rows][kDim];
+};
+
+struct Shapes {
+  int64_t batch, heads, rows, keys, padded;
+};
+
+// One task: rows row_start .. + K::kTaskRows of (batch b, head h) through every key block
+// they see. q_row(b * heads + h, row) points at a query row's 64 values.
+template <class K, typename QRow>
+void attend_task(const Shapes& n, int64_t b, int64_t h, int64_t row_start, const QRow& q_row,
+                 const typename K::Elem* kpack, const typename K::Elem* vpack,
+                 const int64_t* lengths, float scale, float* outp, float* lsep) {
+  constexpr int64_t kRows = K::kTaskRows;
+  alignas(64) typename K::Elem qtile[kRows * kDim] = {};
+  RowState<kRows> state;
+  const int64_t count = std::min(kRows, n.rows - row_start);
+  const int64_t head = b * n.heads + h;
+  for (int64_t r = 0; r < count; ++r)
+    std::memcpy(qtile + r * kDim, q_row(head, row_start + r), sizeof(qtile) / kRows);
+  int64_t seen[kRows] = {};  // keys each row sees; padding rows none
+  int64_t longest = 0;
+  for (int64_t r = 0; r < kRows; ++r) {
+    state.max[r] = kNegInf;
+    state.sum[r] = 0.0f;
+    std::memset(state.out[r], 0, sizeof(state.out[r]));
+    if (r < count) {
+      seen[r] = lengths == nullptr ? n.keys
+                                   : std::clamp<int64_t>(lengths[b * n.rows + row_start + r],
+                                                         0, n.keys);
+    }
+    longest = std::max(longest, seen[r]);
+  }
+  const auto* kbase = kpack + head * n.padded * kDim;
+  const auto* vbase = vpack + head * n.padded * kDim;
+  for (int64_t block = 0; block < longest; block += kKeyBlock) {
+    for (int64_t r0 = 0; r0 < count; r0 += K::kTileRows) {
+      int64_t valid[K::kTileRows];
+      for (int64_t r = 0; r < K::kTileRows; ++r)
+        valid[r] = std::min(kKeyBlock, seen[r0 + r] - block);
+      K::tile_block(qtile + r0 * kDim, kbase + block * kDim, vbase + block * kDim, valid,
+                    scale, state, r0);
+    }
+  }
+  for (int64_t r = 0; r < count; ++r) {
+    const int64_t row = head * n.rows + row_start + r;
+    const float sum = state.sum[r];
+    const float inverse = sum > 0.0f ? 1.0f / sum : 0.0f;
+    for (int64_t d = 0; d < kDim; ++d) outp[row * kDim + d] = state.out[r][d] * inverse;
+    lsep[row] = sum > 0.0f ? state.max[r] + std::log(sum) : kNegInf;
+  }
+}
+
+// Pack each head's K and V (pack(head, values, out) writes one), then every task.
+template <class K, typename QRow, typename Pack>
+std::tuple<at::Tensor, at::Tensor> attend_packed(const at::TensorOptions& options,
+                                                 const Shapes& n, const QRow& q_row,
+                                                 const Pack& pack, const at::Tensor& counts,
+                                                 double scale) {
+  using Elem = typename K::Elem;
+  const int64_t heads = n.batch * n.heads;
+  at::Tensor kpack = at::empty({heads, n.padded * kDim}, options);
+  at::Tensor vpack = at::empty({heads, n.padded * kDim}, options);
+  auto* kpp = reinterpret_cast<Elem*>(kpack.data_ptr());
+  auto* vpp = reinterpret_cast<Elem*>(vpack.data_ptr());
+  at::parallel_for(0, 2 * heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      pack(t / 2, t % 2 == 1, (t % 2 == 0 ? kpp : vpp) + (t / 2) * n.padded * kDim);
+  });
+  at::Tensor out = at::empty({n.batch, n.heads, n.rows, kDim}, options.dtype(at::kFloat));
+  at::Tensor lse = at::empty({n.batch, n.heads, n.rows}, options.dtype(at::kFloat));
+  const int64_t* lp = counts.defined() ? counts.data_ptr<int64_t>() : nullptr;
+  float* outp = out.data_ptr<float>();
+  float* lsep = lse.data_ptr<float>();
+  const int64_t per_head = (n.rows + K::kTaskRows - 1) / K::kTaskRows;
+  const auto fscale = static_cast<float>(scale);
+  at::parallel_for(0, heads * per_head, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t head = t / per_head;
+      attend_task<K>(n, head / n.heads, head % n.heads, (t % per_head) * K::kTaskRows, q_row,
+                     kpp, vpp, lp, fscale, outp, lsep);
+    }
+  });
+  return {out, lse};
+}
+
+// Pack one head's keys or values (key_at(n) points at key n's 64 values).
+template <class K, typename KeyAt>
+void pack_head(const KeyAt& key_at, bool values, int64_t keys, int64_t padded,
+               typename K::Elem* out) {
+  values ? K::pack_values(key_at, keys, padded, out) : K::pack_keys(key_at, keys, padded, out);
+}
+
+//   q [batch, heads, rows, 64], k / v [batch, heads, keys, 64]; lengths: none (every row
+//   sees every key) or [batch, rows] integers (row r sees keys 0 .. lengths[b, r] - 1)
+//   → out [batch, heads, rows, 64] f32, lse [batch, heads, rows] f32 (natural log of the sum
+//   of exp(scale * q·k); a row that sees no key gets 0 and -inf).
+template <class K>
+std::tuple<at::Tensor, at::Tensor> dense_attention(const at::Tensor& q, const at::Tensor& k,
+                                                   const at::Tensor& v,
+                                                   const std::optional<at::Tensor>& lengths,
+                                                   double scale) {
+  using Elem = typename K::Elem;
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
+              "q, k, v must be [batch, heads, n, 64]");
+  TORCH_CHECK(q.scalar_type() == K::kType && k.scalar_type() == K::kType &&
+                  v.scalar_type() == K::kType,
+              "q, k, v must be ", K::kTypeName);
+  TORCH_CHECK(q.size(3) == kDim && k.size(3) == kDim && v.size(3) == kDim,
+              "head dimension must be 64");
+  TORCH_CHECK(k.sizes() == v.sizes() && q.size(0) == k.size(0) && q.size(1) == k.size(1) &&
+                  k.size(2) > 0,
+              "k and v must match, with the batch and heads of q and at least one key");
+  const int64_t keys = k.size(2);
+  const Shapes n{q.size(0), q.size(1), q.size(2), keys,
+                 (keys + kKeyBlock - 1) / kKeyBlock * kKeyBlock};
+  at::Tensor counts;
+  if (lengths.has_value()) {
+    TORCH_CHECK(lengths->sizes() == at::IntArrayRef({n.batch, n.rows}),
+                "lengths must be [batch, rows]");
+    counts = lengths->to(at::kLong).contiguous();
+  }
+  const at::Tensor kc = k.contiguous(), vc = v.contiguous();
+  const auto* kp = reinterpret_cast<const Elem*>(kc.data_ptr());
+  const auto* vp = reinterpret_cast<const Elem*>(vc.data_ptr());
+  const auto pack = [&](int64_t head, bool values, Elem* out) {
+    const Elem* base = (values ? vp : kp) + head * keys * kDim;
+    pack_head<K>([&](int64_t key) { return base + key * kDim; }, values, keys, n.padded, out);
+  };
+  const at::Tensor qc = q.contiguous();
+  const auto* qp = reinterpret_cast<const Elem*>(qc.data_ptr());
+  const auto q_row = [&](int64_t head, int64_t row) { return qp + (head * n.rows + row) * kDim; };
+  return attend_packed<K>(q.options(), n, q_row, pack, counts, scale);
+}
+
+// What the operators reading the paged cache take: a q of `q_dims` dimensions (shaped as
+// `q_shape` says) and two contiguous caches [blocks, block_size, kv_heads, 64] of one shape,
+// all of K's type.
+template <class K>
+void check_paged(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                 int64_t q_dims, const char* q_shape) {
+  TORCH_CHECK(q.dim() == q_dims && k_cache.dim() == 4 && v_cache.dim() == 4, q_shape,
+              " and the caches [blocks, block_size, kv_heads, 64]");
+  TORCH_CHECK(q.scalar_type() == K::kType && k_cache.scalar_type() == K::kType &&
+                  v_cache.scalar_type() == K::kType,
+              "q and the caches must be ", K::kTypeName);
+  TORCH_CHECK(q.size(-1) == kDim && k_cache.size(3) == kDim, "head dimension must be 64");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous(),
+              "the caches must be contiguous and of one shape");
+}
+
+// Rows of each KV head against every key of whole blocks of the paged cache, read in place:
+// a shared prefix's common blocks, seen by every query of the sequences that share them.
+//
+//   q [n, kv_heads, m, 64], any strides but the last (head h's rows are q[:, h] in order: a
+//   decode step's query as it is, [sequences, kv_heads, query heads per KV head, 64]);
+//   k_cache / v_cache [blocks, block_size, kv_heads, 64]; block_ids [b] integers
+//   → out [kv_heads, n * m, 64] f32, lse [kv_heads, n * m] f32.
+template <class K>
+std::tuple<at::Tensor, at::Tensor> prefix_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                                    const at::Tensor& v_cache,
+                                                    const at::Tensor& block_ids, double scale) {
+  using Elem = typename K::Elem;
+  check_paged<K>(q, k_cache, v_cache, 4, "q must be [n, kv_heads, m, 64]");
+  TORCH_CHECK(q.stride(3) == 1, "q must have unit stride along its last dimension");
+  const int64_t kv_heads = k_cache.size(2), block_size = k_cache.size(1);
+  TORCH_CHECK(q.size(1) == kv_heads, "q must have one row set per KV head");
+  TORCH_CHECK(block_ids.dim() == 1 && block_ids.numel() > 0, "block_ids must be [n], n >= 1");
+  const at::Tensor ids = block_ids.to(at::kLong).contiguous();
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t b = 0; b < ids.numel(); ++b)
+    TORCH_CHECK(ip[b] >= 0 && ip[b] < k_cache.size(0), "a block id is outside the cache");
+  const int64_t keys = ids.numel() * block_size;
+  const int64_t per_outer = q.size(2);
+  const Shapes n{1, kv_heads, q.size(0) * per_outer, keys,
+                 (keys + kKeyBlock - 1) / kKeyBlock * kKeyBlock};
+  const auto* kp = reinterpret_cast<const Elem*>(k_cache.data_ptr());
+  const auto* vp = reinterpret_cast<const Elem*>(v_cache.data_ptr());
+  const auto pack = [&](int64_t head, bool values, Elem* out) {
+    const Elem* base = values ? vp : kp;
+    const auto at = [&](int64_t key) {
+      return base + ((ip[key / block_size] * block_size + key % block_size) * kv_heads + head) *
+                        kDim;
+    };
+    pack_head<K>(at, values, keys, n.padded, out);
+  };
+  const auto* qp = reinterpret_cast<const Elem*>(q.data_ptr());
+  const int64_t outer_stride = q.stride(0), head_stride = q.stride(1), row_stride = q.stride(2);
+  const auto q_row = [&](int64_t head, int64_t row) {
+    return qp + (row / per_outer) * outer_stride + head * head_stride +
+           (row % per_outer) * row_stride;
+  };
+  auto [out, lse] = attend_packed<K>(q.options(), n, q_row, pack, at::Tensor(), scale);
+  return {out.squeeze(0), lse.squeeze(0)};
+}
+
+// ---- Paged decode ------------------------------------------------------------------------
+// One query token per sequence against its keys where they lie in the paged cache: no gather
+// into a workspace, no repacking (each key serves only the G query heads of its KV head, too
+// few to pay for either). Softmax runs online over chunks of up to 16 keys of one block.
+//
+//   q [seqs, kv_heads * G, 64]; k_cache / v_cache [blocks, block_size, kv_heads, 64];
+//   block_table [seqs, >= blocks used] and lengths [seqs] integers (sequence s reads keys
+//   0 .. lengths[s] - 1 of the blocks its table lists, in order); optionally prior_out
+//   [seqs, kv_heads, G, 64] and prior_lse [seqs, kv_heads, G] f32, the rows' attention over
+//   earlier keys (`prefix_attention`'s over common blocks), which the result then includes
+//   → out [seqs, kv_heads * G, 64] f32, lse [seqs, kv_heads * G] f32.
+
+struct PagedShapes {
+  int64_t kv_heads, block_size, table_stride;
+};
+
+// Online-softmax state of one KV head's G query rows.
+template <int G>
+struct HeadState {
+  float max[G], sum[G];
+  alignas(64) float acc[G][kDim];
+};
+
+// Where a decode continues from: the softmax state of its rows over earlier keys (the common
+// blocks), as their normalized output and log-sum-exp; strides in elements.
+struct Prior {
+  const float* out = nullptr;  // [seqs, kv_heads, G, 64], unit stride along the last
+  const float* lse = nullptr;  // [seqs, kv_heads, G]
+  int64_t out_strides[3] = {}, lse_strides[3] = {};
+};
+
+// Sequence s, KV head h: its G query rows through `num_keys` keys, chunk by chunk, with the
+// lines of the next kChunksAhead chunks requested before each is worked on, continuing from
+// `prior` if it has one. q, out and lse point at the head's first query row.
+template <class K, int G>
+void decode_task(const PagedShapes& n, const typename K::Elem* q, const typename K::Elem* kc,
+                 const typename K::Elem* vc, const int64_t* table, int64_t num_keys, int64_t s,
+                 int64_t h, const Prior& prior, float scale, float* out, float* lse) {
+  HeadState<G> state;
+  std::memset(state.acc, 0, sizeof(state.acc));
+  for (int r = 0; r < G; ++r) {
+    state.max[r] = kNegInf;
+    state.sum[r] = 0.0f;
+    if (prior.out == nullptr) continue;
+    const float seen = prior.lse[s * prior.lse_strides[0] + h * prior.lse_strides[1] +
+                                 r * prior.lse_strides[2]];
+    if (seen == kNegInf) continue;  // saw no key
+    // A normalized output is the state after its keys with their sum of exponentials scaled
+    // to 1, the maximum moved to their log-sum-exp.
+    state.max[r] = seen;
+    state.sum[r] = 1.0f;
+    std::memcpy(state.acc[r],
+                prior.out + s * prior.out_strides[0] + h * prior.out_strides[1] +
+                    r * prior.out_strides[2],
+                sizeof(state.acc[r]));
+  }
+  const int64_t stride = n.kv_heads * kDim;
+  const auto chunk_at = [&](int64_t start, int64_t& first) {  // its first element; its length
+    const int64_t offset = start % n.block_size;
+    first = (table[start / n.block_size] * n.block_size + offset) * stride + h * kDim;
+    return std::min({int64_t{16}, n.block_size - offset, num_keys - start});
+  };
+  // Chunks requested ahead of the one being worked on: a sequence's blocks lie anywhere, so
+  // the hardware prefetcher cannot follow them, and one chunk's lines do not cover DRAM's
+  // latency.
+  constexpr int64_t kLine = 64 / sizeof(typename K::Elem);  // elements per cache line
+  int64_t ahead = 0, requested = 0;
+  int64_t first = 0;
+  for (int64_t start = 0, count = 0; start < num_keys; start += count) {
+    for (; ahead < num_keys && requested <= kChunksAhead; ++requested) {
+      int64_t at = 0;
+      const int64_t length = chunk_at(ahead, at);
+      for (int64_t t = 0; t < length; ++t)
+        for (int64_t line = 0; line < kDim; line += kLine) {
+          __builtin_prefetch(kc + at + t * stride + line, 0, 3);
+          __builtin_prefetch(vc + at + t * stride + line, 0, 3);
+        }
+      ahead += length;
+    }
+    count = chunk_at(start, first);
+    --requested;
+    K::template decode_chunk<G>(q, kc, vc, first, count, stride, scale, state);
+  }
+  for (int r = 0; r < G; ++r) {
+    const float inverse = state.sum[r] > 0.0f ? 1.0f / state.sum[r] : 0.0f;
+    for (int64_t d = 0; d < kDim; ++d) out[r * kDim + d] = state.acc[r][d] * inverse;
+    lse[r] = state.sum[r] > 0.0f ? state.max[r] + std::log(state.sum[r]) : kNegInf;
+  }
+}
+
+template <class K, int G>
+void decode_all(const PagedShapes& n, int64_t seqs, const typename K::Elem* q,
+                const typename K::Elem* kc, const typename K::Elem* vc, const int64_t* table,
+                const int64_t* lengths, const Prior& prior, float scale, float* out,
+                float* lse) {
+  at::parallel_for(0, seqs * n.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t s = t / n.kv_heads, h = t % n.kv_heads;
+      const int64_t row = (s * n.kv_heads + h) * G;  // the first of its query heads
+      decode_task<K, G>(n, q + row * kDim, kc, vc, table + s * n.table_stride, lengths[s], s, h,
+                        prior, scale, out + row * kDim, lse + row);
+    }
+  });
+}
+
+template <class K>
+std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
+                                                const at::Tensor& v_cache,
+                                                const at::Tensor& block_table,
+                                                const at::Tensor& lengths, double scale,
+                                                const std::optional<at::Tensor>& prior_out,
+                                                const std::optional<at::Tensor>& prior_lse) {
+  using Elem = typename K::Elem;
+  check_paged<K>(q, k_cache, v_cache, 3, "q must be [seqs, heads, 64]");
+  const int64_t seqs = q.size(0), kv_heads = k_cache.size(2), blocks = k_cache.size(0);
+  TORCH_CHECK(q.size(1) % kv_heads == 0 && q.size(1) / kv_heads <= kMaxGroup,
+              "query heads must be 1 to 8 per KV head");
+  TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == seqs &&
+                  lengths.sizes() == at::IntArrayRef({seqs}),
+              "block_table must be [seqs, blocks] and lengths [seqs]");
+  const at::Tensor table = block_table.to(at::kLong).contiguous();
+  const at::Tensor counts = lengths.to(at::kLong).contiguous();
+  const int64_t block_size = k_cache.size(1);
+  const int64_t* tp = table.data_ptr<int64_t>();
+  const int64_t* lp = counts.data_ptr<int64_t>();
+  for (int64_t s = 0; s < seqs; ++s) {  // every key read must lie in the cache
+    TORCH_CHECK(lp[s] >= 0 && lp[s] <= table.size(1) * block_size,
+                "a sequence's length exceeds its block table");
+    for (int64_t b = 0; b < (lp[s] + block_size - 1) / block_size; ++b)
+      TORCH_CHECK(tp[s * table.size(1) + b] >= 0 && tp[s * table.size(1) + b] < blocks,
+                  "a block id is outside the cache");
+  }
+  const int64_t group = q.size(1) / kv_heads;
+  TORCH_CHECK(prior_out.has_value() == prior_lse.has_value(),
+              "prior_out and prior_lse come together");
+  Prior prior;
+  if (prior_out.has_value()) {
+    TORCH_CHECK(prior_out->sizes() == at::IntArrayRef({seqs, kv_heads, group, kDim}) &&
+                    prior_lse->sizes() == at::IntArrayRef({seqs, kv_heads, group}),
+                "prior_out must be [seqs, kv_heads, group, 64] and prior_lse [seqs, kv_heads, "
+                "group]");
+    TORCH_CHECK(prior_out->scalar_type() == at::kFloat && prior_lse->scalar_type() == at::kFloat &&
+                    prior_out->stride(3) == 1,
+                "the prior must be float32, unit stride along the head dimension");
+    prior.out = prior_out->data_ptr<float>();
+    prior.lse = prior_lse->data_ptr<float>();
+    for (int d = 0; d < 3; ++d) {
+      prior.out_strides[d] = prior_out->stride(d);
+      prior.lse_strides[d] = prior_lse->stride(d);
+    }
+  }
+  const at::Tensor qc = q.contiguous();
+  at::Tensor out = at::empty(q.sizes(), q.options().dtype(at::kFloat));
+  at::Tensor lse = at::empty({seqs, q.size(1)}, q.options().dtype(at::kFloat));
+  const PagedShapes n{kv_heads, block_size, table.size(1)};
+  const auto* qp = reinterpret_cast<const Elem*>(qc.data_ptr());
+  const auto* kp = reinterpret_cast<const Elem*>(k_cache.data_ptr());
+  const auto* vp = reinterpret_cast<const Elem*>(v_cache.data_ptr());
+  const auto fscale = static_cast<float>(scale);
+  float* outp = out.data_ptr<float>();
+  float* lsep = lse.data_ptr<float>();
+  switch (group) {
+#define BLOCKSERVE_GROUP(G) \
+  case G:                   \
+    decode_all<K, G>(n, seqs, qp, kp, vp, tp, lp, prior, fscale, outp, lsep); \
+    break;
+    BLOCKSERVE_GROUP(1) BLOCKSERVE_GROUP(2) BLOCKSERVE_GROUP(3) BLOCKSERVE_GROUP(4)
+    BLOCKSERVE_GROUP(5) BLOCKSERVE_GROUP(6) BLOCKSERVE_GROUP(7) BLOCKSERVE_GROUP(8)
+#undef BLOCKSERVE_GROUP
+  }
+  return {out, lse};
+}
+
+// The three operators' schemas, and their implementations by kernel policy K.
+inline void define_attention(torch::Library& m) {
+  m.def(
+      "dense_attention(Tensor q, Tensor k, Tensor v, Tensor? lengths, float scale)"
+      " -> (Tensor, Tensor)");
+  m.def(
+      "prefix_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_ids, float scale)"
+      " -> (Tensor, Tensor)");
+  m.def(
+      "paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor lengths,"
+      " float scale, Tensor? prior_out=None, Tensor? prior_lse=None) -> (Tensor, Tensor)");
+}
+
+template <class K>
+void implement_attention(torch::Library& m) {
+  m.impl("dense_attention", &dense_attention<K>);
+  m.impl("prefix_attention", &prefix_attention<K>);
+  m.impl("paged_decode", &paged_decode<K>);
+}
+
+}  // namespace
+}  // namespace blockserve_cpu
