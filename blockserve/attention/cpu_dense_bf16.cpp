@@ -27,189 +27,171 @@ constexpr int64_t kGroups = kKeyBlock / 16;
 constexpr int64_t kTaskRows = 16;
 constexpr int64_t kTileRows = 4;
 
-// K of one head as [key blocks of 16][32 pairs][16 keys][2]: padding keys are zero.
-// key_at(n) points at key n's 64 values.
-template <typename KeyAt>
-void pack_keys(const KeyAt& key_at, int64_t keys, int64_t /*padded*/, uint16_t* out) {
-  const int64_t groups = (keys + 15) / 16;
-  std::memset(out, 0, groups * 16 * kDim * sizeof(uint16_t));
-  for (int64_t n = 0; n < keys; ++n) {
-    const uint16_t* k = key_at(n);
-    uint16_t* group = out + (n / 16) * 16 * kDim;
-    for (int64_t i = 0; i < kPairs; ++i) {
-      group[(i * 16 + n % 16) * 2] = k[2 * i];
-      group[(i * 16 + n % 16) * 2 + 1] = k[2 * i + 1];
-    }
-  }
-}
-
-// V of one head as [key pairs][64 dims][2]: padding keys are zero.
-template <typename ValueAt>
-void pack_values(const ValueAt& value_at, int64_t keys, int64_t padded, uint16_t* out) {
-  std::memset(out, 0, padded * kDim * sizeof(uint16_t));
-  for (int64_t n = 0; n < keys; ++n) {
-    const uint16_t* v = value_at(n);
-    uint16_t* pair = out + (n / 2) * 2 * kDim;
-    for (int64_t d = 0; d < kDim; ++d) pair[d * 2 + n % 2] = v[d];
-  }
-}
-
-// Scores of a 4-row tile against one block of 64 keys, scaled: scores[row][key].
-inline void tile_scores(const uint32_t* q, const uint16_t* kblock, float scale,
-                        float scores[kTileRows][kKeyBlock]) {
-  __m512 acc[kTileRows][kGroups];
-  for (auto& row : acc)
-    for (auto& a : row) a = _mm512_setzero_ps();
-  for (int64_t i = 0; i < kPairs; ++i) {
-    __m512i keys[kGroups];
-    for (int64_t g = 0; g < kGroups; ++g)
-      keys[g] = _mm512_loadu_si512(kblock + (g * kPairs + i) * 32);
-    for (int64_t r = 0; r < kTileRows; ++r) {
-      const __m512i query = _mm512_set1_epi32(static_cast<int>(q[r * kPairs + i]));
-      for (int64_t g = 0; g < kGroups; ++g)
-        acc[r][g] = _mm512_dpbf16_ps(acc[r][g], as_bh(query), as_bh(keys[g]));
-    }
-  }
-  const __m512 s = _mm512_set1_ps(scale);
-  for (int64_t r = 0; r < kTileRows; ++r)
-    for (int64_t g = 0; g < kGroups; ++g)
-      _mm512_storeu_ps(scores[r] + g * 16, _mm512_mul_ps(acc[r][g], s));
-}
-
-// One 4-row tile through one key block: softmax update, then out += probabilities · V.
-// valid[r]: how many of the block's keys row r sees (0 to 64).
-void tile_block(const uint16_t* q_bf16, const uint16_t* kblock, const uint16_t* vblock,
-                const int64_t* valid, float scale, RowState<kTaskRows>& state, int64_t row0) {
-  const auto* q = reinterpret_cast<const uint32_t*>(q_bf16);  // bf16 pairs
-  alignas(64) float scores[kTileRows][kKeyBlock];
-  tile_scores(q, kblock, scale, scores);
-  alignas(64) uint32_t probs[kTileRows][kKeyBlock / 2];  // bf16 pairs
-  float factor[kTileRows];  // what each row's output so far is scaled by
-  for (int64_t r = 0; r < kTileRows; ++r) {
-    factor[r] = 1.0f;
-    if (valid[r] <= 0) {  // nothing to see here: no change, no contribution
-      std::memset(probs[r], 0, sizeof(probs[r]));
-      continue;
-    }
-    for (int64_t n = valid[r]; n < kKeyBlock; ++n)
-      scores[r][n] = kNegInf;
-    __m512 block_max = _mm512_loadu_ps(scores[r]);
-    for (int64_t g = 1; g < kGroups; ++g)
-      block_max = _mm512_max_ps(block_max, _mm512_loadu_ps(scores[r] + g * 16));
-    const float old_max = state.max[row0 + r];
-    const float new_max = std::max(old_max, _mm512_reduce_max_ps(block_max));
-    // ~0 on the first block (exp(-87): the output and sum it scales are 0 then)
-    const float rescale =
-        _mm512_cvtss_f32(exp_nonpositive(_mm512_set1_ps(old_max - new_max)));
-    __m512 total = _mm512_setzero_ps();
-    __m512 e[kGroups];
-    for (int64_t g = 0; g < kGroups; ++g) {
-      e[g] = exp_nonpositive(
-          _mm512_sub_ps(_mm512_loadu_ps(scores[r] + g * 16), _mm512_set1_ps(new_max)));
-      total = _mm512_add_ps(total, e[g]);
-    }
-    for (int64_t g = 0; g < kGroups; g += 2) {  // 32 probabilities → 32 bf16 in key order
-      _mm512_storeu_si512(probs[r] + g * 8,
-                          reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(e[g + 1], e[g])));
-    }
-    state.max[row0 + r] = new_max;
-    state.sum[row0 + r] = state.sum[row0 + r] * rescale + _mm512_reduce_add_ps(total);
-    factor[r] = rescale;
-  }
-  __m512 acc[kTileRows][kDim / 16];
-  for (int64_t r = 0; r < kTileRows; ++r) {
-    const __m512 scale_by = _mm512_set1_ps(factor[r]);
-    for (int64_t c = 0; c < kDim / 16; ++c)
-      acc[r][c] = _mm512_mul_ps(_mm512_load_ps(state.out[row0 + r] + c * 16), scale_by);
-  }
-  for (int64_t j = 0; j < kKeyBlock / 2; ++j) {
-    __m512i values[kDim / 16];
-    for (int64_t c = 0; c < kDim / 16; ++c)
-      values[c] = _mm512_loadu_si512(vblock + (j * kDim + c * 16) * 2);
-    for (int64_t r = 0; r < kTileRows; ++r) {
-      const __m512i p = _mm512_set1_epi32(static_cast<int>(probs[r][j]));
-      for (int64_t c = 0; c < kDim / 16; ++c)
-        acc[r][c] = _mm512_dpbf16_ps(acc[r][c], as_bh(p), as_bh(values[c]));
-    }
-  }
-  for (int64_t r = 0; r < kTileRows; ++r)
-    for (int64_t c = 0; c < kDim / 16; ++c) _mm512_store_ps(state.out[row0 + r] + c * 16, acc[r][c]);
-}
-
-// KV head h's G query rows through `count` (1 to 16) keys starting at element `first` of the
-// caches (token stride `stride`): softmax update, then acc += probabilities · V.
-template <int G>
-void decode_chunk(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, int64_t first,
-                         int64_t count, int64_t stride, float scale, HeadState<G>& state) {
-  __m512i query[G][2];
-  for (int r = 0; r < G; ++r)
-    for (int half = 0; half < 2; ++half)
-      query[r][half] = _mm512_loadu_si512(q + r * kDim + half * 32);
-  alignas(64) float probs[G][16];
-  for (int64_t t = 0; t < 16; ++t) {
-    if (t >= count) {
-      for (int r = 0; r < G; ++r) probs[r][t] = kNegInf;
-      continue;
-    }
-    const uint16_t* key = kc + first + t * stride;
-    const __m512i k0 = _mm512_loadu_si512(key), k1 = _mm512_loadu_si512(key + 32);
-    for (int r = 0; r < G; ++r) {
-      __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), as_bh(query[r][0]), as_bh(k0));
-      dot = _mm512_dpbf16_ps(dot, as_bh(query[r][1]), as_bh(k1));
-      probs[r][t] = _mm512_reduce_add_ps(dot) * scale;
-    }
-  }
-  __m512 acc[G][kDim / 16];
-  for (int r = 0; r < G; ++r) {
-    const __m512 scores = _mm512_load_ps(probs[r]);
-    const float new_max = std::max(state.max[r], _mm512_reduce_max_ps(scores));
-    const float rescale =  // ~0 on the first chunk, where what it scales is 0
-        _mm512_cvtss_f32(exp_nonpositive(_mm512_set1_ps(state.max[r] - new_max)));
-    const __m512 e = exp_nonpositive(_mm512_sub_ps(scores, _mm512_set1_ps(new_max)));
-    _mm512_store_ps(probs[r], e);
-    state.sum[r] = state.sum[r] * rescale + _mm512_reduce_add_ps(e);
-    state.max[r] = new_max;
-    const __m512 factor = _mm512_set1_ps(rescale);
-    for (int64_t c = 0; c < kDim / 16; ++c)
-      acc[r][c] = _mm512_mul_ps(_mm512_load_ps(state.acc[r] + c * 16), factor);
-  }
-  for (int64_t t = 0; t < count; ++t) {
-    const uint16_t* value = vc + first + t * stride;
-    __m512 v[kDim / 16];
-    for (int64_t c = 0; c < kDim / 16; ++c) v[c] = widen_bf16(value + c * 16);
-    for (int r = 0; r < G; ++r) {
-      const __m512 p = _mm512_set1_ps(probs[r][t]);
-      for (int64_t c = 0; c < kDim / 16; ++c) acc[r][c] = _mm512_fmadd_ps(p, v[c], acc[r][c]);
-    }
-  }
-  for (int r = 0; r < G; ++r)
-    for (int64_t c = 0; c < kDim / 16; ++c) _mm512_store_ps(state.acc[r] + c * 16, acc[r][c]);
-}
-
 struct Bf16Kernel {
   using Elem = uint16_t;
   static constexpr at::ScalarType kType = at::kBFloat16;
   static constexpr const char* kTypeName = "bfloat16";
   static constexpr int64_t kTileRows = ::kTileRows, kTaskRows = ::kTaskRows;
 
+  // K of one head as [key blocks of 16][32 pairs][16 keys][2]: padding keys are zero.
+  // key_at(n) points at key n's 64 values.
   template <typename KeyAt>
-  static void pack_keys(const KeyAt& key_at, int64_t keys, int64_t padded, uint16_t* out) {
-    ::pack_keys(key_at, keys, padded, out);
+  static void pack_keys(const KeyAt& key_at, int64_t keys, int64_t /*padded*/, uint16_t* out) {
+    const int64_t groups = (keys + 15) / 16;
+    std::memset(out, 0, groups * 16 * kDim * sizeof(uint16_t));
+    for (int64_t n = 0; n < keys; ++n) {
+      const uint16_t* k = key_at(n);
+      uint16_t* group = out + (n / 16) * 16 * kDim;
+      for (int64_t i = 0; i < kPairs; ++i) {
+        group[(i * 16 + n % 16) * 2] = k[2 * i];
+        group[(i * 16 + n % 16) * 2 + 1] = k[2 * i + 1];
+      }
+    }
   }
-  template <typename KeyAt>
-  static void pack_values(const KeyAt& key_at, int64_t keys, int64_t padded, uint16_t* out) {
-    ::pack_values(key_at, keys, padded, out);
+
+  // V of one head as [key pairs][64 dims][2]: padding keys are zero.
+  template <typename ValueAt>
+  static void pack_values(const ValueAt& value_at, int64_t keys, int64_t padded, uint16_t* out) {
+    std::memset(out, 0, padded * kDim * sizeof(uint16_t));
+    for (int64_t n = 0; n < keys; ++n) {
+      const uint16_t* v = value_at(n);
+      uint16_t* pair = out + (n / 2) * 2 * kDim;
+      for (int64_t d = 0; d < kDim; ++d) pair[d * 2 + n % 2] = v[d];
+    }
   }
-  static void tile_block(const uint16_t* q, const uint16_t* kblock, const uint16_t* vblock,
+
+  // Scores of a 4-row tile against one block of 64 keys, scaled: scores[row][key].
+  static void tile_scores(const uint32_t* q, const uint16_t* kblock, float scale,
+                          float scores[kTileRows][kKeyBlock]) {
+    __m512 acc[kTileRows][kGroups];
+    for (auto& row : acc)
+      for (auto& a : row) a = _mm512_setzero_ps();
+    for (int64_t i = 0; i < kPairs; ++i) {
+      __m512i keys[kGroups];
+      for (int64_t g = 0; g < kGroups; ++g)
+        keys[g] = _mm512_loadu_si512(kblock + (g * kPairs + i) * 32);
+      for (int64_t r = 0; r < kTileRows; ++r) {
+        const __m512i query = _mm512_set1_epi32(static_cast<int>(q[r * kPairs + i]));
+        for (int64_t g = 0; g < kGroups; ++g)
+          acc[r][g] = _mm512_dpbf16_ps(acc[r][g], as_bh(query), as_bh(keys[g]));
+      }
+    }
+    const __m512 s = _mm512_set1_ps(scale);
+    for (int64_t r = 0; r < kTileRows; ++r)
+      for (int64_t g = 0; g < kGroups; ++g)
+        _mm512_storeu_ps(scores[r] + g * 16, _mm512_mul_ps(acc[r][g], s));
+  }
+
+  // One 4-row tile through one key block: softmax update, then out += probabilities · V.
+  // valid[r]: how many of the block's keys row r sees (0 to 64).
+  static void tile_block(const uint16_t* q_bf16, const uint16_t* kblock, const uint16_t* vblock,
                          const int64_t* valid, float scale, RowState<kTaskRows>& state,
                          int64_t row0) {
-    ::tile_block(q, kblock, vblock, valid, scale, state, row0);
+    const auto* q = reinterpret_cast<const uint32_t*>(q_bf16);  // bf16 pairs
+    alignas(64) float scores[kTileRows][kKeyBlock];
+    tile_scores(q, kblock, scale, scores);
+    alignas(64) uint32_t probs[kTileRows][kKeyBlock / 2];  // bf16 pairs
+    float factor[kTileRows];  // what each row's output so far is scaled by
+    for (int64_t r = 0; r < kTileRows; ++r) {
+      factor[r] = 1.0f;
+      if (valid[r] <= 0) {  // nothing to see here: no change, no contribution
+        std::memset(probs[r], 0, sizeof(probs[r]));
+        continue;
+      }
+      for (int64_t n = valid[r]; n < kKeyBlock; ++n)
+        scores[r][n] = kNegInf;
+      __m512 block_max = _mm512_loadu_ps(scores[r]);
+      for (int64_t g = 1; g < kGroups; ++g)
+        block_max = _mm512_max_ps(block_max, _mm512_loadu_ps(scores[r] + g * 16));
+      const float old_max = state.max[row0 + r];
+      const float new_max = std::max(old_max, _mm512_reduce_max_ps(block_max));
+      // ~0 on the first block (exp(-87): the output and sum it scales are 0 then)
+      const float rescale =
+          _mm512_cvtss_f32(exp_nonpositive(_mm512_set1_ps(old_max - new_max)));
+      __m512 total = _mm512_setzero_ps();
+      __m512 e[kGroups];
+      for (int64_t g = 0; g < kGroups; ++g) {
+        e[g] = exp_nonpositive(
+            _mm512_sub_ps(_mm512_loadu_ps(scores[r] + g * 16), _mm512_set1_ps(new_max)));
+        total = _mm512_add_ps(total, e[g]);
+      }
+      for (int64_t g = 0; g < kGroups; g += 2) {  // 32 probabilities → 32 bf16 in key order
+        _mm512_storeu_si512(probs[r] + g * 8,
+                            reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(e[g + 1], e[g])));
+      }
+      state.max[row0 + r] = new_max;
+      state.sum[row0 + r] = state.sum[row0 + r] * rescale + _mm512_reduce_add_ps(total);
+      factor[r] = rescale;
+    }
+    __m512 acc[kTileRows][kDim / 16];
+    for (int64_t r = 0; r < kTileRows; ++r) {
+      const __m512 scale_by = _mm512_set1_ps(factor[r]);
+      for (int64_t c = 0; c < kDim / 16; ++c)
+        acc[r][c] = _mm512_mul_ps(_mm512_load_ps(state.out[row0 + r] + c * 16), scale_by);
+    }
+    for (int64_t j = 0; j < kKeyBlock / 2; ++j) {
+      __m512i values[kDim / 16];
+      for (int64_t c = 0; c < kDim / 16; ++c)
+        values[c] = _mm512_loadu_si512(vblock + (j * kDim + c * 16) * 2);
+      for (int64_t r = 0; r < kTileRows; ++r) {
+        const __m512i p = _mm512_set1_epi32(static_cast<int>(probs[r][j]));
+        for (int64_t c = 0; c < kDim / 16; ++c)
+          acc[r][c] = _mm512_dpbf16_ps(acc[r][c], as_bh(p), as_bh(values[c]));
+      }
+    }
+    for (int64_t r = 0; r < kTileRows; ++r)
+      for (int64_t c = 0; c < kDim / 16; ++c)
+        _mm512_store_ps(state.out[row0 + r] + c * 16, acc[r][c]);
   }
+
+  // KV head h's G query rows through `count` (1 to 16) keys starting at element `first` of the
+  // caches (token stride `stride`): softmax update, then acc += probabilities · V.
   template <int G>
-  static void decode_chunk(const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
-                           int64_t first, int64_t count, int64_t stride, float scale,
-                           HeadState<G>& state) {
-    ::decode_chunk<G>(q, kc, vc, first, count, stride, scale, state);
+  static void decode_chunk(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, int64_t first,
+                           int64_t count, int64_t stride, float scale, HeadState<G>& state) {
+    __m512i query[G][2];
+    for (int r = 0; r < G; ++r)
+      for (int half = 0; half < 2; ++half)
+        query[r][half] = _mm512_loadu_si512(q + r * kDim + half * 32);
+    alignas(64) float probs[G][16];
+    for (int64_t t = 0; t < 16; ++t) {
+      if (t >= count) {
+        for (int r = 0; r < G; ++r) probs[r][t] = kNegInf;
+        continue;
+      }
+      const uint16_t* key = kc + first + t * stride;
+      const __m512i k0 = _mm512_loadu_si512(key), k1 = _mm512_loadu_si512(key + 32);
+      for (int r = 0; r < G; ++r) {
+        __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), as_bh(query[r][0]), as_bh(k0));
+        dot = _mm512_dpbf16_ps(dot, as_bh(query[r][1]), as_bh(k1));
+        probs[r][t] = _mm512_reduce_add_ps(dot) * scale;
+      }
+    }
+    __m512 acc[G][kDim / 16];
+    for (int r = 0; r < G; ++r) {
+      const __m512 scores = _mm512_load_ps(probs[r]);
+      const float new_max = std::max(state.max[r], _mm512_reduce_max_ps(scores));
+      const float rescale =  // ~0 on the first chunk, where what it scales is 0
+          _mm512_cvtss_f32(exp_nonpositive(_mm512_set1_ps(state.max[r] - new_max)));
+      const __m512 e = exp_nonpositive(_mm512_sub_ps(scores, _mm512_set1_ps(new_max)));
+      _mm512_store_ps(probs[r], e);
+      state.sum[r] = state.sum[r] * rescale + _mm512_reduce_add_ps(e);
+      state.max[r] = new_max;
+      const __m512 factor = _mm512_set1_ps(rescale);
+      for (int64_t c = 0; c < kDim / 16; ++c)
+        acc[r][c] = _mm512_mul_ps(_mm512_load_ps(state.acc[r] + c * 16), factor);
+    }
+    for (int64_t t = 0; t < count; ++t) {
+      const uint16_t* value = vc + first + t * stride;
+      __m512 v[kDim / 16];
+      for (int64_t c = 0; c < kDim / 16; ++c) v[c] = widen_bf16(value + c * 16);
+      for (int r = 0; r < G; ++r) {
+        const __m512 p = _mm512_set1_ps(probs[r][t]);
+        for (int64_t c = 0; c < kDim / 16; ++c) acc[r][c] = _mm512_fmadd_ps(p, v[c], acc[r][c]);
+      }
+    }
+    for (int r = 0; r < G; ++r)
+      for (int64_t c = 0; c < kDim / 16; ++c) _mm512_store_ps(state.acc[r] + c * 16, acc[r][c]);
   }
 };
 
