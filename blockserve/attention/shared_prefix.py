@@ -49,9 +49,9 @@ def attend_heads(
     lengths: torch.Tensor | None = None,  # [batch, queries]: `mask` as key counts, if known
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`attend` for 4-D inputs with as many K/V heads as query heads: our CPU kernel (bf16
-    or float32) with head dimension 64 once it is loaded (attention/cpu_kernels.py) where every row sees a
-    prefix of the keys (`lengths`, or found from `mask`), else torch's fused CPU kernel where
-    it exists (outputs float32 like `attend`), else the explicit path."""
+    or float32) with head dimension 64 once it is loaded (attention/cpu_kernels.py) where
+    every row sees a prefix of the keys (`lengths`, or found from `mask`), else torch's fused
+    CPU kernel where it exists (outputs float32 like `attend`), else the explicit path."""
     if _FUSED_CPU_WITH_LSE is None or q.device.type != "cpu":
         return attend(q, k, v, mask)
     kernel = cpu_kernels.dense_attention(q)
