@@ -1,10 +1,10 @@
 """One model step of the offline shared-prefix workload, timed and profiled on its own.
 
 Runs the workload of bench_offline.py (64 × (1,024 shared + 32 own tokens), greedy, prefix
-caching on, bf16 where the host computes it natively) far enough to capture two of its steps,
-then runs each again and again on the same inputs: the model's forward, the LM head on the
-sampled rows, and the attention plan, as the runner does (the KV it writes is the same each
-time). The two steps:
+caching on, in `--dtype`: by default bf16 where the host computes it natively) far enough to
+capture two of its steps, then runs each again and again on the same inputs: the model's
+forward, the LM head on the sampled rows, and the attention plan, as the runner does (the KV
+it writes is the same each time). The two steps:
 
   prefill  the first step: one request's 1,056 tokens and 31 others' 32 own tokens on the
            shared prefix it computes (2,048 tokens)
@@ -15,7 +15,7 @@ alternating, `--repeats` times each way per round; medians. `--profile N` then r
 under torch.profiler and keeps its top N operators by self time (per step, milliseconds).
 
     .venv/bin/python benchmarks/bench_step.py [--repeats 20] [--rounds 3] [--profile 15]
-        [--out FILE]
+        [--dtype auto|float32] [--out FILE]
 """
 
 from __future__ import annotations
@@ -103,9 +103,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile", type=int, default=0, metavar="N")
+    parser.add_argument("--dtype", default="auto")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    llm = LLM(enable_prefix_caching=True, max_num_seqs=NUM_REQUESTS)
+    llm = LLM(enable_prefix_caching=True, max_num_seqs=NUM_REQUESTS, dtype=args.dtype)
     if not cpu_kernels.wait():
         raise SystemExit("our CPU kernels are not available here (see the log)")
     runner: ModelRunner = llm.engine.core.runner

@@ -17,48 +17,15 @@
 #include <immintrin.h>
 
 #include "cpu_attention.h"
+#include "cpu_f32_common.h"
 
 namespace {
 
 using namespace blockserve_cpu;
 
-constexpr int64_t kLanes = 8;
 constexpr int64_t kTileRows = 6;
 constexpr int64_t kTaskRows = 24;
 constexpr int64_t kColumns = 16;  // a tile's columns: keys of the score product, dims of the other
-
-// exp(x) for x <= 0 (scores minus their running maximum): 2^(x log2 e) split into an integer
-// power, built in the exponent bits, and 2^f for f in [-0.5, 0.5] by its Taylor series to
-// degree 6 (relative error ~1.2e-7). Arguments below -87 give ~1e-38, which the caller zeroes
-// where it matters (masked keys).
-inline __m256 exp_nonpositive(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f));
-  const __m256 whole = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 f = _mm256_sub_ps(t, whole);
-  __m256 p = _mm256_set1_ps(1.5403530393381606e-4f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284772e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-2f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-  const __m256i power = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(whole), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(power));
-}
-
-inline float sum_lanes(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
-inline float max_lanes(__m256 v) {
-  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
-}
 
 // c[6][16] = c_in (scaled per row by `factor`) + a[6][depth] · b[depth][16]: a's rows
 // `a_stride` apart, b's rows `b_stride` apart.

@@ -2,19 +2,21 @@
 libraries, one per dtype a model is served in on a CPU.
 
 - `bf16`, for x86 CPUs with AVX512-BF16 (cpu_dense_bf16.cpp, cpu_layer_bf16.cpp), as the
-  `blockserve_cpu` operators: attention and the fused layer operators.
-- `f32`, for x86 CPUs with AVX2 and FMA (cpu_dense_f32.cpp), as `blockserve_cpu_f32`:
-  attention. Every x86-64 host the project runs on has these; it is what serves float32, the
-  dtype `auto` picks where bf16 is not native.
+  `blockserve_cpu` operators.
+- `f32`, for x86 CPUs with AVX2 and FMA (cpu_dense_f32.cpp, cpu_layer_f32.cpp), as
+  `blockserve_cpu_f32`. Every x86-64 host the project runs on has these; it serves float32,
+  the dtype `auto` picks where bf16 is not native.
 
-The attention ones, for head dimension 64 (cpu_attention.h), serve the torch backend:
+Both have the same operators, for head dimension 64.
+
+The attention ones (cpu_attention.h) serve the torch backend:
 `dense_attention` for prefills one by one and each sequence's own blocks after a shared
 prefix (in bf16 2-3x torch's fused kernel: docs/benchmarks.md, "Attention on the workloads'
 shapes"); `prefix_attention` for a shared prefix's common blocks, read in place;
 `paged_decode` for decodes, reading each sequence's own blocks in place. The layer ones
-(`rms_norm`, `add_rms_norm`, `rotary_`, `silu_and_mul`) serve an eager bf16 forward's
-elementwise math (`layer_ops`). Elsewhere, or while they build, or if they cannot be built,
-torch's operators serve: the result is the same up to rounding.
+(`rms_norm`, `add_rms_norm`, `rotary_`, `silu_and_mul`, cpu_layer.h) serve an eager
+forward's elementwise math (`layer_ops`). Elsewhere, or while they build, or if they cannot
+be built, torch's operators serve: the result is the same up to rounding.
 
 A build (~25 s, once per host, torch and sources) runs on a thread of its own when an engine
 starts, so start-up does not wait for it; the library lands under `<cache dir>/cpu_kernels`,
@@ -58,7 +60,6 @@ class Library:
     sources: tuple[str, ...]  # files next to this module; .cpp ones are compiled
     flags: tuple[str, ...]  # the instruction set it is built for
     needs: tuple[str, ...]  # torch.cpu.get_capabilities() flags the host must have
-    layer_ops: bool  # whether it has the fused layer operators
 
     def paths(self) -> tuple[Path, ...]:
         return tuple(Path(__file__).with_name(name) for name in self.sources)
@@ -69,15 +70,17 @@ LIBRARIES = {
     for library in (
         Library(
             "bf16", torch.bfloat16, "blockserve_cpu",
-            ("cpu_dense_bf16.cpp", "cpu_layer_bf16.cpp", "cpu_bf16_common.h", "cpu_attention.h"),
+            ("cpu_dense_bf16.cpp", "cpu_layer_bf16.cpp", "cpu_bf16_common.h", "cpu_attention.h",
+             "cpu_layer.h"),
             ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma"),
-            ("avx512_bf16",), layer_ops=True,
+            ("avx512_bf16",),
         ),
         Library(
             "f32", torch.float32, "blockserve_cpu_f32",
-            ("cpu_dense_f32.cpp", "cpu_attention.h"),
-            ("-mavx2", "-mfma"),
-            ("avx2", "fma3"), layer_ops=False,
+            ("cpu_dense_f32.cpp", "cpu_layer_f32.cpp", "cpu_f32_common.h", "cpu_attention.h",
+             "cpu_layer.h"),
+            ("-mavx2", "-mfma", "-ffp-contract=off"),
+            ("avx2", "fma3"),
         ),
     )
 }  # fmt: skip
@@ -269,16 +272,15 @@ def paged_decode(q: torch.Tensor) -> Callable[..., tuple[torch.Tensor, torch.Ten
 
 def layer_ops(hidden: torch.Tensor, head_dim: int) -> Any:
     """The fused layer operators for an eager forward whose hidden states are `hidden`, or
-    None where torch's operators serve: not loaded or switched off, a dtype whose library has
-    none (float32), a head dimension not 64, a hidden size not a multiple of 16."""
+    None where torch's operators serve: not loaded or switched off, a model `serves` does not
+    name, a hidden size not a multiple of 16."""
     if (
         not _layer_enabled
         or hidden.shape[-1] % 16
         or not serves(hidden.device, hidden.dtype, head_dim)
     ):
         return None
-    ops = _loaded.get(hidden.dtype)
-    return ops if ops is not None and LIBRARIES[hidden.dtype].layer_ops else None
+    return _loaded.get(hidden.dtype)
 
 
 def enable(on: bool, *, paged: bool | None = None, layer: bool | None = None) -> None:

@@ -3,17 +3,12 @@
 // SiLU(gate) * up. An eager forward spends ~20 torch operators a layer on these, each a pass
 // over memory and a dispatch; here each is one pass.
 //
-// Every result equals torch's bf16 composition (model/llama.py) to the bit where that rounds
-// the same intermediates: each value is rounded to bf16 wherever torch's operator would write
-// a bf16 tensor, and computed in float32 in between. Two places may differ by one bf16 step:
-// RMSNorm's mean of squares is summed in another order, and SiLU's exp is our own.
-//
-//   rms_norm(x [rows, hidden], weight [hidden]) → weight * bf16(x * rsqrt(mean(x²) + eps))
-//   add_rms_norm(residual [rows, hidden] (in place), update, weight): residual += update, then
-//     rms_norm of the new residual
-//   rotary_(qkv [tokens, (q_heads + 2 kv_heads) * 64] (in place), cos, sin [tokens, 32]):
-//     each q and k head's halves (x1, x2) → (x1 cos − x2 sin, x2 cos + x1 sin)
-//   silu_and_mul(gate_up [rows, 2 * n]) → silu(gate) * up [rows, n]
+// The operators' shapes are in cpu_layer.h. Every result equals torch's bf16 composition
+// (model/llama.py) to the bit where that rounds the same intermediates: each value is rounded
+// to bf16 wherever torch's operator would write a bf16 tensor (RMSNorm's normalized x before
+// the weight, each rotary product), and computed in float32 in between. Two places may differ
+// by one bf16 step: RMSNorm's mean of squares is summed in another order, and SiLU's exp is
+// our own.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -24,38 +19,19 @@
 #include <cstdint>
 
 #include "cpu_bf16_common.h"
+#include "cpu_layer.h"
 
 namespace {
 
 using namespace blockserve_cpu;
 
 constexpr int64_t kLanes = 16;
-constexpr int64_t kGrain = 1 << 15;  // elements a thread should have before the work is split
+constexpr LayerChecks kCheck{at::kBFloat16, "bfloat16"};
 
 const uint16_t* bf16_data(const at::Tensor& t) {
   return reinterpret_cast<const uint16_t*>(t.data_ptr());
 }
 uint16_t* bf16_data_mut(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); }
-
-// Rows of `width` elements, split across threads in runs of at least kGrain elements.
-template <typename F>
-void for_rows(int64_t rows, int64_t width, const F& body) {
-  at::parallel_for(0, rows, std::max<int64_t>(1, kGrain / width), [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) body(row);
-  });
-}
-
-void check_rows(const at::Tensor& x, const char* name) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1,
-              name, " must be a bfloat16 [rows, n] tensor with unit stride along n");
-  TORCH_CHECK(x.size(1) % kLanes == 0, name, "'s last dimension must be a multiple of 16");
-}
-
-void check_weight(const at::Tensor& x, const at::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() &&
-                  weight.scalar_type() == at::kBFloat16,
-              "weight must be a contiguous bfloat16 [hidden]");
-}
 
 // One row: out = weight * bf16(x * rsqrt(mean(x²) + eps)).
 inline void norm_row(const uint16_t* x, const uint16_t* weight, int64_t hidden, float eps,
@@ -74,8 +50,8 @@ inline void norm_row(const uint16_t* x, const uint16_t* weight, int64_t hidden, 
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_rows(x, "x");
-  check_weight(x, weight);
+  kCheck.rows(x, "x");
+  kCheck.weight(x, weight);
   at::Tensor out = at::empty(x.sizes(), x.options());
   const int64_t hidden = x.size(1), stride = x.stride(0);
   const uint16_t *xp = bf16_data(x), *wp = bf16_data(weight);
@@ -89,10 +65,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 
 at::Tensor add_rms_norm(at::Tensor& residual, const at::Tensor& update, const at::Tensor& weight,
                         double eps) {
-  check_rows(residual, "residual");
-  check_rows(update, "update");
-  check_weight(residual, weight);
-  TORCH_CHECK(update.sizes() == residual.sizes(), "update must have the residual's shape");
+  kCheck.residual(residual, update, weight);
   at::Tensor out = at::empty(residual.sizes(), residual.options());
   const int64_t hidden = residual.size(1);
   const int64_t rstride = residual.stride(0), ustride = update.stride(0);
@@ -112,14 +85,8 @@ at::Tensor add_rms_norm(at::Tensor& residual, const at::Tensor& update, const at
 
 void rotary_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t q_heads,
              int64_t kv_heads) {
-  constexpr int64_t kDim = 64, kHalf = kDim / 2;
-  check_rows(qkv, "qkv");
-  TORCH_CHECK(q_heads > 0 && kv_heads > 0 && qkv.size(1) == (q_heads + 2 * kv_heads) * kDim,
-              "qkv must be [tokens, (q_heads + 2 kv_heads) * 64]");
-  for (const at::Tensor* table : {&cos, &sin})
-    TORCH_CHECK(table->dim() == 2 && table->size(0) == qkv.size(0) && table->size(1) == kHalf &&
-                    table->is_contiguous() && table->scalar_type() == at::kBFloat16,
-                "cos and sin must be contiguous bfloat16 [tokens, 32]");
+  constexpr int64_t kDim = kRotaryDim, kHalf = kRotaryHalf;
+  kCheck.rotary(qkv, cos, sin, q_heads, kv_heads);
   const int64_t rotated = q_heads + kv_heads, stride = qkv.stride(0);
   uint16_t* xp = bf16_data_mut(qkv);
   const uint16_t *cp = bf16_data(cos), *sp = bf16_data(sin);
@@ -157,8 +124,7 @@ inline __m512 silu(__m512 g) {
 }
 
 at::Tensor silu_and_mul(const at::Tensor& gate_up) {
-  check_rows(gate_up, "gate_up");
-  TORCH_CHECK(gate_up.size(1) % (2 * kLanes) == 0, "gate_up's halves must be multiples of 16");
+  kCheck.gate_up(gate_up);
   const int64_t width = gate_up.size(1) / 2, stride = gate_up.stride(0);
   at::Tensor out = at::empty({gate_up.size(0), width}, gate_up.options());
   const uint16_t* gp = bf16_data(gate_up);
@@ -175,12 +141,7 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(blockserve_cpu, m) {
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("add_rms_norm(Tensor(a!) residual, Tensor update, Tensor weight, float eps) -> Tensor");
-  m.def("rotary_(Tensor(a!) qkv, Tensor cos, Tensor sin, int q_heads, int kv_heads) -> ()");
-  m.def("silu_and_mul(Tensor gate_up) -> Tensor");
-}
+TORCH_LIBRARY_FRAGMENT(blockserve_cpu, m) { define_layer(m); }
 
 TORCH_LIBRARY_IMPL(blockserve_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);

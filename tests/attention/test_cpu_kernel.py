@@ -439,9 +439,8 @@ def test_decodes_read_their_blocks_in_place(
 def test_switched_off_torch_serves(
     kernel: Kernel, prefix: Kernel, paged: Kernel, dtype: torch.dtype
 ) -> None:
-    """Each switch takes out its kernels; the fused layer operators exist in bf16 alone."""
+    """Each switch takes out its kernels."""
     q, hidden = torch.zeros(2, 64, dtype=dtype), torch.zeros(2, 576, dtype=dtype)
-    layer = dtype == torch.bfloat16
 
     def served() -> tuple[bool, ...]:
         return (
@@ -455,12 +454,12 @@ def test_switched_off_torch_serves(
     try:
         assert served() == (False, False, False, False)
         cpu_kernels.enable(True, paged=False)
-        assert served() == (True, True, False, layer)
+        assert served() == (True, True, False, True)
         cpu_kernels.enable(True, layer=False)
         assert served() == (True, True, True, False)
     finally:
         cpu_kernels.enable(True)
-    assert served() == (True, True, True, layer)
+    assert served() == (True, True, True, True)
     # Not for another dtype, other head widths, or a hidden size off the 16-wide vectors.
     assert cpu_kernels.dense_attention(q.half()) is None
     assert cpu_kernels.paged_decode(q[:, :32]) is None

@@ -1,8 +1,8 @@
-"""Our fused layer operators (attention/cpu_layer_bf16.cpp): RMSNorm with and without the
-residual add, the rotary embedding in place, SiLU-and-multiply. Each equals the bf16 torch
-composition in model/llama.py bit for bit, or within a bf16 step or two where noted; each
-refuses what it does not handle; and the eager forward that uses them gives the forward
-without them."""
+"""Our fused layer operators (attention/cpu_layer_bf16.cpp, cpu_layer_f32.cpp): RMSNorm with
+and without the residual add, the rotary embedding in place, SiLU-and-multiply. Each equals
+torch's composition in model/llama.py in its dtype bit for bit, or within a few steps of it
+where noted; each refuses what it does not handle; and the eager forward that uses them gives
+the forward without them."""
 
 from __future__ import annotations
 
@@ -22,19 +22,35 @@ from blockserve.runner.model_runner import ModelRunner
 from tests.runner.test_model_runner import all_logits, greedy_generate, mixed_batch
 from tests.tiny_models import save_tiny_model
 
-pytestmark = pytest.mark.skipif(
-    not cpu_kernels.supported(),
-    reason="needs an x86 CPU with AVX512-BF16 and g++ (elsewhere torch's operators serve)",
-)
+NEEDS = {
+    torch.bfloat16: pytest.mark.skipif(
+        not cpu_kernels.supported(torch.bfloat16),
+        reason="needs an x86 CPU with AVX512-BF16 and g++ (elsewhere torch's operators serve)",
+    ),
+    torch.float32: pytest.mark.skipif(
+        not cpu_kernels.supported(torch.float32),
+        reason="needs an x86 CPU with AVX2 and FMA, and g++ (elsewhere torch's operators serve)",
+    ),
+}
+
+
+def load_ops(directory: Path, dtype: torch.dtype) -> Any:
+    assert cpu_kernels.load(directory, dtype) is not None
+    op = cpu_kernels.layer_ops(torch.zeros(1, 576, dtype=dtype), head_dim=64)
+    assert op is not None
+    return op
 
 
 @pytest.fixture(scope="module")
 def ops(cpu_kernels_dir: Path) -> Any:
-    assert cpu_kernels.load(cpu_kernels_dir) is not None
-    hidden = torch.zeros(1, 576, dtype=torch.bfloat16)
-    op = cpu_kernels.layer_ops(hidden, head_dim=64)
-    assert op is not None
-    return op
+    """The bf16 library's operators."""
+    return load_ops(cpu_kernels_dir, torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def ops32(cpu_kernels_dir: Path) -> Any:
+    """The float32 library's operators."""
+    return load_ops(cpu_kernels_dir, torch.float32)
 
 
 def bf16_steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -52,6 +68,7 @@ def norm_with(weight: torch.Tensor) -> RMSNorm:
     return norm
 
 
+@NEEDS[torch.bfloat16]
 @pytest.mark.parametrize("rows", [1, 64, 2048])
 def test_rms_norm_equals_torch_within_two_steps(ops: Any, rows: int) -> None:
     """Its mean of squares is summed in another order: now and then the normalized value is
@@ -64,6 +81,7 @@ def test_rms_norm_equals_torch_within_two_steps(ops: Any, rows: int) -> None:
     assert steps.sum().item() <= rows * 576 // 500
 
 
+@NEEDS[torch.bfloat16]
 def test_add_rms_norm_adds_in_place_then_normalizes(ops: Any) -> None:
     """The residual to the bit; the norm as `rms_norm`'s."""
     residual, update = randn(300, 576, seed=2), randn(300, 576, seed=3)
@@ -76,6 +94,7 @@ def test_add_rms_norm_adds_in_place_then_normalizes(ops: Any) -> None:
     assert steps.sum().item() <= 300 * 576 // 500
 
 
+@NEEDS[torch.bfloat16]
 @pytest.mark.parametrize("tokens", [1, 37, 2048])
 def test_rotary_rotates_q_and_k_in_place_as_torch_does(ops: Any, tokens: int) -> None:
     """SmolLM2's heads (9 q, 3 KV) at positions up to 8k: q and k to the bit, v untouched."""
@@ -92,6 +111,7 @@ def test_rotary_rotates_q_and_k_in_place_as_torch_does(ops: Any, tokens: int) ->
     assert torch.equal(v, expected_v)
 
 
+@NEEDS[torch.bfloat16]
 def test_silu_and_mul_equals_torch_within_one_step(ops: Any) -> None:
     """Its exp is our own: now and then one bf16 step apart, over gates from -24 to 24."""
     gate_up = randn(512, 2 * 1536, seed=6, scale=6.0)
@@ -101,6 +121,7 @@ def test_silu_and_mul_equals_torch_within_one_step(ops: Any) -> None:
     assert steps.sum().item() <= 512 * 1536 // 500
 
 
+@NEEDS[torch.bfloat16]
 @pytest.mark.parametrize(
     ("call", "message"),
     [
@@ -123,15 +144,96 @@ def bf16(*shape: int) -> torch.Tensor:
     return torch.zeros(*shape, dtype=torch.bfloat16)
 
 
-@pytest.fixture(scope="module")
-def runner(ops: Any, tmp_path_factory: pytest.TempPathFactory) -> ModelRunner:
-    """A tiny Llama whose heads are 64 wide (the kernels' width), in bf16."""
+def f32_steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many float32 steps apart each pair of elements is (same-signed values)."""
+    return (a.view(torch.int32).long() - b.view(torch.int32).long()).abs()
+
+
+@NEEDS[torch.float32]
+@pytest.mark.parametrize("rows", [1, 64, 2048])
+def test_float32_rms_norm_equals_torch_within_a_few_steps(ops32: Any, rows: int) -> None:
+    """The mean of squares summed in another order (in vector lanes), which moves the inverse
+    root, and with it every output of the row, by a few float32 steps; the residual add to the
+    bit."""
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 2 * 576, generator=generator)[:, 576:] * 3  # a view's rows
+    update = torch.randn(rows, 576, generator=generator)
+    weight = torch.randn(576, generator=generator) + 1
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.data.copy_(weight)
+    assert f32_steps(ops32.rms_norm(x, weight, 1e-5), norm(x)).max().item() <= 8
+    residual = x.clone()
+    out = ops32.add_rms_norm(residual, update, weight, 1e-5)
+    assert torch.equal(residual, x + update)
+    assert f32_steps(out, norm(x + update)).max().item() <= 8
+
+
+@NEEDS[torch.float32]
+@pytest.mark.parametrize("tokens", [1, 37, 2048])
+def test_float32_rotary_is_torchs_to_the_bit(ops32: Any, tokens: int) -> None:
+    """Products and sums rounded one at a time, as torch's operators do (the library is built
+    without contracting them into FMAs): q and k to the bit, v untouched."""
+    generator = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, (9 + 2 * 3) * 64, generator=generator)
+    positions = torch.randint(0, 8192, (tokens,), generator=generator)
+    cos, sin = RotaryEmbedding(64, 8192, 100000.0, None)(positions, torch.float32)
+    q, k, v = qkv.split([9 * 64, 3 * 64, 3 * 64], dim=-1)
+    expected = [apply_rotary(x.reshape(tokens, -1, 64), (cos, sin)) for x in (q, k)]
+    expected_v = v.clone()
+    ops32.rotary_(qkv, cos.view(tokens, 32), sin.view(tokens, 32), 9, 3)
+    assert torch.equal(q.reshape(tokens, 9, 64), expected[0])
+    assert torch.equal(k.reshape(tokens, 3, 64), expected[1])
+    assert torch.equal(v, expected_v)
+
+
+@NEEDS[torch.float32]
+def test_float32_silu_and_mul_equals_torch_to_its_exp(ops32: Any) -> None:
+    """Our exp and the sigmoid from it, over gates from -24 to 24: within 4e-6 of torch's,
+    relatively (the exp's range reduction rounds x log2(e), which costs ~2e-6 at x = -25)."""
+    gate_up = torch.randn(512, 2 * 1536, generator=torch.Generator().manual_seed(6)) * 6
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = F.silu(gate) * up
+    error = (ops32.silu_and_mul(gate_up) - expected).abs()
+    assert (error <= 4e-6 * expected.abs()).all()
+
+
+@NEEDS[torch.float32]
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda o: o.rms_norm(torch.zeros(2, 64).double(), torch.ones(64), 1e-5), "float32"),
+        (lambda o: o.rms_norm(torch.zeros(2, 40), torch.ones(40), 1e-5), "multiple of 16"),
+        (lambda o: o.rotary_(torch.zeros(2, 256), torch.zeros(2, 16), torch.zeros(2, 32), 2, 1),
+         "cos and sin"),
+        (lambda o: o.silu_and_mul(torch.zeros(2, 48)), "multiples of 16"),
+    ],
+)  # fmt: skip
+def test_float32_refuses_what_it_does_not_handle(
+    ops32: Any, call: Callable[[Any], Any], message: str
+) -> None:
+    with pytest.raises(RuntimeError, match=message):
+        call(ops32)
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param(torch.bfloat16, id="bf16", marks=NEEDS[torch.bfloat16]),
+        pytest.param(torch.float32, id="f32", marks=NEEDS[torch.float32]),
+    ],
+)
+def runner(
+    request: pytest.FixtureRequest, cpu_kernels_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> ModelRunner:
+    """A tiny Llama whose heads are 64 wide (the kernels' width), in each library's dtype."""
+    dtype = request.param
+    load_ops(cpu_kernels_dir, dtype)
     model_dir = save_tiny_model(
         tmp_path_factory.mktemp("tiny-llama-64"),
         hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1,
     )  # fmt: skip
     return ModelRunner(
-        ModelConfig(model=str(model_dir), dtype="bfloat16"),
+        ModelConfig(model=str(model_dir), dtype=str(dtype).removeprefix("torch.")),
         CacheConfig(num_gpu_blocks_override=64),
     )
 
@@ -140,7 +242,8 @@ def test_the_fused_forward_equals_the_unfused_one(
     runner: ModelRunner, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A fresh prefill, a prefill on cached blocks and a decode in one step, then 16 greedy
-    tokens for 3 prompts: the same logits and tokens with our operators as without."""
+    tokens for 3 prompts: the same logits (within the dtype's rounding) and tokens with our
+    operators as without."""
     batch = mixed_batch(Path(runner.loaded.model_dir))
     served: list[bool] = []  # whether each forward had our operators
 
@@ -165,6 +268,7 @@ def test_the_fused_forward_equals_the_unfused_one(
     assert served == [True] * 18 + [False] * 18  # 2 + 16 forwards each way
     (fused, fused_tokens), (unfused, unfused_tokens) = results
     assert fused.shape == unfused.shape == (29, 320)
-    assert (fused - unfused).abs().max().item() <= 2**-7 * unfused.abs().max().item()
+    bound = {torch.bfloat16: 2**-7, torch.float32: 1e-5}[runner.kv_caches[0].dtype]
+    assert (fused - unfused).abs().max().item() <= bound * unfused.abs().max().item()
     assert fused_tokens == unfused_tokens
     assert [len(tokens) for tokens in fused_tokens] == [16, 16, 16]
