@@ -27,17 +27,16 @@ constexpr int64_t kTileRows = 6;
 constexpr int64_t kTaskRows = 24;
 constexpr int64_t kColumns = 16;  // a tile's columns: keys of the score product, dims of the other
 
-// c[6][16] = c_in (scaled per row by `factor`) + a[6][depth] · b[depth][16]: a's rows
-// `a_stride` apart, b's rows `b_stride` apart.
+// c[6][16] = a[6][depth] · b[depth][16], plus what c held scaled per row by `factor` where
+// there is one: a's rows `a_stride` apart, b's rows `b_stride` apart, c's `c_stride`.
 inline void tile_product(const float* a, int64_t a_stride, const float* b, int64_t b_stride,
-                         int64_t depth, const float* factor, float* c, int64_t c_stride,
-                         bool accumulate) {
+                         int64_t depth, const float* factor, float* c, int64_t c_stride) {
   __m256 acc[kTileRows][2];
   for (int64_t r = 0; r < kTileRows; ++r)
     for (int64_t h = 0; h < 2; ++h)
-      acc[r][h] = accumulate ? _mm256_mul_ps(_mm256_loadu_ps(c + r * c_stride + h * kLanes),
-                                             _mm256_set1_ps(factor[r]))
-                             : _mm256_setzero_ps();
+      acc[r][h] = factor == nullptr ? _mm256_setzero_ps()
+                                    : _mm256_mul_ps(_mm256_loadu_ps(c + r * c_stride + h * kLanes),
+                                                    _mm256_set1_ps(factor[r]));
   for (int64_t i = 0; i < depth; ++i) {
     const __m256 b0 = _mm256_loadu_ps(b + i * b_stride);
     const __m256 b1 = _mm256_loadu_ps(b + i * b_stride + kLanes);
@@ -86,10 +85,9 @@ struct F32Kernel {
                          const int64_t* valid, float scale, RowState<kTaskRows>& state,
                          int64_t row0) {
     alignas(64) float scores[kTileRows][kKeyBlock];  // then the probabilities
-    const float ones[kTileRows] = {1, 1, 1, 1, 1, 1};
     for (int64_t g = 0; g < kKeyBlock / kColumns; ++g) {
-      tile_product(q, kDim, kblock + g * kColumns * kDim, kColumns, kDim, ones,
-                   &scores[0][g * kColumns], kKeyBlock, false);
+      tile_product(q, kDim, kblock + g * kColumns * kDim, kColumns, kDim, nullptr,
+                   &scores[0][g * kColumns], kKeyBlock);
     }
     float factor[kTileRows];  // what each row's output so far is scaled by
     for (int64_t r = 0; r < kTileRows; ++r) {
@@ -124,7 +122,7 @@ struct F32Kernel {
     }
     for (int64_t c = 0; c < kDim; c += kColumns) {
       tile_product(&scores[0][0], kKeyBlock, vblock + c, kDim, kKeyBlock, factor,
-                   state.out[row0] + c, kDim, true);
+                   state.out[row0] + c, kDim);
     }
   }
 
