@@ -1,5 +1,13 @@
 // What our fused layer operators (cpu_layer_bf16.cpp, cpu_layer_f32.cpp) share whatever the
-// element type: the split of rows across threads, the argument checks, the op schemas.
+// element type: the argument checks, the split of rows across threads, the op schemas. Each
+// library supplies the arithmetic of one row as a layer policy L:
+//
+//   using Elem;  static constexpr LayerChecks kCheck;  (its type, for the checks)
+//   norm_row(x, weight, hidden, eps, out)       out = RMSNorm of one row
+//   add_row(residual, update, hidden)           residual += update, in place
+//   rotate_token(x, cos, sin, heads)            one token's `heads` 64-wide heads, in place
+//   silu_mul_row(gate_up, width, out)           out = silu(gate) * up, up at gate_up + width
+//
 //
 //   rms_norm(x [rows, hidden], weight [hidden]) → weight * (x * rsqrt(mean(x²) + eps))
 //   add_rms_norm(residual [rows, hidden] (in place), update, weight): residual += update, then
@@ -77,6 +85,78 @@ struct LayerChecks {
     TORCH_CHECK(gate_up.size(1) % 32 == 0, "gate_up's halves must be multiples of 16");
   }
 };
+
+template <class L>
+typename L::Elem* elements(const at::Tensor& t) {
+  return reinterpret_cast<typename L::Elem*>(t.data_ptr());
+}
+
+template <class L>
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  L::kCheck.rows(x, "x");
+  L::kCheck.weight(x, weight);
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  const int64_t hidden = x.size(1), stride = x.stride(0);
+  const auto *xp = elements<L>(x), *wp = elements<L>(weight);
+  auto* op = elements<L>(out);
+  const auto feps = static_cast<float>(eps);
+  for_rows(x.size(0), hidden, [&](int64_t row) {
+    L::norm_row(xp + row * stride, wp, hidden, feps, op + row * hidden);
+  });
+  return out;
+}
+
+template <class L>
+at::Tensor add_rms_norm(at::Tensor& residual, const at::Tensor& update, const at::Tensor& weight,
+                        double eps) {
+  L::kCheck.residual(residual, update, weight);
+  at::Tensor out = at::empty(residual.sizes(), residual.options());
+  const int64_t hidden = residual.size(1);
+  const int64_t rstride = residual.stride(0), ustride = update.stride(0);
+  auto* rp = elements<L>(residual);
+  const auto *up = elements<L>(update), *wp = elements<L>(weight);
+  auto* op = elements<L>(out);
+  const auto feps = static_cast<float>(eps);
+  for_rows(residual.size(0), hidden, [&](int64_t row) {
+    L::add_row(rp + row * rstride, up + row * ustride, hidden);
+    L::norm_row(rp + row * rstride, wp, hidden, feps, op + row * hidden);
+  });
+  return out;
+}
+
+template <class L>
+void rotary_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t q_heads,
+             int64_t kv_heads) {
+  L::kCheck.rotary(qkv, cos, sin, q_heads, kv_heads);
+  const int64_t rotated = q_heads + kv_heads, stride = qkv.stride(0);
+  auto* xp = elements<L>(qkv);
+  const auto *cp = elements<L>(cos), *sp = elements<L>(sin);
+  for_rows(qkv.size(0), rotated * kRotaryDim, [&](int64_t token) {
+    L::rotate_token(xp + token * stride, cp + token * kRotaryHalf, sp + token * kRotaryHalf,
+                    rotated);
+  });
+}
+
+template <class L>
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  L::kCheck.gate_up(gate_up);
+  const int64_t width = gate_up.size(1) / 2, stride = gate_up.stride(0);
+  at::Tensor out = at::empty({gate_up.size(0), width}, gate_up.options());
+  const auto* gp = elements<L>(gate_up);
+  auto* op = elements<L>(out);
+  for_rows(gate_up.size(0), width, [&](int64_t row) {
+    L::silu_mul_row(gp + row * stride, width, op + row * width);
+  });
+  return out;
+}
+
+template <class L>
+void implement_layer(torch::Library& m) {
+  m.impl("rms_norm", &rms_norm<L>);
+  m.impl("add_rms_norm", &add_rms_norm<L>);
+  m.impl("rotary_", &rotary_<L>);
+  m.impl("silu_and_mul", &silu_and_mul<L>);
+}
 
 inline void define_layer(torch::Library& m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
