@@ -100,7 +100,7 @@ def serves(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     return device.type == "cpu" and dtype in LIBRARIES and head_dim == HEAD_DIM
 
 
-def supported(dtype: torch.dtype = torch.bfloat16) -> bool:
+def supported(dtype: torch.dtype) -> bool:
     """Whether `dtype`'s library can run here: an x86 CPU with the instructions it is built
     for, a g++ to build with, and not switched off by `BLOCKSERVE_CPU_ATTENTION_KERNEL=0` (to
     compare against torch's kernels)."""
@@ -111,7 +111,7 @@ def supported(dtype: torch.dtype = torch.bfloat16) -> bool:
     return has and shutil.which("g++") is not None
 
 
-def library_path(cache_dir: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+def library_path(cache_dir: Path, dtype: torch.dtype) -> Path:
     """`<bf16|f32>-<torch install>-<sources and flags>.so`: each torch install (several venvs
     may share a cache dir) keeps its own build, and a new source replaces only its own."""
     library = LIBRARIES[dtype]
@@ -130,7 +130,7 @@ def digest(*parts: str | bytes) -> str:
     return hasher.hexdigest()[:12]
 
 
-def build(target: Path, dtype: torch.dtype = torch.bfloat16) -> None:
+def build(target: Path, dtype: torch.dtype) -> None:
     """Compile `dtype`'s library into `target` (written whole: another process may be loading
     it)."""
     from torch.utils.cpp_extension import include_paths
@@ -182,7 +182,7 @@ def _stop_builds() -> None:
         _stop(process, scratch)
 
 
-def load(cache_dir: Path, dtype: torch.dtype = torch.bfloat16) -> Any:
+def load(cache_dir: Path, dtype: torch.dtype) -> Any:
     """Build if needed and load `dtype`'s library: its operators (a torch.ops namespace), or
     None (logged) where that fails. Blocking."""
     with _lock:

@@ -21,23 +21,20 @@ from blockserve.attention.torch_backend import TorchAttentionBackend
 from tests.attention.cases import make_case, reference_attention
 from tests.attention.test_torch_backend import TOLERANCE
 
+# Each library's tests run where the CPU has its instructions (and g++ is there to build it).
+NEEDS = {
+    torch.bfloat16: pytest.mark.skipif(
+        not cpu_kernels.supported(torch.bfloat16),
+        reason="needs an x86 CPU with AVX512-BF16 and g++ (elsewhere torch's kernels serve)",
+    ),
+    torch.float32: pytest.mark.skipif(
+        not cpu_kernels.supported(torch.float32),
+        reason="needs an x86 CPU with AVX2 and FMA, and g++ (elsewhere torch's kernels serve)",
+    ),
+}
 DTYPES = [
-    pytest.param(
-        torch.bfloat16,
-        id="bf16",
-        marks=pytest.mark.skipif(
-            not cpu_kernels.supported(torch.bfloat16),
-            reason="needs an x86 CPU with AVX512-BF16 and g++ (elsewhere torch's kernels serve)",
-        ),
-    ),
-    pytest.param(
-        torch.float32,
-        id="f32",
-        marks=pytest.mark.skipif(
-            not cpu_kernels.supported(torch.float32),
-            reason="needs an x86 CPU with AVX2 and FMA, and g++ (elsewhere torch's kernels serve)",
-        ),
-    ),
+    pytest.param(dtype, id=name, marks=NEEDS[dtype])
+    for dtype, name in ((torch.bfloat16, "bf16"), (torch.float32, "f32"))
 ]
 NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 # What the dense and prefix kernels' outputs may be off by, in units of the largest value:

@@ -19,19 +19,9 @@ from blockserve.config import CacheConfig, ModelConfig
 from blockserve.model.llama import RMSNorm
 from blockserve.model.rope import RotaryEmbedding, apply_rotary
 from blockserve.runner.model_runner import ModelRunner
+from tests.attention.test_cpu_kernel import DTYPES, NEEDS
 from tests.runner.test_model_runner import all_logits, greedy_generate, mixed_batch
 from tests.tiny_models import save_tiny_model
-
-NEEDS = {
-    torch.bfloat16: pytest.mark.skipif(
-        not cpu_kernels.supported(torch.bfloat16),
-        reason="needs an x86 CPU with AVX512-BF16 and g++ (elsewhere torch's operators serve)",
-    ),
-    torch.float32: pytest.mark.skipif(
-        not cpu_kernels.supported(torch.float32),
-        reason="needs an x86 CPU with AVX2 and FMA, and g++ (elsewhere torch's operators serve)",
-    ),
-}
 
 
 def load_ops(directory: Path, dtype: torch.dtype) -> Any:
@@ -215,13 +205,7 @@ def test_float32_refuses_what_it_does_not_handle(
         call(ops32)
 
 
-@pytest.fixture(
-    scope="module",
-    params=[
-        pytest.param(torch.bfloat16, id="bf16", marks=NEEDS[torch.bfloat16]),
-        pytest.param(torch.float32, id="f32", marks=NEEDS[torch.float32]),
-    ],
-)
+@pytest.fixture(scope="module", params=DTYPES)
 def runner(
     request: pytest.FixtureRequest, cpu_kernels_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> ModelRunner:
