@@ -13,6 +13,7 @@
 //                                       keys: softmax update, then out += probabilities · V
 //   decode_chunk<G>(q, k_cache, v_cache, first, count, stride, scale, state)
 //                                       G query rows through 1 to 16 keys read in place
+//   Scope (optional)                    held by each thread around its dense and prefix tasks
 //
 // Three operators: `dense_attention`, many query rows against one set of keys, each row
 // seeing a prefix of them (all, or its own count: a causal or padded row);
@@ -103,6 +104,17 @@ void attend_task(const Shapes& n, int64_t b, int64_t h, int64_t row_start, const
   }
 }
 
+// What a thread holds around its tasks: the policy's K::Scope where it has one (AMX's tile
+// configuration), else nothing.
+template <class K>
+auto task_scope() {
+  if constexpr (requires { typename K::Scope; }) {
+    return std::optional<typename K::Scope>(std::in_place);
+  } else {
+    return 0;
+  }
+}
+
 // Pack each head's K and V (pack(head, values, out) writes one), then every task.
 template <class K, typename QRow, typename Pack>
 std::tuple<at::Tensor, at::Tensor> attend_packed(const at::TensorOptions& options,
@@ -127,6 +139,7 @@ std::tuple<at::Tensor, at::Tensor> attend_packed(const at::TensorOptions& option
   const int64_t per_head = (n.rows + K::kTaskRows - 1) / K::kTaskRows;
   const auto fscale = static_cast<float>(scale);
   at::parallel_for(0, heads * per_head, 1, [&](int64_t begin, int64_t end) {
+    [[maybe_unused]] const auto scope = task_scope<K>();
     for (int64_t t = begin; t < end; ++t) {
       const int64_t head = t / per_head;
       attend_task<K>(n, head / n.heads, head % n.heads, (t % per_head) * K::kTaskRows, q_row,

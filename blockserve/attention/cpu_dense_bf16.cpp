@@ -14,6 +14,10 @@
 // sum; probabilities stay float32 and V is widened to float32 for the second product.
 
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
 
 #include "cpu_attention.h"
 #include "cpu_bf16_common.h"
@@ -26,6 +30,48 @@ constexpr int64_t kPairs = kDim / 2;  // bf16 pairs per row: one 32-bit word eac
 constexpr int64_t kGroups = kKeyBlock / 16;
 constexpr int64_t kTaskRows = 16;
 constexpr int64_t kTileRows = 4;
+
+// The online-softmax update of `Rows` rows (state rows row0 ..) by one block of 64 keys:
+// scores [row][key] (unscaled) become probabilities, rounded to bf16 in key order (the
+// second product's left side, [row][key pair]); factor[r] is what row r's output so far
+// must be scaled by. valid[r]: how many of the block's keys row r sees (0 to 64); a row that
+// sees none is left as it was and contributes nothing.
+template <int64_t Rows, int64_t StateRows>
+void block_softmax(float (*scores)[kKeyBlock], const int64_t* valid, float scale,
+                   RowState<StateRows>& state, int64_t row0, uint32_t (*probs)[kKeyBlock / 2],
+                   float* factor) {
+  const __m512 s = _mm512_set1_ps(scale);
+  for (int64_t r = 0; r < Rows; ++r) {
+    factor[r] = 1.0f;
+    if (valid[r] <= 0) {
+      std::memset(probs[r], 0, sizeof(probs[r]));
+      continue;
+    }
+    for (int64_t g = 0; g < kGroups; ++g)
+      _mm512_storeu_ps(scores[r] + g * 16, _mm512_mul_ps(_mm512_loadu_ps(scores[r] + g * 16), s));
+    for (int64_t n = valid[r]; n < kKeyBlock; ++n) scores[r][n] = kNegInf;
+    __m512 block_max = _mm512_loadu_ps(scores[r]);
+    for (int64_t g = 1; g < kGroups; ++g)
+      block_max = _mm512_max_ps(block_max, _mm512_loadu_ps(scores[r] + g * 16));
+    const float old_max = state.max[row0 + r];
+    const float new_max = std::max(old_max, _mm512_reduce_max_ps(block_max));
+    // ~0 on the first block (exp(-87): the output and sum it scales are 0 then)
+    const float rescale = _mm512_cvtss_f32(exp_nonpositive(_mm512_set1_ps(old_max - new_max)));
+    __m512 total = _mm512_setzero_ps();
+    __m512 e[kGroups];
+    for (int64_t g = 0; g < kGroups; ++g) {
+      e[g] = exp_nonpositive(
+          _mm512_sub_ps(_mm512_loadu_ps(scores[r] + g * 16), _mm512_set1_ps(new_max)));
+      total = _mm512_add_ps(total, e[g]);
+    }
+    for (int64_t g = 0; g < kGroups; g += 2)  // 32 probabilities → 32 bf16 in key order
+      _mm512_storeu_si512(probs[r] + g * 8,
+                          reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(e[g + 1], e[g])));
+    state.max[row0 + r] = new_max;
+    state.sum[row0 + r] = state.sum[row0 + r] * rescale + _mm512_reduce_add_ps(total);
+    factor[r] = rescale;
+  }
+}
 
 struct Bf16Kernel {
   using Elem = uint16_t;
@@ -60,8 +106,8 @@ struct Bf16Kernel {
     }
   }
 
-  // Scores of a 4-row tile against one block of 64 keys, scaled: scores[row][key].
-  static void tile_scores(const uint32_t* q, const uint16_t* kblock, float scale,
+  // Scores of a 4-row tile against one block of 64 keys: scores[row][key].
+  static void tile_scores(const uint32_t* q, const uint16_t* kblock,
                           float scores[kTileRows][kKeyBlock]) {
     __m512 acc[kTileRows][kGroups];
     for (auto& row : acc)
@@ -76,10 +122,8 @@ struct Bf16Kernel {
           acc[r][g] = _mm512_dpbf16_ps(acc[r][g], as_bh(query), as_bh(keys[g]));
       }
     }
-    const __m512 s = _mm512_set1_ps(scale);
     for (int64_t r = 0; r < kTileRows; ++r)
-      for (int64_t g = 0; g < kGroups; ++g)
-        _mm512_storeu_ps(scores[r] + g * 16, _mm512_mul_ps(acc[r][g], s));
+      for (int64_t g = 0; g < kGroups; ++g) _mm512_storeu_ps(scores[r] + g * 16, acc[r][g]);
   }
 
   // One 4-row tile through one key block: softmax update, then out += probabilities · V.
@@ -89,40 +133,10 @@ struct Bf16Kernel {
                          int64_t row0) {
     const auto* q = reinterpret_cast<const uint32_t*>(q_bf16);  // bf16 pairs
     alignas(64) float scores[kTileRows][kKeyBlock];
-    tile_scores(q, kblock, scale, scores);
+    tile_scores(q, kblock, scores);
     alignas(64) uint32_t probs[kTileRows][kKeyBlock / 2];  // bf16 pairs
-    float factor[kTileRows];  // what each row's output so far is scaled by
-    for (int64_t r = 0; r < kTileRows; ++r) {
-      factor[r] = 1.0f;
-      if (valid[r] <= 0) {  // nothing to see here: no change, no contribution
-        std::memset(probs[r], 0, sizeof(probs[r]));
-        continue;
-      }
-      for (int64_t n = valid[r]; n < kKeyBlock; ++n)
-        scores[r][n] = kNegInf;
-      __m512 block_max = _mm512_loadu_ps(scores[r]);
-      for (int64_t g = 1; g < kGroups; ++g)
-        block_max = _mm512_max_ps(block_max, _mm512_loadu_ps(scores[r] + g * 16));
-      const float old_max = state.max[row0 + r];
-      const float new_max = std::max(old_max, _mm512_reduce_max_ps(block_max));
-      // ~0 on the first block (exp(-87): the output and sum it scales are 0 then)
-      const float rescale =
-          _mm512_cvtss_f32(exp_nonpositive(_mm512_set1_ps(old_max - new_max)));
-      __m512 total = _mm512_setzero_ps();
-      __m512 e[kGroups];
-      for (int64_t g = 0; g < kGroups; ++g) {
-        e[g] = exp_nonpositive(
-            _mm512_sub_ps(_mm512_loadu_ps(scores[r] + g * 16), _mm512_set1_ps(new_max)));
-        total = _mm512_add_ps(total, e[g]);
-      }
-      for (int64_t g = 0; g < kGroups; g += 2) {  // 32 probabilities → 32 bf16 in key order
-        _mm512_storeu_si512(probs[r] + g * 8,
-                            reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(e[g + 1], e[g])));
-      }
-      state.max[row0 + r] = new_max;
-      state.sum[row0 + r] = state.sum[row0 + r] * rescale + _mm512_reduce_add_ps(total);
-      factor[r] = rescale;
-    }
+    float factor[kTileRows];
+    block_softmax<kTileRows>(scores, valid, scale, state, row0, probs, factor);
     __m512 acc[kTileRows][kDim / 16];
     for (int64_t r = 0; r < kTileRows; ++r) {
       const __m512 scale_by = _mm512_set1_ps(factor[r]);
@@ -195,8 +209,134 @@ struct Bf16Kernel {
   }
 };
 
+// ---- AMX ---------------------------------------------------------------------------------
+// Where the CPU has AMX-BF16 (Sapphire Rapids and later), dense and prefix attention run both
+// products on its tiles: 16 rows through a 64-key block is 8 tile products for the scores
+// (2 dimension halves × 4 groups of 16 keys) and 8 for probabilities · V, where vdpbf16ps
+// takes 512 instructions for each. K and V are packed as for vdpbf16ps: a 16-key group of K
+// ([32 pairs][16 keys][2]) is two B tiles as it lies, V ([key pairs][64 dims][2]) gives a B
+// tile per 16 dimensions and 16 key pairs at a 256-byte stride. The softmax between the
+// products is block_softmax's, so the two paths differ only in the order of float32 sums.
+// Paged decode keeps vdpbf16ps: a KV head's 1 to 8 query rows fill too little of a tile.
+
+// Linux hands AMX's tile state to a process only once asked.
+bool request_tiles() {
+  constexpr long kRequestPermission = 0x1023;  // ARCH_REQ_XCOMP_PERM
+  constexpr long kTileData = 18;               // XFEATURE_XTILEDATA
+  return __builtin_cpu_supports("amx-bf16") &&
+         syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+}
+
+bool tiles_available() {
+  static const bool available = request_tiles();
+  return available;
+}
+
+std::atomic<bool> tiles_wanted{true};
+
+bool use_tiles() { return tiles_wanted.load(std::memory_order_relaxed) && tiles_available(); }
+
+// Tiles 0-3: the four 16×16 float32 results; 4-5: the left side's two 32-element halves;
+// 6-7: the right side's two 16-pair halves. All 16 rows of 64 bytes.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t bytes_per_row[16] = {64, 64, 64, 64, 64, 64, 64, 64};
+  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
+};
+
+struct AmxKernel : Bf16Kernel {
+  static constexpr int64_t kTileRows = 16, kTaskRows = 16;
+
+  // Around each thread's tasks: the tiles configured (another library's kernels, oneDNN's,
+  // may have left them otherwise), then released.
+  struct Scope {
+    Scope() {
+      static const TileConfig config;
+      _tile_loadconfig(&config);
+    }
+    ~Scope() { _tile_release(); }
+    Scope(const Scope&) = delete;
+    Scope& operator=(const Scope&) = delete;
+  };
+
+  // The task's 16 rows through one key block (row0 is always 0: a task is one tile).
+  static void tile_block(const uint16_t* q, const uint16_t* kblock, const uint16_t* vblock,
+                         const int64_t* valid, float scale, RowState<kTaskRows>& state,
+                         int64_t /*row0*/) {
+    alignas(64) float scores[kTileRows][kKeyBlock];
+    _tile_loadd(4, q, kDim * sizeof(uint16_t));       // dimensions 0-31 of each row
+    _tile_loadd(5, q + 32, kDim * sizeof(uint16_t));  // 32-63
+    // Tile G = q · K of the block's G-th 16 keys (their dimension pairs 0-15, then 16-31).
+    // The intrinsics take tile numbers as literals, hence macros.
+#define BLOCKSERVE_SCORES(G)                                          \
+  _tile_zero(G);                                                      \
+  _tile_loadd(6, kblock + G * 16 * kDim, 64);                         \
+  _tile_loadd(7, kblock + G * 16 * kDim + 16 * 32, 64);               \
+  _tile_dpbf16ps(G, 4, 6);                                            \
+  _tile_dpbf16ps(G, 5, 7);                                            \
+  _tile_stored(G, scores[0] + G * 16, kKeyBlock * sizeof(float));
+    BLOCKSERVE_SCORES(0) BLOCKSERVE_SCORES(1) BLOCKSERVE_SCORES(2) BLOCKSERVE_SCORES(3)
+#undef BLOCKSERVE_SCORES
+    alignas(64) uint32_t probs[kTileRows][kKeyBlock / 2];
+    float factor[kTileRows];
+    block_softmax<kTileRows>(scores, valid, scale, state, 0, probs, factor);
+    for (int64_t r = 0; r < kTileRows; ++r) {
+      if (factor[r] == 1.0f) continue;
+      const __m512 scale_by = _mm512_set1_ps(factor[r]);
+      for (int64_t c = 0; c < kDim / 16; ++c)
+        _mm512_store_ps(state.out[r] + c * 16,
+                        _mm512_mul_ps(_mm512_load_ps(state.out[r] + c * 16), scale_by));
+    }
+    _tile_loadd(4, probs[0], kKeyBlock * sizeof(uint16_t));       // keys 0-31 of each row
+    _tile_loadd(5, probs[0] + 16, kKeyBlock * sizeof(uint16_t));  // keys 32-63
+    // Tile C = out (rescaled above) + P · V for dimensions C * 16 .. + 15 (key pairs 0-15,
+    // then 16-31: V's rows lie 256 bytes apart).
+#define BLOCKSERVE_VALUES(C)                                                   \
+  _tile_loadd(C, state.out[0] + C * 16, kDim * sizeof(float));                 \
+  _tile_loadd(6, vblock + C * 16 * 2, kDim * 2 * sizeof(uint16_t));            \
+  _tile_loadd(7, vblock + (16 * kDim + C * 16) * 2, kDim * 2 * sizeof(uint16_t)); \
+  _tile_dpbf16ps(C, 4, 6);                                                     \
+  _tile_dpbf16ps(C, 5, 7);                                                     \
+  _tile_stored(C, state.out[0] + C * 16, kDim * sizeof(float));
+    BLOCKSERVE_VALUES(0) BLOCKSERVE_VALUES(1) BLOCKSERVE_VALUES(2) BLOCKSERVE_VALUES(3)
+#undef BLOCKSERVE_VALUES
+  }
+};
+
+// Dense and prefix attention on the tiles where they can be used, else on vdpbf16ps.
+std::tuple<at::Tensor, at::Tensor> dense_attention_bf16(const at::Tensor& q, const at::Tensor& k,
+                                                        const at::Tensor& v,
+                                                        const std::optional<at::Tensor>& lengths,
+                                                        double scale) {
+  return use_tiles() ? dense_attention<AmxKernel>(q, k, v, lengths, scale)
+                     : dense_attention<Bf16Kernel>(q, k, v, lengths, scale);
+}
+
+std::tuple<at::Tensor, at::Tensor> prefix_attention_bf16(const at::Tensor& q,
+                                                         const at::Tensor& k_cache,
+                                                         const at::Tensor& v_cache,
+                                                         const at::Tensor& block_ids,
+                                                         double scale) {
+  return use_tiles() ? prefix_attention<AmxKernel>(q, k_cache, v_cache, block_ids, scale)
+                     : prefix_attention<Bf16Kernel>(q, k_cache, v_cache, block_ids, scale);
+}
+
+// Switch the tiles in or out (tests and benchmarks compare the two paths); whether they are
+// now in use: never where the CPU has no AMX-BF16.
+bool use_amx(bool wanted) {
+  tiles_wanted.store(wanted, std::memory_order_relaxed);
+  return use_tiles();
+}
+
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(blockserve_cpu, m) { define_attention(m); }
+TORCH_LIBRARY_FRAGMENT(blockserve_cpu, m) {
+  define_attention(m);
+  m.def("use_amx(bool wanted) -> bool", &use_amx);
+}
 
-TORCH_LIBRARY_IMPL(blockserve_cpu, CPU, m) { implement_attention<Bf16Kernel>(m); }
+TORCH_LIBRARY_IMPL(blockserve_cpu, CPU, m) {
+  m.impl("dense_attention", &dense_attention_bf16);
+  m.impl("prefix_attention", &prefix_attention_bf16);
+  m.impl("paged_decode", &paged_decode<Bf16Kernel>);
+}

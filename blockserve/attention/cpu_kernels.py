@@ -2,7 +2,8 @@
 libraries, one per dtype a model is served in on a CPU.
 
 - `bf16`, for x86 CPUs with AVX512-BF16 (cpu_dense_bf16.cpp, cpu_layer_bf16.cpp), as the
-  `blockserve_cpu` operators.
+  `blockserve_cpu` operators; where the CPU also has AMX-BF16, dense and prefix attention run
+  their products on its tiles (`use_amx`).
 - `f32`, for x86 CPUs with AVX2 and FMA (cpu_dense_f32.cpp, cpu_layer_f32.cpp), as
   `blockserve_cpu_f32`. Every x86-64 host the project runs on has these; it serves float32,
   the dtype `auto` picks where bf16 is not native.
@@ -72,7 +73,8 @@ LIBRARIES = {
             "bf16", torch.bfloat16, "blockserve_cpu",
             ("cpu_dense_bf16.cpp", "cpu_layer_bf16.cpp", "cpu_bf16_common.h", "cpu_attention.h",
              "cpu_layer.h"),
-            ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma"),
+            ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma",
+             "-mamx-tile", "-mamx-bf16"),  # AMX used only where the CPU has it
             ("avx512_bf16",),
         ),
         Library(
@@ -281,6 +283,14 @@ def layer_ops(hidden: torch.Tensor, head_dim: int) -> Any:
     ):
         return None
     return _loaded.get(hidden.dtype)
+
+
+def use_amx(on: bool) -> bool:
+    """Run bf16 dense and prefix attention on AMX tiles (the default where the CPU has
+    AMX-BF16) or on AVX512-BF16 vectors alone: tests and benchmarks compare the two. Whether
+    the tiles are now in use: never where the CPU has no AMX or the bf16 library is not loaded."""
+    ops = _loaded.get(torch.bfloat16)
+    return ops is not None and bool(ops.use_amx(on))
 
 
 def enable(on: bool, *, paged: bool | None = None, layer: bool | None = None) -> None:

@@ -9,7 +9,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,20 @@ DTYPES = [
     pytest.param(dtype, id=name, marks=NEEDS[dtype])
     for dtype, name in ((torch.bfloat16, "bf16"), (torch.float32, "f32"))
 ]
+AMX = cpu_kernels.supported(torch.bfloat16) and torch.cpu.get_capabilities().get("amx_bf16")
+# The bf16 library's dense and prefix attention take two paths: AMX tiles where the CPU has
+# them, AVX512-BF16 vectors alone otherwise. Each variant runs the module's tests.
+VARIANTS = [
+    pytest.param((torch.bfloat16, False), id="bf16", marks=NEEDS[torch.bfloat16]),
+    pytest.param(
+        (torch.bfloat16, True),
+        id="bf16-amx",
+        marks=pytest.mark.skipif(
+            not AMX, reason="needs an x86 CPU with AMX-BF16 (elsewhere bf16 uses vectors alone)"
+        ),
+    ),
+    pytest.param((torch.float32, False), id="f32", marks=NEEDS[torch.float32]),
+]
 NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 # What the dense and prefix kernels' outputs may be off by, in units of the largest value:
 # bf16 rounds the probabilities to bf16; float32 keeps them.
@@ -44,9 +58,14 @@ ROUNDING = {torch.bfloat16: 2**-8, torch.float32: 1e-6}
 Kernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
-@pytest.fixture(scope="module", params=DTYPES)
-def dtype(request: pytest.FixtureRequest) -> torch.dtype:
+@pytest.fixture(scope="module", params=VARIANTS)
+def variant(request: pytest.FixtureRequest) -> tuple[torch.dtype, bool]:
     return request.param
+
+
+@pytest.fixture(scope="module")
+def dtype(variant: tuple[torch.dtype, bool]) -> torch.dtype:
+    return variant[0]
 
 
 OTHER_INSTALL_KERNELS = "bf16-000000000000-000000000000.so"
@@ -70,10 +89,24 @@ def test_a_build_replaces_its_installs_older_library_only(cache_dir: Path) -> No
 
 
 @pytest.fixture(scope="module")
-def ops(cache_dir: Path, dtype: torch.dtype) -> Any:
+def ops(cache_dir: Path, variant: tuple[torch.dtype, bool]) -> Iterator[Any]:
+    dtype, tiles = variant
     loaded = cpu_kernels.load(cache_dir, dtype)
     assert loaded is not None
-    return loaded
+    if dtype == torch.bfloat16:
+        assert cpu_kernels.use_amx(tiles) == tiles
+    yield loaded
+    cpu_kernels.use_amx(True)  # the default
+
+
+def test_tiles_are_used_exactly_where_the_cpu_has_amx(cache_dir: Path) -> None:
+    if not cpu_kernels.supported(torch.bfloat16):
+        assert not cpu_kernels.use_amx(True)  # no bf16 library to use them
+        return
+    assert cpu_kernels.load(cache_dir, torch.bfloat16) is not None
+    assert cpu_kernels.use_amx(True) == bool(AMX)
+    assert not cpu_kernels.use_amx(False)
+    assert cpu_kernels.use_amx(True) == bool(AMX)
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +141,7 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths, scale:
 def test_equals_float64_attention(
     kernel: Kernel, dtype: torch.dtype, batch: int, heads: int, rows: int, keys: int, seen: str
 ) -> None:
-    """Rows and keys off the kernel's tiles (4 or 6 rows, 64 keys) included: the padding is
+    """Rows and keys off the kernels' tiles (4, 6 or 16 rows, 64 keys) included: the padding is
     unseen. The output's error is the probabilities' rounding (ROUNDING of the largest value).
     A row that sees no key gets zeros and a log-sum-exp of -inf."""
     generator = torch.Generator().manual_seed(rows * 1000 + keys)
