@@ -17,6 +17,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <array>
 #include <atomic>
 
 #include "cpu_attention.h"
@@ -30,6 +31,33 @@ constexpr int64_t kPairs = kDim / 2;  // bf16 pairs per row: one 32-bit word eac
 constexpr int64_t kGroups = kKeyBlock / 16;
 constexpr int64_t kTaskRows = 16;
 constexpr int64_t kTileRows = 4;
+
+// rows[n] (16 32-bit words each) becomes column n of the 16×16 matrix they form: after two
+// rounds of interleaving within 128-bit lanes, each row holds four columns' quarters, and
+// a 4×4 exchange of lanes assembles them.
+inline void transpose_words(__m512i rows[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(rows[i], rows[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(rows[i], rows[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // u[i + j], lane L: column 4L + j of rows i .. i + 3
+    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {
+    const __m512i v0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x44);
+    const __m512i v1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xEE);
+    const __m512i v2 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x44);
+    const __m512i v3 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xEE);
+    rows[j] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+    rows[4 + j] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+    rows[8 + j] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+    rows[12 + j] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+  }
+}
 
 // The online-softmax update of `Rows` rows (state rows row0 ..) by one block of 64 keys:
 // scores [row][key] (unscaled) become probabilities, rounded to bf16 in key order (the
@@ -80,17 +108,21 @@ struct Bf16Kernel {
   static constexpr int64_t kTileRows = ::kTileRows, kTaskRows = ::kTaskRows;
 
   // K of one head as [key blocks of 16][32 pairs][16 keys][2]: padding keys are zero.
-  // key_at(n) points at key n's 64 values.
+  // key_at(n) points at key n's 64 values. Each block is two 16×16 transposes of 32-bit
+  // words (a key's dimension pairs 0-15, then 16-31).
   template <typename KeyAt>
   static void pack_keys(const KeyAt& key_at, int64_t keys, int64_t /*padded*/, uint16_t* out) {
-    const int64_t groups = (keys + 15) / 16;
-    std::memset(out, 0, groups * 16 * kDim * sizeof(uint16_t));
-    for (int64_t n = 0; n < keys; ++n) {
-      const uint16_t* k = key_at(n);
-      uint16_t* group = out + (n / 16) * 16 * kDim;
-      for (int64_t i = 0; i < kPairs; ++i) {
-        group[(i * 16 + n % 16) * 2] = k[2 * i];
-        group[(i * 16 + n % 16) * 2 + 1] = k[2 * i + 1];
+    for (int64_t first = 0; first < keys; first += 16) {
+      const int64_t count = std::min<int64_t>(16, keys - first);
+      uint16_t* group = out + first * kDim;
+      for (int64_t half = 0; half < 2; ++half) {
+        __m512i rows[16];
+        for (int64_t n = 0; n < 16; ++n)
+          rows[n] = n < count ? _mm512_loadu_si512(key_at(first + n) + half * 32)
+                              : _mm512_setzero_si512();
+        transpose_words(rows);
+        for (int64_t i = 0; i < 16; ++i)
+          _mm512_storeu_si512(group + (half * 16 + i) * 32, rows[i]);
       }
     }
   }
@@ -98,11 +130,28 @@ struct Bf16Kernel {
   // V of one head as [key pairs][64 dims][2]: padding keys are zero.
   template <typename ValueAt>
   static void pack_values(const ValueAt& value_at, int64_t keys, int64_t padded, uint16_t* out) {
-    std::memset(out, 0, padded * kDim * sizeof(uint16_t));
-    for (int64_t n = 0; n < keys; ++n) {
-      const uint16_t* v = value_at(n);
-      uint16_t* pair = out + (n / 2) * 2 * kDim;
-      for (int64_t d = 0; d < kDim; ++d) pair[d * 2 + n % 2] = v[d];
+    // Element i of a pair's 32-dimension run: the first key's dimension i / 2 (index < 32),
+    // then the second key's (index 32 + i / 2), alternating.
+    alignas(64) static constexpr auto kInterleave = [] {
+      std::array<uint16_t, 2 * 32> index{};
+      for (int i = 0; i < 32; ++i) {
+        index[i] = static_cast<uint16_t>(i / 2 + (i % 2) * 32);
+        index[32 + i] = static_cast<uint16_t>(16 + i / 2 + (i % 2) * 32);
+      }
+      return index;
+    }();
+    const __m512i low = _mm512_load_si512(kInterleave.data());
+    const __m512i high = _mm512_load_si512(kInterleave.data() + 32);
+    for (int64_t n = 0; n < padded; n += 2) {
+      uint16_t* pair = out + n * kDim;
+      for (int64_t half = 0; half < 2; ++half) {
+        const __m512i a = n < keys ? _mm512_loadu_si512(value_at(n) + half * 32)
+                                   : _mm512_setzero_si512();
+        const __m512i b = n + 1 < keys ? _mm512_loadu_si512(value_at(n + 1) + half * 32)
+                                       : _mm512_setzero_si512();
+        _mm512_storeu_si512(pair + half * 64, _mm512_permutex2var_epi16(a, low, b));
+        _mm512_storeu_si512(pair + half * 64 + 32, _mm512_permutex2var_epi16(a, high, b));
+      }
     }
   }
 
