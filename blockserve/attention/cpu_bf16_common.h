@@ -7,12 +7,11 @@
 
 namespace blockserve_cpu {
 
-// exp(x) for x <= 0 (scores minus their running maximum): 2^(x log2 e) split into an integer
-// power, applied by `scalef`, and 2^f for f in [-0.5, 0.5] by its Taylor series to degree 6
-// (relative error ~1.2e-7). Arguments below -87 give ~0; -inf gives 0.
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+// 2^t for t <= 0: an integer power, applied by `scalef`, times 2^f for f in [-0.5, 0.5] by
+// its Taylor series to degree 6 (relative error ~1.2e-7). t below -126 gives 2^-126, the
+// least normal float (~0), as -inf does.
+inline __m512 exp2_nonpositive(__m512 t) {
+  t = _mm512_max_ps(t, _mm512_set1_ps(-126.0f));
   const __m512 whole = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, whole);
   __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
@@ -23,6 +22,15 @@ inline __m512 exp_nonpositive(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, whole);
+}
+
+constexpr float kLog2E = 1.4426950408889634f;
+
+// exp(x) for x <= 0 (scores minus their running maximum) as 2^(x log2 e): arguments below
+// -87 give ~0.
+inline __m512 exp_nonpositive(__m512 x) {
+  return exp2_nonpositive(_mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)),
+                                        _mm512_set1_ps(kLog2E)));
 }
 
 inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh>(v); }

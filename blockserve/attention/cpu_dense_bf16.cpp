@@ -68,28 +68,30 @@ template <int64_t Rows, int64_t StateRows>
 void block_softmax(float (*scores)[kKeyBlock], const int64_t* valid, float scale,
                    RowState<StateRows>& state, int64_t row0, uint32_t (*probs)[kKeyBlock / 2],
                    float* factor) {
-  const __m512 s = _mm512_set1_ps(scale);
+  // exp(scale * (score - max)) as 2^(score * scale log2 e - max log2 e): one FMA a vector
+  const __m512 to_exponent = _mm512_set1_ps(scale * kLog2E);
   for (int64_t r = 0; r < Rows; ++r) {
     factor[r] = 1.0f;
     if (valid[r] <= 0) {
       std::memset(probs[r], 0, sizeof(probs[r]));
       continue;
     }
-    for (int64_t g = 0; g < kGroups; ++g)
-      _mm512_storeu_ps(scores[r] + g * 16, _mm512_mul_ps(_mm512_loadu_ps(scores[r] + g * 16), s));
     for (int64_t n = valid[r]; n < kKeyBlock; ++n) scores[r][n] = kNegInf;
     __m512 block_max = _mm512_loadu_ps(scores[r]);
     for (int64_t g = 1; g < kGroups; ++g)
       block_max = _mm512_max_ps(block_max, _mm512_loadu_ps(scores[r] + g * 16));
-    const float old_max = state.max[row0 + r];
-    const float new_max = std::max(old_max, _mm512_reduce_max_ps(block_max));
-    // ~0 on the first block (exp(-87): the output and sum it scales are 0 then)
-    const float rescale = _mm512_cvtss_f32(exp_nonpositive(_mm512_set1_ps(old_max - new_max)));
+    const float old_max = state.max[row0 + r];  // of scaled scores
+    const float new_max = std::max(old_max, _mm512_reduce_max_ps(block_max) * scale);
+    // ~0 on the first block (the output and sum it scales are 0 then)
+    const float rescale =
+        new_max == old_max ? 1.0f
+                           : _mm512_cvtss_f32(exp_nonpositive(_mm512_set1_ps(old_max - new_max)));
+    const __m512 offset = _mm512_set1_ps(-new_max * kLog2E);
     __m512 total = _mm512_setzero_ps();
     __m512 e[kGroups];
     for (int64_t g = 0; g < kGroups; ++g) {
-      e[g] = exp_nonpositive(
-          _mm512_sub_ps(_mm512_loadu_ps(scores[r] + g * 16), _mm512_set1_ps(new_max)));
+      e[g] = exp2_nonpositive(
+          _mm512_fmadd_ps(_mm512_loadu_ps(scores[r] + g * 16), to_exponent, offset));
       total = _mm512_add_ps(total, e[g]);
     }
     for (int64_t g = 0; g < kGroups; g += 2)  // 32 probabilities → 32 bf16 in key order
