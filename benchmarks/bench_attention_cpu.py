@@ -10,9 +10,10 @@ The default model's attention: 9 query heads over 3 KV heads, head dimension 64.
   causal-544, causal-1056   one fresh prefill (no-sharing run; the shared prefix's first request)
 Variants:
   fused           torch's CPU flash attention
-  ours            our kernel (attention/cpu_attention.h): bf16 where the CPU has AVX512-BF16,
-                  float32 where it has AVX2; masked cases as per-row key counts, causal ones
-                  with query heads folded
+  ours            our kernel (attention/cpu_attention.h): bf16 where the CPU has AVX512-BF16
+                  (its products on AMX tiles where it has AMX-BF16), float32 where it has
+                  AVX2; masked cases as per-row key counts, causal ones with query heads folded
+  ours-vectors    on an AMX host, bf16 `ours` with the tiles switched out (`use_amx`)
   explicit        the same in separate ops: float32 scores, softmax, product
   compiled        `explicit` through torch.compile (inductor fuses the softmax into C++ loops)
   batched-products  decode-alone as the backend computes it in bf16 (products in bf16)
@@ -168,7 +169,23 @@ def variant_sets(dtype: torch.dtype, seen: torch.Tensor) -> dict[str, dict[str, 
         sets["causal"]["ours"] = lambda q, k, v: attend_causal(
             kernel, *(x[0].transpose(0, 1) for x in (q, k, v))
         ).transpose(0, 1)[None]
+        if cpu_kernels.use_amx(True):  # an AMX host: "ours" ran on the tiles
+            for kind in ("dense", "own", "causal"):
+                sets[kind]["ours-vectors"] = vectors_only(sets[kind]["ours"])
     return sets
+
+
+def vectors_only(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """`fn` with our bf16 kernels on AVX512-BF16 vectors alone, the AMX tiles switched out."""
+
+    def run(*inputs: torch.Tensor) -> torch.Tensor:
+        cpu_kernels.use_amx(False)
+        try:
+            return fn(*inputs)
+        finally:
+            cpu_kernels.use_amx(True)
+
+    return run
 
 
 def paged_variant(kernel: Callable, through_backend: bool = False) -> Callable[..., torch.Tensor]:

@@ -13,9 +13,13 @@ it writes is the same each time). The two steps:
 Each step runs with our fused layer operators (attention/cpu_kernels.py) and without,
 alternating, `--repeats` times each way per round; medians. `--profile N` then runs each step
 under torch.profiler and keeps its top N operators by self time (per step, milliseconds).
+`--breakdown` times each fused step's parts by wall clock instead (the profiler stretches short
+parallel operators several-fold): the linear layers' products (LM head included), attention
+(the backend's forward: KV writes, our kernels, the glue between them), the fused layer
+operators, and the rest (Python, views, sampling rows, the plan).
 
     .venv/bin/python benchmarks/bench_step.py [--repeats 20] [--rounds 3] [--profile 15]
-        [--dtype auto|float32] [--out FILE]
+        [--breakdown] [--dtype auto|float32] [--out FILE]
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from blockserve import LLM, SamplingParams
 from blockserve.attention import cpu_kernels
+from blockserve.model import llama
+from blockserve.model.packed import PackedLinear
 from blockserve.runner.inputs import ModelInputs
 from blockserve.runner.model_runner import ModelRunner
 from blockserve.sched.output import SchedulerOutput
@@ -98,11 +104,60 @@ def top_operators(runner: ModelRunner, inputs: ModelInputs, repeats: int, count:
     ] + [{"op": "total", "ms_per_step": round(total / repeats / 1e3, 2)}]
 
 
+def breakdown(runner: ModelRunner, inputs: ModelInputs, repeats: int) -> dict[str, float]:
+    """Milliseconds a step spends in each part, by wall clock around each call (the fused
+    layer operators on)."""
+    spent: dict[str, float] = dict.fromkeys(("linear", "attention", "layer_ops"), 0.0)
+
+    def timed(part: str, fn: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[part] += time.perf_counter() - start
+
+        return call
+
+    class TimedOps:  # a library of fused operators, each call timed
+        def __init__(self, library: Any) -> None:
+            self.library = library
+
+        def __getattr__(self, name: str) -> Any:
+            return timed("layer_ops", getattr(self.library, name))
+
+    def layer_ops(hidden: torch.Tensor, head_dim: int) -> Any:
+        library = find_ops(hidden, head_dim)
+        return None if library is None else TimedOps(library)
+
+    find_ops = cpu_kernels.layer_ops
+    patches = [
+        (PackedLinear, "forward", timed("linear", PackedLinear.forward)),
+        (llama, "attend", timed("attention", llama.attend)),
+        (cpu_kernels, "layer_ops", layer_ops),
+    ]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, replacement in patches:
+        setattr(owner, name, replacement)
+    try:
+        start = time.perf_counter()
+        for _ in range(repeats):
+            run_step(runner, inputs)
+        total = time.perf_counter() - start
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
+    parts = {part: seconds / repeats * 1e3 for part, seconds in spent.items()}
+    parts["rest"] = total / repeats * 1e3 - sum(parts.values())
+    return {part: round(ms, 2) for part, ms in parts.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile", type=int, default=0, metavar="N")
+    parser.add_argument("--breakdown", action="store_true")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -128,6 +183,8 @@ def main() -> None:
             "median_ms": medians,
             "speedup": round(medians["unfused"] / medians["fused"], 3),
         }
+        if args.breakdown:
+            results[kind]["breakdown_ms"] = breakdown(runner, inputs, repeats)
         if args.profile:
             for mode in ("unfused", "fused"):
                 cpu_kernels.enable(True, layer=mode == "fused")
