@@ -9,7 +9,8 @@ engine's `PackedLinear` (weights reordered once for oneDNN, model/packed.py).
 Decode step: every product of one decode step in order, each layer's weights its own (as in
 the engine, so they stream from memory rather than sit in cache as they do when one product
 is timed alone): milliseconds per step, GB/s of weights read and GFLOP/s, for 1, 8 and 64
-sequences. At small batches a step is bound by reading the weights, not by the FLOPs.
+sequences. At small batches a step is bound by reading the weights, not by the FLOPs; what
+reading memory alone reaches (a sum over 512 MB, more than any cache) is reported beside it.
 
 Floor: the FLOPs of bench_offline.py's shared-prefix workload (64 × (1,024 shared + 32 own)
 prompt tokens → 32 output tokens, prefix caching on, so the shared prefix is computed once):
@@ -104,6 +105,17 @@ def decode_step(
     return results
 
 
+def memory_read_gb_per_s(repeats: int) -> float:
+    """GB/s of one pass over 512 MB (a sum: a read and nothing else), the best of `repeats`."""
+    data = torch.ones(128 * 1024 * 1024)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        started = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - started)
+    return round(data.numel() * data.element_size() / best / 1e9, 1)
+
+
 def workload_gflop(arch: LlamaArchConfig) -> dict[str, float]:
     """The shared-prefix workload's FLOPs, in GFLOP, by kind."""
     hidden, inter, layers = arch.hidden_size, arch.intermediate_size, arch.num_layers
@@ -163,6 +175,7 @@ def main() -> None:
         "gflops": peaks,
         "linear_vs_packed_gflops": linears,
         "decode_step": decode,
+        "memory_read_gb_per_s": memory_read_gb_per_s(args.repeats),
         "workload_gflop": {k: round(v, 1) for k, v in work.items()},
         "floor_dtype": args.dtype,
         "floor_peak_gflops": peak,
