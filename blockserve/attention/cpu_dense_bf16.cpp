@@ -8,7 +8,8 @@
 // over blocks of 64 keys. K is repacked per call so that one 64-byte load holds one dimension
 // pair of 16 keys; V so that one load holds 16 dimensions of a key pair. Each task is
 // (batch, head, 16 rows), processed as 4-row tiles whose accumulators stay in registers; key
-// blocks past the task's longest row are skipped.
+// blocks past the task's longest row are skipped. Where the CPU has AMX-BF16, the same
+// operators run both products on AMX tiles instead (AmxKernel below: one task, one tile).
 //
 // Paged decode: per key, each query row's dot product is two `vdpbf16ps` and one horizontal
 // sum; probabilities stay float32 and V is widened to float32 for the second product.

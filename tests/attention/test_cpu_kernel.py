@@ -1,7 +1,8 @@
 """Our CPU attention kernels (attention/cpu_attention.h), in both libraries (bf16 for
-AVX512-BF16, f32 for AVX2): built by g++ into the cache dir, equal to a float64 reference
-within their dtype's rounding, refusing what they do not handle, and used by the torch backend
-once loaded: the dense kernel for shared prefixes and prefills, the paged one for decodes."""
+AVX512-BF16, on AMX tiles too where the CPU has them; f32 for AVX2): built by g++ into the
+cache dir, equal to a float64 reference within their dtype's rounding, refusing what they do
+not handle, and used by the torch backend once loaded: the dense kernel for shared prefixes
+and prefills, the paged one for decodes."""
 
 from __future__ import annotations
 
