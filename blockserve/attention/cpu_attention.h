@@ -54,6 +54,54 @@ struct RowState {
   alignas(64) float out[Rows][kDim];
 };
 
+// Where rows continue from: their softmax state over earlier keys, as their normalized output
+// and log-sum-exp, indexed (i, j, row): (sequence, KV head, query head) for a decode,
+// (batch, head, row) for dense attention; strides in elements.
+struct Prior {
+  const float* out = nullptr;  // [i, j, rows, 64], unit stride along the last
+  const float* lse = nullptr;  // [i, j, rows]
+  int64_t out_strides[3] = {}, lse_strides[3] = {};
+};
+
+// Row (i, j, r) of a prior, if there is one and it saw any key: its output into acc, its state
+// into max and sum (a normalized output is the state after its keys with their sum of
+// exponentials scaled to 1, the maximum moved to their log-sum-exp). Else nothing changes.
+inline void continue_from(const Prior& prior, int64_t i, int64_t j, int64_t r, float& max,
+                          float& sum, float* acc) {
+  if (prior.out == nullptr) return;
+  const float seen =
+      prior.lse[i * prior.lse_strides[0] + j * prior.lse_strides[1] + r * prior.lse_strides[2]];
+  if (seen == kNegInf) return;  // saw no key
+  max = seen;
+  sum = 1.0f;
+  std::memcpy(acc,
+              prior.out + i * prior.out_strides[0] + j * prior.out_strides[1] +
+                  r * prior.out_strides[2],
+              kDim * sizeof(float));
+}
+
+// The prior given to an operator, checked against the shape of its rows (`rows`: the first
+// three dimensions of its output).
+inline Prior prior_of(const std::optional<at::Tensor>& out, const std::optional<at::Tensor>& lse,
+                      at::IntArrayRef rows, const char* shapes) {
+  TORCH_CHECK(out.has_value() == lse.has_value(), "prior_out and prior_lse come together");
+  Prior prior;
+  if (!out.has_value()) return prior;
+  TORCH_CHECK(out->dim() == 4 && out->sizes().slice(0, 3) == rows && out->size(3) == kDim &&
+                  lse->sizes() == rows,
+              shapes);
+  TORCH_CHECK(out->scalar_type() == at::kFloat && lse->scalar_type() == at::kFloat &&
+                  out->stride(3) == 1,
+              "the prior must be float32, unit stride along the head dimension");
+  prior.out = out->data_ptr<float>();
+  prior.lse = lse->data_ptr<float>();
+  for (int d = 0; d < 3; ++d) {
+    prior.out_strides[d] = out->stride(d);
+    prior.lse_strides[d] = lse->stride(d);
+  }
+  return prior;
+}
+
 struct Shapes {
   int64_t batch, heads, rows, keys, padded;
 };
@@ -63,7 +111,8 @@ struct Shapes {
 template <class K, typename QRow>
 void attend_task(const Shapes& n, int64_t b, int64_t h, int64_t row_start, const QRow& q_row,
                  const typename K::Elem* kpack, const typename K::Elem* vpack,
-                 const int64_t* lengths, float scale, float* outp, float* lsep) {
+                 const int64_t* lengths, const Prior& prior, float scale, float* outp,
+                 float* lsep) {
   constexpr int64_t kRows = K::kTaskRows;
   alignas(64) typename K::Elem qtile[kRows * kDim] = {};
   RowState<kRows> state;
@@ -81,6 +130,7 @@ void attend_task(const Shapes& n, int64_t b, int64_t h, int64_t row_start, const
       seen[r] = lengths == nullptr ? n.keys
                                    : std::clamp<int64_t>(lengths[b * n.rows + row_start + r],
                                                          0, n.keys);
+      continue_from(prior, b, h, row_start + r, state.max[r], state.sum[r], state.out[r]);
     }
     longest = std::max(longest, seen[r]);
   }
@@ -120,7 +170,7 @@ template <class K, typename QRow, typename Pack>
 std::tuple<at::Tensor, at::Tensor> attend_packed(const at::TensorOptions& options,
                                                  const Shapes& n, const QRow& q_row,
                                                  const Pack& pack, const at::Tensor& counts,
-                                                 double scale) {
+                                                 const Prior& prior, double scale) {
   using Elem = typename K::Elem;
   const int64_t heads = n.batch * n.heads;
   at::Tensor kpack = at::empty({heads, n.padded * kDim}, options);
@@ -143,7 +193,7 @@ std::tuple<at::Tensor, at::Tensor> attend_packed(const at::TensorOptions& option
     for (int64_t t = begin; t < end; ++t) {
       const int64_t head = t / per_head;
       attend_task<K>(n, head / n.heads, head % n.heads, (t % per_head) * K::kTaskRows, q_row,
-                     kpp, vpp, lp, fscale, outp, lsep);
+                     kpp, vpp, lp, prior, fscale, outp, lsep);
     }
   });
   return {out, lse};
@@ -157,14 +207,19 @@ void pack_head(const KeyAt& key_at, bool values, int64_t keys, int64_t padded,
 }
 
 //   q [batch, heads, rows, 64], k / v [batch, heads, keys, 64]; lengths: none (every row
-//   sees every key) or [batch, rows] integers (row r sees keys 0 .. lengths[b, r] - 1)
+//   sees every key) or [batch, rows] integers (row r sees keys 0 .. lengths[b, r] - 1);
+//   optionally prior_out [batch, heads, rows, 64] and prior_lse [batch, heads, rows] f32, the
+//   rows' attention over other keys (a shared prefix's common blocks), which the result then
+//   includes: one softmax over both, no merge afterwards
 //   → out [batch, heads, rows, 64] f32, lse [batch, heads, rows] f32 (natural log of the sum
 //   of exp(scale * q·k); a row that sees no key gets 0 and -inf).
 template <class K>
 std::tuple<at::Tensor, at::Tensor> dense_attention(const at::Tensor& q, const at::Tensor& k,
                                                    const at::Tensor& v,
                                                    const std::optional<at::Tensor>& lengths,
-                                                   double scale) {
+                                                   double scale,
+                                                   const std::optional<at::Tensor>& prior_out,
+                                                   const std::optional<at::Tensor>& prior_lse) {
   using Elem = typename K::Elem;
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
               "q, k, v must be [batch, heads, n, 64]");
@@ -195,7 +250,10 @@ std::tuple<at::Tensor, at::Tensor> dense_attention(const at::Tensor& q, const at
   const at::Tensor qc = q.contiguous();
   const auto* qp = reinterpret_cast<const Elem*>(qc.data_ptr());
   const auto q_row = [&](int64_t head, int64_t row) { return qp + (head * n.rows + row) * kDim; };
-  return attend_packed<K>(q.options(), n, q_row, pack, counts, scale);
+  const Prior prior = prior_of(prior_out, prior_lse, {n.batch, n.heads, n.rows},
+                               "prior_out must be [batch, heads, rows, 64] and prior_lse "
+                               "[batch, heads, rows]");
+  return attend_packed<K>(q.options(), n, q_row, pack, counts, prior, scale);
 }
 
 // What the operators reading the paged cache take: a q of `q_dims` dimensions (shaped as
@@ -256,7 +314,7 @@ std::tuple<at::Tensor, at::Tensor> prefix_attention(const at::Tensor& q, const a
     return qp + (row / per_outer) * outer_stride + head * head_stride +
            (row % per_outer) * row_stride;
   };
-  auto [out, lse] = attend_packed<K>(q.options(), n, q_row, pack, at::Tensor(), scale);
+  auto [out, lse] = attend_packed<K>(q.options(), n, q_row, pack, at::Tensor(), Prior(), scale);
   return {out.squeeze(0), lse.squeeze(0)};
 }
 
@@ -283,14 +341,6 @@ struct HeadState {
   alignas(64) float acc[G][kDim];
 };
 
-// Where a decode continues from: the softmax state of its rows over earlier keys (the common
-// blocks), as their normalized output and log-sum-exp; strides in elements.
-struct Prior {
-  const float* out = nullptr;  // [seqs, kv_heads, G, 64], unit stride along the last
-  const float* lse = nullptr;  // [seqs, kv_heads, G]
-  int64_t out_strides[3] = {}, lse_strides[3] = {};
-};
-
 // Sequence s, KV head h: its G query rows through `num_keys` keys, chunk by chunk, with the
 // lines of the next kChunksAhead chunks requested before each is worked on, continuing from
 // `prior` if it has one. q, out and lse point at the head's first query row.
@@ -303,18 +353,7 @@ void decode_task(const PagedShapes& n, const typename K::Elem* q, const typename
   for (int r = 0; r < G; ++r) {
     state.max[r] = kNegInf;
     state.sum[r] = 0.0f;
-    if (prior.out == nullptr) continue;
-    const float seen = prior.lse[s * prior.lse_strides[0] + h * prior.lse_strides[1] +
-                                 r * prior.lse_strides[2]];
-    if (seen == kNegInf) continue;  // saw no key
-    // A normalized output is the state after its keys with their sum of exponentials scaled
-    // to 1, the maximum moved to their log-sum-exp.
-    state.max[r] = seen;
-    state.sum[r] = 1.0f;
-    std::memcpy(state.acc[r],
-                prior.out + s * prior.out_strides[0] + h * prior.out_strides[1] +
-                    r * prior.out_strides[2],
-                sizeof(state.acc[r]));
+    continue_from(prior, s, h, r, state.max[r], state.sum[r], state.acc[r]);
   }
   const int64_t stride = n.kv_heads * kDim;
   const auto chunk_at = [&](int64_t start, int64_t& first) {  // its first element; its length
@@ -393,24 +432,9 @@ std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::T
                   "a block id is outside the cache");
   }
   const int64_t group = q.size(1) / kv_heads;
-  TORCH_CHECK(prior_out.has_value() == prior_lse.has_value(),
-              "prior_out and prior_lse come together");
-  Prior prior;
-  if (prior_out.has_value()) {
-    TORCH_CHECK(prior_out->sizes() == at::IntArrayRef({seqs, kv_heads, group, kDim}) &&
-                    prior_lse->sizes() == at::IntArrayRef({seqs, kv_heads, group}),
-                "prior_out must be [seqs, kv_heads, group, 64] and prior_lse [seqs, kv_heads, "
-                "group]");
-    TORCH_CHECK(prior_out->scalar_type() == at::kFloat && prior_lse->scalar_type() == at::kFloat &&
-                    prior_out->stride(3) == 1,
-                "the prior must be float32, unit stride along the head dimension");
-    prior.out = prior_out->data_ptr<float>();
-    prior.lse = prior_lse->data_ptr<float>();
-    for (int d = 0; d < 3; ++d) {
-      prior.out_strides[d] = prior_out->stride(d);
-      prior.lse_strides[d] = prior_lse->stride(d);
-    }
-  }
+  const Prior prior = prior_of(prior_out, prior_lse, {seqs, kv_heads, group},
+                               "prior_out must be [seqs, kv_heads, group, 64] and prior_lse "
+                               "[seqs, kv_heads, group]");
   const at::Tensor qc = q.contiguous();
   at::Tensor out = at::empty(q.sizes(), q.options().dtype(at::kFloat));
   at::Tensor lse = at::empty({seqs, q.size(1)}, q.options().dtype(at::kFloat));
@@ -436,8 +460,8 @@ std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::T
 // The three operators' schemas, and their implementations by kernel policy K.
 inline void define_attention(torch::Library& m) {
   m.def(
-      "dense_attention(Tensor q, Tensor k, Tensor v, Tensor? lengths, float scale)"
-      " -> (Tensor, Tensor)");
+      "dense_attention(Tensor q, Tensor k, Tensor v, Tensor? lengths, float scale,"
+      " Tensor? prior_out=None, Tensor? prior_lse=None) -> (Tensor, Tensor)");
   m.def(
       "prefix_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_ids, float scale)"
       " -> (Tensor, Tensor)");

@@ -356,12 +356,12 @@ struct AmxKernel : Bf16Kernel {
 };
 
 // Dense and prefix attention on the tiles where they can be used, else on vdpbf16ps.
-std::tuple<at::Tensor, at::Tensor> dense_attention_bf16(const at::Tensor& q, const at::Tensor& k,
-                                                        const at::Tensor& v,
-                                                        const std::optional<at::Tensor>& lengths,
-                                                        double scale) {
-  return use_tiles() ? dense_attention<AmxKernel>(q, k, v, lengths, scale)
-                     : dense_attention<Bf16Kernel>(q, k, v, lengths, scale);
+std::tuple<at::Tensor, at::Tensor> dense_attention_bf16(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const std::optional<at::Tensor>& lengths, double scale,
+    const std::optional<at::Tensor>& prior_out, const std::optional<at::Tensor>& prior_lse) {
+  return use_tiles() ? dense_attention<AmxKernel>(q, k, v, lengths, scale, prior_out, prior_lse)
+                     : dense_attention<Bf16Kernel>(q, k, v, lengths, scale, prior_out, prior_lse);
 }
 
 std::tuple<at::Tensor, at::Tensor> prefix_attention_bf16(const at::Tensor& q,

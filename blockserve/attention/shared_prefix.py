@@ -4,7 +4,8 @@ When several prefill chunks of one step sit on top of the same cached blocks (a 
 prompt: each request computes its own question on top of it), per-sequence attention reads
 the prefix once per sequence. Here every query of every such sequence meets the common blocks
 in one matmul per KV head, each sequence's own tokens in one batched matmul, and the two
-softmaxes are merged by their log-sum-exp (as in cascade attention):
+softmaxes are merged by their log-sum-exp (as in cascade attention); our CPU kernel instead
+continues each row's softmax over its own tokens from the common blocks' result:
 
     sequence r: | common blocks (all queries see all of them) | own blocks (causal)  |
                 0                                      common_len             seq_len_r
@@ -41,31 +42,44 @@ def attend(
 _FUSED_CPU_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
+Partial = tuple[torch.Tensor, torch.Tensor]  # attention over some keys: output, log-sum-exp
+
+
 def attend_heads(
     q: torch.Tensor,  # [batch, heads, queries, dim]
     k: torch.Tensor,  # [batch, heads, keys, dim]
     v: torch.Tensor,
     mask: torch.Tensor | None = None,  # bool, broadcastable to [batch, heads, queries, keys]
     lengths: torch.Tensor | None = None,  # [batch, queries]: `mask` as key counts, if known
-) -> tuple[torch.Tensor, torch.Tensor]:
+    prior: Partial | None = None,  # the rows over other keys: [batch, heads, queries, (dim)]
+) -> Partial:
     """`attend` for 4-D inputs with as many K/V heads as query heads: our CPU kernel (bf16
     or float32) with head dimension 64 once it is loaded (attention/cpu_kernels.py) where
     every row sees a prefix of the keys (`lengths`, or found from `mask`), else torch's fused
-    CPU kernel where it exists (outputs float32 like `attend`), else the explicit path."""
+    CPU kernel where it exists (outputs float32 like `attend`), else the explicit path. With
+    a `prior` (float32) the result covers its keys too: our kernel continues each row's
+    softmax from it, the other paths merge the two."""
     if _FUSED_CPU_WITH_LSE is None or q.device.type != "cpu":
-        return attend(q, k, v, mask)
+        return including(prior, *attend(q, k, v, mask))
     kernel = cpu_kernels.dense_attention(q)
     if kernel is not None:
         if mask is not None and lengths is None:
             lengths = prefix_lengths(mask, q.shape[0], q.shape[2], k.shape[2])
         if mask is None or lengths is not None:
-            return kernel(q, k, v, lengths, q.shape[-1] ** -0.5)
+            return kernel(q, k, v, lengths, q.shape[-1] ** -0.5, *(prior or ()))
     additive = None
     if mask is not None:
         additive = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
         additive.masked_fill_(~mask, float("-inf"))
     out, lse = _FUSED_CPU_WITH_LSE(q, k, v, attn_mask=additive)
-    return out.float(), lse
+    return including(prior, out.float(), lse)
+
+
+def including(prior: Partial | None, out: torch.Tensor, lse: torch.Tensor) -> Partial:
+    """Attention over some keys (out, lse) merged with a prior over others, if any."""
+    if prior is None:
+        return out, lse
+    return merge(*prior, out, lse), torch.logaddexp(prior[1], lse)
 
 
 def attend_common_blocks(
@@ -182,18 +196,17 @@ def attend_shared_prefix(
     own_k = own_k.permute(0, 2, 1, 3)  # [rows, kv_heads, own_keys, dim]
     own_v = own_v.permute(0, 2, 1, 3)
     # Each KV head's group of query heads becomes rows: [rows, kv_heads, group * queries, dim]
-    q_rows = q.reshape(rows, num_kv_heads, group * max_queries, head_dim)
-    own_mask = plan.own_mask.expand(-1, -1, group, -1, -1).reshape(rows, 1, group * max_queries, -1)
-    own_counts = plan.own_counts[:, None].expand(-1, group, -1).reshape(rows, group * max_queries)
-    out_own, lse_own = attend_heads(q_rows, own_k, own_v, own_mask, own_counts)
-    # Every query of every row against the common keys.
+    per_head = group * max_queries
+    q_rows = q.reshape(rows, num_kv_heads, per_head, head_dim)
+    own_mask = plan.own_mask.expand(-1, -1, group, -1, -1).reshape(rows, 1, per_head, -1)
+    own_counts = plan.own_counts[:, None].expand(-1, group, -1).reshape(rows, per_head)
+    # Every query of every row against the common keys, then its own keys from there on.
     out_common, lse_common = attend_common_blocks(q_rows, kv_cache, plan.common_block_ids)
-    shape = (num_kv_heads, rows, group, max_queries)
-    out_common = out_common.view(*shape, head_dim).permute(1, 0, 2, 3, 4)
-    lse_common = lse_common.view(shape).permute(1, 0, 2, 3)
-    shape_own = (rows, num_kv_heads, group, max_queries)
-    out = merge(  # [rows, kv_heads, group, queries, dim]
-        out_common, lse_common, out_own.view(*shape_own, head_dim), lse_own.view(shape_own)
+    common = (  # [kv_heads, rows * per_head, (dim)] → [rows, kv_heads, per_head, (dim)]
+        out_common.view(num_kv_heads, rows, per_head, head_dim).transpose(0, 1),
+        lse_common.view(num_kv_heads, rows, per_head).transpose(0, 1),
     )
+    out, _ = attend_heads(q_rows, own_k, own_v, own_mask, own_counts, prior=common)
+    out = out.view(rows, num_kv_heads, group, max_queries, head_dim)
     out = out.permute(0, 3, 1, 2, 4).reshape(rows, max_queries, num_heads, head_dim)
     output[plan.token_index[plan.valid]] = out[plan.valid].to(output.dtype)

@@ -170,6 +170,35 @@ def test_equals_float64_attention(
     assert (out[~finite] == 0).all()
 
 
+def test_dense_attention_continues_from_a_prior(kernel: Kernel, dtype: torch.dtype) -> None:
+    """Rows through some keys, then through others continuing from that result (the prior):
+    attention over both, as if in one softmax, each row seeing a prefix of the second set
+    (none, for the first row). A prior row that saw no key (log-sum-exp -inf) starts afresh."""
+    batch, heads, rows = 2, 3, 21
+    generator = torch.Generator().manual_seed(11)
+    q, first_k, first_v, k, v = (
+        (torch.randn(batch, heads, n, 64, generator=generator) * 1.5).to(dtype)
+        for n in (rows, 70, 70, 40, 40)
+    )
+    lengths = torch.randint(0, 41, (batch, rows), generator=generator)
+    lengths[0, 0] = 0
+    prior = kernel(q, first_k, first_v, None, 0.125)
+    wide = torch.zeros(batch, heads, rows, 128)[..., 32:96]  # the strides of a view
+    out, lse = kernel(q, k, v, lengths, 0.125, wide.copy_(prior[0]), prior[1])
+    both_k, both_v = torch.cat([first_k, k], dim=2), torch.cat([first_v, v], dim=2)
+    expected_out, expected_lse = reference(q, both_k, both_v, lengths + 70, 0.125)
+    bound = ROUNDING[dtype] * both_v.abs().max().item()
+    assert (out.double() - expected_out).abs().max().item() < bound
+    assert (lse.double() - expected_lse).abs().max().item() < 1e-5
+
+    empty = kernel(
+        q, k, v, lengths, 0.125,
+        torch.full_like(prior[0], 7.0), torch.full_like(prior[1], float("-inf")),
+    )  # fmt: skip
+    alone = kernel(q, k, v, lengths, 0.125)
+    assert all(torch.equal(a, b) for a, b in zip(empty, alone, strict=True))
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
@@ -188,6 +217,15 @@ def test_refuses_what_it_does_not_handle(
         kernel(*change(q, k, v), None, 0.125)
     with pytest.raises(RuntimeError, match="lengths must be"):
         kernel(q, k, v, torch.ones(1, 3, dtype=torch.long), 0.125)
+    out, lse = torch.zeros(1, 2, 8, 64), torch.zeros(1, 2, 8)
+    for prior, refusal in [
+        ((out, None), "come together"),
+        ((out[:, :, :7], lse[:, :, :7]), "prior_out must be \\[batch, heads, rows, 64\\]"),
+        ((out.double(), lse), "must be float32"),
+        ((out[..., ::2], lse), "prior_out must be"),
+    ]:
+        with pytest.raises(RuntimeError, match=refusal):
+            kernel(q, k, v, None, 0.125, *prior)
 
 
 @pytest.mark.parametrize(

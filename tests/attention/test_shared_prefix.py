@@ -3,9 +3,12 @@ once (cascade), and equal dense attention."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
+from blockserve.attention import cpu_kernels
 from blockserve.attention.shared_prefix import merge, num_common_blocks
 from blockserve.attention.torch_backend import TorchAttentionBackend
 from tests.attention.cases import make_case, reference_attention
@@ -55,18 +58,32 @@ def test_decodes_sharing_prefix_blocks_read_them_once(dtype: torch.dtype) -> Non
     assert (out.double() - reference_attention(case)).abs().max().item() < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("kernels", ["ours", "torch's"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prefill_chunks_on_a_shared_prefix_read_it_once(dtype: torch.dtype) -> None:
-    """Chunks of 32, 5 and 17 tokens on 3 shared blocks use the shared-prefix path, exactly."""
-    specs = [(48, 32), (50, 5), (70, 17), (0, 20), (60, 1)]
-    case = make_case(specs, 6, 2, head_dim=64, dtype=dtype, shared_blocks=3, seed=9)
-    backend = TorchAttentionBackend()
-    plan = backend.prepare(case.metadata)
-    assert plan.shared_prefix is not None
-    assert (
-        plan.shared_prefix.common_block_ids.tolist() == case.metadata.block_tables[0, :3].tolist()
-    )
-    assert plan.shared_prefix.valid.sum().item() == 32 + 5 + 17
-    assert len(plan.prefills) == 1  # only the fresh prefill goes one by one
-    out = backend.forward(case.query, case.key, case.value, case.kv_cache, plan)
-    assert (out.double() - reference_attention(case)).abs().max().item() < TOLERANCE[dtype]
+def test_prefill_chunks_on_a_shared_prefix_read_it_once(
+    dtype: torch.dtype, kernels: str, cpu_kernels_dir: Path
+) -> None:
+    """Chunks of 32, 5 and 17 tokens on 3 shared blocks use the shared-prefix path, exactly:
+    with our kernels where the host has them (each chunk's own keys continue from the common
+    blocks' softmax) and with torch's (the two softmaxes merged)."""
+    ours = kernels == "ours" and cpu_kernels.supported(dtype)
+    if ours:
+        assert cpu_kernels.load(cpu_kernels_dir, dtype) is not None
+    cpu_kernels.enable(ours)
+    try:
+        assert (cpu_kernels.dense_attention(torch.zeros(1, 64, dtype=dtype)) is not None) == ours
+        specs = [(48, 32), (50, 5), (70, 17), (0, 20), (60, 1)]
+        case = make_case(specs, 6, 2, head_dim=64, dtype=dtype, shared_blocks=3, seed=9)
+        backend = TorchAttentionBackend()
+        plan = backend.prepare(case.metadata)
+        assert plan.shared_prefix is not None
+        assert (
+            plan.shared_prefix.common_block_ids.tolist()
+            == case.metadata.block_tables[0, :3].tolist()
+        )
+        assert plan.shared_prefix.valid.sum().item() == 32 + 5 + 17
+        assert len(plan.prefills) == 1  # only the fresh prefill goes one by one
+        out = backend.forward(case.query, case.key, case.value, case.kv_cache, plan)
+        assert (out.double() - reference_attention(case)).abs().max().item() < TOLERANCE[dtype]
+    finally:
+        cpu_kernels.enable(True)
