@@ -206,7 +206,8 @@ void pack_head(const KeyAt& key_at, bool values, int64_t keys, int64_t padded,
   values ? K::pack_values(key_at, keys, padded, out) : K::pack_keys(key_at, keys, padded, out);
 }
 
-//   q [batch, heads, rows, 64], k / v [batch, heads, keys, 64]; lengths: none (every row
+//   q [batch, heads, rows, 64], k / v [batch, heads, keys, 64] (any strides; read in place
+//   where the last dimension's is 1); lengths: none (every row
 //   sees every key) or [batch, rows] integers (row r sees keys 0 .. lengths[b, r] - 1);
 //   optionally prior_out [batch, heads, rows, 64] and prior_lse [batch, heads, rows] f32, the
 //   rows' attention over other keys (a shared prefix's common blocks), which the result then
@@ -240,16 +241,20 @@ std::tuple<at::Tensor, at::Tensor> dense_attention(const at::Tensor& q, const at
                 "lengths must be [batch, rows]");
     counts = lengths->to(at::kLong).contiguous();
   }
-  const at::Tensor kc = k.contiguous(), vc = v.contiguous();
-  const auto* kp = reinterpret_cast<const Elem*>(kc.data_ptr());
-  const auto* vp = reinterpret_cast<const Elem*>(vc.data_ptr());
-  const auto pack = [&](int64_t head, bool values, Elem* out) {
-    const Elem* base = (values ? vp : kp) + head * keys * kDim;
-    pack_head<K>([&](int64_t key) { return base + key * kDim; }, values, keys, n.padded, out);
+  // Read where they lie (a transposed view included), unless a row is not contiguous.
+  const auto rows_of = [](const at::Tensor& t) { return t.stride(3) == 1 ? t : t.contiguous(); };
+  const at::Tensor qc = rows_of(q), kc = rows_of(k), vc = rows_of(v);
+  // Row `row` of head `head` (= b * heads + h) of t.
+  const auto row_at = [&](const at::Tensor& t, int64_t head, int64_t row) {
+    return reinterpret_cast<const Elem*>(t.data_ptr()) + (head / n.heads) * t.stride(0) +
+           (head % n.heads) * t.stride(1) + row * t.stride(2);
   };
-  const at::Tensor qc = q.contiguous();
-  const auto* qp = reinterpret_cast<const Elem*>(qc.data_ptr());
-  const auto q_row = [&](int64_t head, int64_t row) { return qp + (head * n.rows + row) * kDim; };
+  const auto pack = [&](int64_t head, bool values, Elem* out) {
+    const at::Tensor& source = values ? vc : kc;
+    pack_head<K>([&](int64_t key) { return row_at(source, head, key); }, values, keys, n.padded,
+                 out);
+  };
+  const auto q_row = [&](int64_t head, int64_t row) { return row_at(qc, head, row); };
   const Prior prior = prior_of(prior_out, prior_lse, {n.batch, n.heads, n.rows},
                                "prior_out must be [batch, heads, rows, 64] and prior_lse "
                                "[batch, heads, rows]");

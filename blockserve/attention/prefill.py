@@ -5,6 +5,7 @@ backends both use this; a step's prefills on one shared prefix take shared_prefi
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -81,6 +82,16 @@ def attend_prefills(
         output[start:end] = out[0].transpose(0, 1)
 
 
+@functools.lru_cache(maxsize=64)
+def causal_counts(
+    context_len: int, query_len: int, group: int, device: torch.device
+) -> torch.Tensor:
+    """[1, group * query_len]: row (g, i) sees context_len - query_len + i + 1 keys. The same in
+    every layer of a step, so made once (read only)."""
+    seen = torch.arange(context_len - query_len + 1, context_len + 1, device=device)
+    return seen.repeat(group).unsqueeze(0)
+
+
 def attend_causal(
     kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]],
     query: torch.Tensor,  # [query_len, heads, dim]: the last query_len positions of the context
@@ -94,12 +105,11 @@ def attend_causal(
     group = num_heads // num_kv_heads
     rows = query.view(query_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
     rows = rows.reshape(1, num_kv_heads, group * query_len, head_dim)
-    seen = torch.arange(context_len - query_len + 1, context_len + 1, device=query.device)
     out, _ = kernel(
         rows,
-        key.transpose(0, 1).unsqueeze(0),
+        key.transpose(0, 1).unsqueeze(0),  # read in place
         value.transpose(0, 1).unsqueeze(0),
-        seen.repeat(group).unsqueeze(0),  # row (g, i): query i's count
+        causal_counts(context_len, query_len, group, query.device),
         head_dim**-0.5,
     )
     out = out.view(num_kv_heads, group, query_len, head_dim).permute(2, 0, 1, 3)

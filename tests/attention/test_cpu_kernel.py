@@ -170,6 +170,22 @@ def test_equals_float64_attention(
     assert (out[~finite] == 0).all()
 
 
+def test_dense_attention_reads_views_in_place(kernel: Kernel, dtype: torch.dtype) -> None:
+    """q, k and v as views of other layouts ([tokens, heads, 64] transposed, as the prefill
+    path passes them; a wider tensor's slice) give what their contiguous copies give, to the
+    bit; a last dimension of stride 2 is copied first and gives the same."""
+    generator = torch.Generator().manual_seed(5)
+    q = (torch.randn(1, 2, 37, 128, generator=generator) * 1.5).to(dtype)[..., ::2]
+    k, v = (
+        torch.randn(90, 2, 64, generator=generator).to(dtype).transpose(0, 1)[None]
+        for _ in range(2)
+    )
+    lengths = torch.randint(0, 91, (1, 37), generator=generator)
+    views = kernel(q, k, v, lengths, 0.125)
+    copies = kernel(q.contiguous(), k.contiguous(), v.contiguous(), lengths, 0.125)
+    assert all(torch.equal(a, b) for a, b in zip(views, copies, strict=True))
+
+
 def test_dense_attention_continues_from_a_prior(kernel: Kernel, dtype: torch.dtype) -> None:
     """Rows through some keys, then through others continuing from that result (the prior):
     attention over both, as if in one softmax, each row seeing a prefix of the second set
