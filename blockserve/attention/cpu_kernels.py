@@ -5,15 +5,12 @@ libraries, one per dtype a model is served in on a CPU.
   `blockserve_cpu` operators; where the CPU also has AMX-BF16, dense and prefix attention run
   their products on its tiles (`use_amx`).
 - `f32`, for x86 CPUs with AVX2 and FMA (cpu_dense_f32.cpp, cpu_layer_f32.cpp), as
-  `blockserve_cpu_f32`. Every x86-64 host the project runs on has these; it serves float32,
-  the dtype `auto` picks where bf16 is not native.
+  `blockserve_cpu_f32`: float32, what `auto` picks where bf16 is not native.
 
-Both have the same operators, for head dimension 64.
-
-The attention ones (cpu_attention.h) serve the torch backend:
-`dense_attention` for prefills one by one and each sequence's own blocks after a shared
-prefix (in bf16 2-3x torch's fused kernel: docs/benchmarks.md, "Attention on the workloads'
-shapes"); `prefix_attention` for a shared prefix's common blocks, read in place;
+Both have the same operators, for head dimension 64. The attention ones (cpu_attention.h)
+serve the torch backend: `dense_attention` for prefills one by one and each sequence's own
+blocks after a shared prefix (docs/benchmarks.md, "Attention on the workloads' shapes");
+`prefix_attention` for a shared prefix's common blocks, read in place;
 `paged_decode` for decodes, reading each sequence's own blocks in place. The layer ones
 (`rms_norm`, `add_rms_norm`, `rotary_`, `silu_and_mul`, cpu_layer.h) serve an eager
 forward's elementwise math (`layer_ops`). Elsewhere, or while they build, or if they cannot
