@@ -5,26 +5,20 @@
 
 #include <cstdint>
 
+#include "cpu_exp2.h"
+
 namespace blockserve_cpu {
 
-// 2^t for t <= 0: an integer power, applied by `scalef`, times 2^f for f in [-0.5, 0.5] by
-// its Taylor series to degree 6 (relative error ~1.2e-7). t below -126 gives 2^-126, the
-// least normal float (~0), as -inf does.
+// 2^t for t <= 0: an integer power, applied by `scalef`, times 2^f for f in [-0.5, 0.5]
+// (cpu_exp2.h). t below -126 gives 2^-126, the least normal float (~0), as -inf does.
 inline __m512 exp2_nonpositive(__m512 t) {
   t = _mm512_max_ps(t, _mm512_set1_ps(-126.0f));
   const __m512 whole = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, whole);
-  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  __m512 p = _mm512_set1_ps(kExp2Taylor[0]);
+  for (int i = 1; i < 7; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Taylor[i]));
   return _mm512_scalef_ps(p, whole);
 }
-
-constexpr float kLog2E = 1.4426950408889634f;
 
 // exp(x) for x <= 0 (scores minus their running maximum) as 2^(x log2 e): arguments below
 // -87 give ~0.

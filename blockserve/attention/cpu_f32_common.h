@@ -6,26 +6,23 @@
 
 #include <cstdint>
 
+#include "cpu_exp2.h"
+
 namespace blockserve_cpu {
 
 constexpr int64_t kLanes = 8;
 
 // exp(x) for x <= 0 (scores minus their running maximum, minus a magnitude): 2^(x log2 e)
-// split into an integer power, built in the exponent bits, and 2^f for f in [-0.5, 0.5] by its
-// Taylor series to degree 6 (relative error ~1.2e-7). Arguments below -87 give ~1e-38, which a
-// caller zeroes where it matters (masked keys).
+// split into an integer power, built in the exponent bits, and 2^f for f in [-0.5, 0.5]
+// (cpu_exp2.h). Arguments below -87 give ~1e-38, which a caller zeroes where it matters
+// (masked keys).
 inline __m256 exp_nonpositive(__m256 x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f));
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(kLog2E));
   const __m256 whole = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256 f = _mm256_sub_ps(t, whole);
-  __m256 p = _mm256_set1_ps(1.5403530393381606e-4f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284772e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-2f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  __m256 p = _mm256_set1_ps(kExp2Taylor[0]);
+  for (int i = 1; i < 7; ++i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2Taylor[i]));
   const __m256i power = _mm256_slli_epi32(
       _mm256_add_epi32(_mm256_cvtps_epi32(whole), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(power));

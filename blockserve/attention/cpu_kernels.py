@@ -68,16 +68,16 @@ LIBRARIES = {
     for library in (
         Library(
             "bf16", torch.bfloat16, "blockserve_cpu",
-            ("cpu_dense_bf16.cpp", "cpu_layer_bf16.cpp", "cpu_bf16_common.h", "cpu_attention.h",
-             "cpu_layer.h"),
+            ("cpu_dense_bf16.cpp", "cpu_layer_bf16.cpp", "cpu_bf16_common.h", "cpu_exp2.h",
+             "cpu_attention.h", "cpu_layer.h"),
             ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma",
              "-mamx-tile", "-mamx-bf16"),  # AMX used only where the CPU has it
             ("avx512_bf16",),
         ),
         Library(
             "f32", torch.float32, "blockserve_cpu_f32",
-            ("cpu_dense_f32.cpp", "cpu_layer_f32.cpp", "cpu_f32_common.h", "cpu_attention.h",
-             "cpu_layer.h"),
+            ("cpu_dense_f32.cpp", "cpu_layer_f32.cpp", "cpu_f32_common.h", "cpu_exp2.h",
+             "cpu_attention.h", "cpu_layer.h"),
             ("-mavx2", "-mfma", "-ffp-contract=off"),
             ("avx2", "fma3"),
         ),
