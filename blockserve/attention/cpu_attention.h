@@ -207,8 +207,8 @@ void pack_head(const KeyAt& key_at, bool values, int64_t keys, int64_t padded,
 }
 
 //   q [batch, heads, rows, 64], k / v [batch, heads, keys, 64] (any strides; read in place
-//   where the last dimension's is 1); lengths: none (every row
-//   sees every key) or [batch, rows] integers (row r sees keys 0 .. lengths[b, r] - 1);
+//   where the last dimension's is 1); lengths: none (every row sees every key) or
+//   [batch, rows] integers (row r sees keys 0 .. lengths[b, r] - 1);
 //   optionally prior_out [batch, heads, rows, 64] and prior_lse [batch, heads, rows] f32, the
 //   rows' attention over other keys (a shared prefix's common blocks), which the result then
 //   includes: one softmax over both, no merge afterwards

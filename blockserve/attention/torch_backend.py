@@ -5,9 +5,9 @@ among the new tokens, full over the prefix) and single-token decodes, with GQA. 
 plan is built once by `prepare` and passed to every layer. Decodes are batched: blocks all of
 them share (a common prompt prefix) are read once for all queries; each sequence's other
 blocks are read in place by our paged-decode kernel (bf16 or float32: attention/cpu_kernels.py)
-or else gathered whole into a workspace reused by every layer; the two partial results merge
-by their log-sum-exp. Each prefill sequence gets its own call. Measured choices:
-docs/benchmarks.md ("Model executor").
+or else gathered whole into a workspace reused by every layer, their softmax continuing from
+the common blocks' result (merged by log-sum-exp where torch's kernels serve). Each prefill
+sequence gets its own call. Measured choices: docs/benchmarks.md ("Model executor").
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from blockserve.attention.shared_prefix import (
     attend_common_blocks,
     attend_heads,
     attend_shared_prefix,
-    merge,
     num_common_blocks,
     plan_shared_prefix,
 )
@@ -222,9 +221,10 @@ class TorchAttentionBackend:
         # [num_decodes, context, kv_heads, dim] → [num_decodes, kv_heads, context, dim]
         k = gathered[0].view(num_decodes, context, num_kv_heads, head_dim).transpose(1, 2)
         v = gathered[1].view(num_decodes, context, num_kv_heads, head_dim).transpose(1, 2)
-        if plan.common_block_ids is not None:
-            own = attend_heads(q, k, v, plan.mask)  # [decodes, kv_heads, group, ...]
-            return self._with_common_prefix(q, own, kv_cache, plan).to(query.dtype)
+        if plan.common_block_ids is not None:  # the own blocks continue from the common ones
+            common = self._common_prefix(q, kv_cache, plan)
+            out, _ = attend_heads(q, k, v, plan.mask, prior=common)  # [decodes, kv, group, dim]
+            return out.reshape(num_decodes, num_heads, head_dim).to(query.dtype)
         if query.dtype == torch.float32:
             # float32: torch's fused kernel is the fastest path measured.
             out = F.scaled_dot_product_attention(
@@ -252,14 +252,3 @@ class TorchAttentionBackend:
         out, lse = attend_common_blocks(q, kv_cache, plan.common_block_ids)
         out = out.view(num_kv_heads, num_decodes, group, head_dim).transpose(0, 1)
         return out, lse.view(num_kv_heads, num_decodes, group).transpose(0, 1)
-
-    def _with_common_prefix(
-        self,
-        q: torch.Tensor,  # [num_decodes, kv_heads, group, dim]
-        own: tuple[torch.Tensor, torch.Tensor],  # over each sequence's own blocks: out, lse
-        kv_cache: torch.Tensor,
-        plan: DecodePlan,
-    ) -> torch.Tensor:  # [num_decodes, heads, dim] float32
-        num_decodes, num_kv_heads, group, head_dim = q.shape
-        out = merge(*self._common_prefix(q, kv_cache, plan), *own)
-        return out.reshape(num_decodes, num_kv_heads * group, head_dim)
