@@ -11,6 +11,8 @@ the engine, so they stream from memory rather than sit in cache as they do when 
 is timed alone): milliseconds per step, GB/s of weights read and GFLOP/s, for 1, 8 and 64
 sequences. At small batches a step is bound by reading the weights, not by the FLOPs; what
 reading memory alone reaches (a sum over 512 MB, more than any cache) is reported beside it.
+Where the CPU has AMX-BF16, the bf16 step is timed both ways, oneDNN's products and our tile
+kernel's (`decode_step_tiles`, the engine's path for up to 128 rows), at 1 to 256 rows.
 
 Floor: the FLOPs of bench_offline.py's shared-prefix workload (64 × (1,024 shared + 32 own)
 prompt tokens → 32 output tokens, prefix caching on, so the shared prefix is computed once):
@@ -34,9 +36,11 @@ from typing import Any
 import torch
 from report import emit
 
+from blockserve.attention import cpu_kernels
+from blockserve.model import packed
 from blockserve.model.arch import LlamaArchConfig
-from blockserve.model.loader import resolve_model_dir
-from blockserve.model.packed import PackedLinear
+from blockserve.model.loader import default_cache_dir, resolve_model_dir
+from blockserve.model.packed import PackedLinear, pack_for_tiles
 
 PREFIX, SUFFIX, OUTPUT, REQUESTS = 1024, 32, 32, 64
 
@@ -75,7 +79,11 @@ def model_shapes(arch: LlamaArchConfig) -> dict[str, tuple[int, int, int]]:
 
 
 def decode_step(
-    arch: LlamaArchConfig, dtype: torch.dtype, rows: tuple[int, ...], repeats: int
+    arch: LlamaArchConfig,
+    dtype: torch.dtype,
+    rows: tuple[int, ...],
+    repeats: int,
+    tile_ops: Any = None,  # our loaded bf16 operators: time our tile kernel, not oneDNN
 ) -> dict[str, dict[str, float]]:
     """Median ms of one decode step's products over distinct weights; GB/s of weights read."""
     hidden, inter = arch.hidden_size, arch.intermediate_size
@@ -86,6 +94,8 @@ def decode_step(
     shapes.append((hidden, arch.vocab_size))  # the LM head
     linears = [PackedLinear(torch.nn.Linear(k, n, bias=False).to(dtype)) for k, n in shapes]
     weight_bytes = sum(k * n for k, n in shapes) * torch.finfo(dtype).bits // 8
+    if tile_ops is not None:
+        pack_for_tiles(torch.nn.ModuleList(linears), tile_ops)
     results = {}
     for m in rows:
         inputs = [torch.randn(m, k).to(dtype) for k, _ in shapes]
@@ -163,18 +173,32 @@ def main() -> None:
             }
             for label, shape in model_shapes(arch).items()
         }
+        cpu_kernels.use_amx(False)  # oneDNN's products
         decode[name] = decode_step(arch, dtype, (1, 8, 64), args.repeats)
         print(name, peaks[name], linears[name], decode[name], flush=True)
+    tiles = None
+    if cpu_kernels.supported(torch.bfloat16):
+        ops = cpu_kernels.load(default_cache_dir(), torch.bfloat16)
+        if ops is not None and ops.has_amx():
+            rows = (1, 8, 16, 32, 64, 128, 256)
+            cpu_kernels.use_amx(False)
+            tiles = {"onednn": decode_step(arch, torch.bfloat16, rows, args.repeats)}
+            cpu_kernels.use_amx(True)
+            limit, packed.TILE_MAX_ROWS = packed.TILE_MAX_ROWS, max(rows)  # past the engine's
+            tiles["tiles"] = decode_step(arch, torch.bfloat16, rows, args.repeats, ops)
+            packed.TILE_MAX_ROWS = limit
+            print("decode step, oneDNN vs tiles", tiles, flush=True)
     work = workload_gflop(arch)
     # The fastest product measured either way: torch.mm or the prepacked linear.
-    packed = (v["packed"] for v in linears[args.dtype].values())
-    peak = max(*peaks[args.dtype].values(), *packed)
+    packed_peaks = (v["packed"] for v in linears[args.dtype].values())
+    peak = max(*peaks[args.dtype].values(), *packed_peaks)
     floor = work["total"] / peak
     results: dict[str, Any] = {
         "torch": torch.__version__,
         "gflops": peaks,
         "linear_vs_packed_gflops": linears,
         "decode_step": decode,
+        "decode_step_tiles": tiles,
         "memory_read_gb_per_s": memory_read_gb_per_s(args.repeats),
         "workload_gflop": {k: round(v, 1) for k, v in work.items()},
         "floor_dtype": args.dtype,

@@ -15,12 +15,10 @@
 // sum; probabilities stay float32 and V is widened to float32 for the second product.
 
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <array>
-#include <atomic>
 
+#include "cpu_amx.h"
 #include "cpu_attention.h"
 #include "cpu_bf16_common.h"
 
@@ -271,45 +269,12 @@ struct Bf16Kernel {
 // products is block_softmax's, so the two paths differ only in the order of float32 sums.
 // Paged decode keeps vdpbf16ps: a KV head's 1 to 8 query rows fill too little of a tile.
 
-// Linux hands AMX's tile state to a process only once asked.
-bool request_tiles() {
-  constexpr long kRequestPermission = 0x1023;  // ARCH_REQ_XCOMP_PERM
-  constexpr long kTileData = 18;               // XFEATURE_XTILEDATA
-  return __builtin_cpu_supports("amx-bf16") &&
-         syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
-}
-
-bool tiles_available() {
-  static const bool available = request_tiles();
-  return available;
-}
-
-std::atomic<bool> tiles_wanted{true};
-
-bool use_tiles() { return tiles_wanted.load(std::memory_order_relaxed) && tiles_available(); }
-
-// Tiles 0-3: the four 16×16 float32 results; 4-5: the left side's two 32-element halves;
-// 6-7: the right side's two 16-pair halves. All 16 rows of 64 bytes.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t bytes_per_row[16] = {64, 64, 64, 64, 64, 64, 64, 64};
-  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
-};
-
 struct AmxKernel : Bf16Kernel {
   static constexpr int64_t kTileRows = 16, kTaskRows = 16;
 
-  // Around each thread's tasks: the tiles configured (another library's kernels, oneDNN's,
-  // may have left them otherwise), then released.
-  struct Scope {
-    Scope() {
-      static const TileConfig config;
-      _tile_loadconfig(&config);
-    }
-    ~Scope() { _tile_release(); }
-    Scope(const Scope&) = delete;
-    Scope& operator=(const Scope&) = delete;
-  };
+  // Tiles 0-3: four 16×16 float32 results; 4-5: the left side's two 32-element halves;
+  // 6-7: the right side's two 16-pair halves.
+  using Scope = TileScope;  // around each thread's tasks
 
   // The task's 16 rows through one key block (row0 is always 0: a task is one tile).
   static void tile_block(const uint16_t* q, const uint16_t* kblock, const uint16_t* vblock,

@@ -68,8 +68,8 @@ LIBRARIES = {
     for library in (
         Library(
             "bf16", torch.bfloat16, "blockserve_cpu",
-            ("cpu_dense_bf16.cpp", "cpu_layer_bf16.cpp", "cpu_bf16_common.h", "cpu_exp2.h",
-             "cpu_attention.h", "cpu_layer.h"),
+            ("cpu_dense_bf16.cpp", "cpu_layer_bf16.cpp", "cpu_linear_bf16.cpp",
+             "cpu_bf16_common.h", "cpu_exp2.h", "cpu_amx.h", "cpu_attention.h", "cpu_layer.h"),
             ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma",
              "-mamx-tile", "-mamx-bf16"),  # AMX used only where the CPU has it
             ("avx512_bf16",),
@@ -92,6 +92,10 @@ _builds: dict[subprocess.Popen, Path] = {}  # running compiles → their scratch
 _enabled = True
 _paged_enabled = True
 _layer_enabled = True
+_tiles_wanted = True  # use_amx
+_tile_ops: Any = None  # the bf16 operators, once loaded where the CPU has AMX-BF16
+_callbacks_lock = threading.Lock()
+_when_loaded: dict[torch.dtype, list[Callable[[Any], None]]] = {}
 
 
 def serves(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
@@ -184,6 +188,7 @@ def _stop_builds() -> None:
 def load(cache_dir: Path, dtype: torch.dtype) -> Any:
     """Build if needed and load `dtype`'s library: its operators (a torch.ops namespace), or
     None (logged) where that fails. Blocking."""
+    global _tile_ops
     with _lock:
         if dtype in _loaded:
             return _loaded[dtype]
@@ -196,11 +201,37 @@ def load(cache_dir: Path, dtype: torch.dtype) -> Any:
         except (OSError, subprocess.SubprocessError) as error:
             detail = getattr(error, "stderr", "") or ""
             logger.warning("CPU kernels not built, torch's are used: %s %s", error, detail)
+            with _callbacks_lock:
+                _when_loaded.pop(dtype, None)
             return None
-        _loaded[dtype] = getattr(torch.ops, LIBRARIES[dtype].namespace)
+        ops = getattr(torch.ops, LIBRARIES[dtype].namespace)
+        if dtype == torch.bfloat16 and ops.has_amx():
+            _tile_ops = ops
+        _loaded[dtype] = ops
         seconds = time.perf_counter() - started
         logger.info("CPU kernels ready in %.1f s (%s)", seconds, target)
-        return _loaded[dtype]
+    with _callbacks_lock:
+        callbacks = _when_loaded.pop(dtype, [])
+    for callback in callbacks:
+        _run_callback(callback, ops)
+    return ops
+
+
+def when_loaded(dtype: torch.dtype, callback: Callable[[Any], None]) -> None:
+    """Call `callback(operators)` once `dtype`'s library is loaded: now if it is, else on the
+    thread that loads it, right after (never if it fails to load)."""
+    with _callbacks_lock:
+        if dtype not in _loaded:
+            _when_loaded.setdefault(dtype, []).append(callback)
+            return
+    _run_callback(callback, _loaded[dtype])
+
+
+def _run_callback(callback: Callable[[Any], None], ops: Any) -> None:
+    try:
+        callback(ops)
+    except Exception:  # a loader thread must not die of it, nor the engine stop
+        logger.exception("after loading the CPU kernels")
 
 
 def start_loading(cache_dir: Path, dtype: torch.dtype) -> None:
@@ -282,10 +313,21 @@ def layer_ops(hidden: torch.Tensor, head_dim: int) -> Any:
     return _loaded.get(hidden.dtype)
 
 
+def tile_linear(x: torch.Tensor) -> Callable[..., torch.Tensor] | None:
+    """Our product of few rows on AMX tiles (cpu_linear_bf16.cpp) for rows like `x`, or None:
+    bf16 on a CPU with AMX-BF16 once the library is loaded, and not switched off."""
+    if _tile_ops is None or not _tiles_wanted or x.dtype != torch.bfloat16:
+        return None
+    return _tile_ops.tile_linear if x.device.type == "cpu" else None
+
+
 def use_amx(on: bool) -> bool:
-    """Run bf16 dense and prefix attention on AMX tiles (the default where the CPU has
-    AMX-BF16) or on AVX512-BF16 vectors alone: tests and benchmarks compare the two. Whether
-    the tiles are now in use: never where the CPU has no AMX or the bf16 library is not loaded."""
+    """Run bf16 attention and few-row products on AMX tiles (the default where the CPU has
+    AMX-BF16) or not (AVX512-BF16 vectors for attention, oneDNN's products): tests and
+    benchmarks compare the two. Whether the tiles are now in use: never where the CPU has no
+    AMX or the bf16 library is not loaded."""
+    global _tiles_wanted
+    _tiles_wanted = on
     ops = _loaded.get(torch.bfloat16)
     return ops is not None and bool(ops.use_amx(on))
 

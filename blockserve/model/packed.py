@@ -6,16 +6,33 @@ measures both (docs/benchmarks.md, "Compute floor"): the small decode and LM-hea
 gain most. Results equal `F.linear`'s bit for bit in bfloat16 and within float32 rounding
 (accumulation order) in float32.
 
+Where the CPU has AMX-BF16, a bf16 model's products of up to `TILE_MAX_ROWS` rows (decode
+steps) run on our tile kernel instead (attention/cpu_linear_bf16.cpp), over a second copy of
+each weight in tile order made once our kernels are loaded (`pack_for_tiles`): those products
+read every weight for a few rows, and ours read them faster (docs/benchmarks.md, "Decode
+products on AMX tiles"). The copy doubles the linear weights' memory, so it is made only for
+models whose linear weights fit in `MAX_TILE_COPY_BYTES`.
+
 Under `torch.compile` the product goes through `blockserve::packed_linear`, an operator of our
 own that inductor calls as an opaque kernel: inductor lowers oneDNN's linear only over weights
 it has frozen into the graph itself (its `freezing` mode), while ours are packed at load and
-stay inputs of the graph (model/compile.py).
+stay inputs of the graph (model/compile.py). Compiled graphs use oneDNN's products only.
 """
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 import torch
 from torch import nn
+
+from blockserve.attention import cpu_kernels
+
+logger = logging.getLogger(__name__)
+
+TILE_MAX_ROWS = 128
+MAX_TILE_COPY_BYTES = 2 << 30
 
 _LIBRARY = torch.library.Library("blockserve", "FRAGMENT")
 _LIBRARY.define("packed_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor")
@@ -50,6 +67,7 @@ class PackedLinear(nn.Module):
 
     packed: torch.Tensor
     bias: torch.Tensor | None
+    tiles: torch.Tensor | None  # the weight in tile order (pack_for_tiles), or None
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -60,14 +78,29 @@ class PackedLinear(nn.Module):
         self.register_buffer("packed", packed, persistent=False)
         bias = None if linear.bias is None else linear.bias.detach()
         self.register_buffer("bias", bias, persistent=False)
+        self.register_buffer("tiles", None, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if torch.compiler.is_compiling():
             out = torch.ops.blockserve.packed_linear(rows, self.packed, self.bias)
+        elif (
+            self.tiles is not None
+            and rows.shape[0] <= TILE_MAX_ROWS
+            and (tile_linear := cpu_kernels.tile_linear(rows)) is not None
+        ):
+            out = tile_linear(rows, self.tiles, self.bias)
         else:
             out = _packed_linear(rows, self.packed, self.bias)
         return out.view(*x.shape[:-1], self.out_features)
+
+    def tileable(self) -> bool:
+        """Whether our tile kernel takes this layer: bf16, both sizes multiples of 32."""
+        return (
+            self.packed.dtype == torch.bfloat16
+            and self.in_features % 32 == 0
+            and self.out_features % 32 == 0
+        )
 
 
 def prepack_linears(model: nn.Module) -> int:
@@ -81,3 +114,19 @@ def prepack_linears(model: nn.Module) -> int:
     for parent, name, child in targets:
         setattr(parent, name, PackedLinear(child))
     return len(targets)
+
+
+def pack_for_tiles(model: nn.Module, ops: Any) -> int:
+    """Give each `PackedLinear` under `model` that our tile kernel takes a copy of its weight
+    in tile order (`ops`: our loaded bf16 operators), unless the copies would pass
+    `MAX_TILE_COPY_BYTES`; returns how many got one."""
+    linears = [m for m in model.modules() if isinstance(m, PackedLinear) and m.tileable()]
+    size = sum(m.in_features * m.out_features * 2 for m in linears)
+    if size > MAX_TILE_COPY_BYTES:
+        logger.info("linear weights of %.1f GiB: no tile copies (at most %.1f GiB)",
+                    size / 2**30, MAX_TILE_COPY_BYTES / 2**30)  # fmt: skip
+        return 0
+    for linear in linears:
+        weight = linear.packed.to_dense() if linear.packed.is_mkldnn else linear.packed
+        linear.tiles = ops.tile_pack(weight)
+    return len(linears)

@@ -8,8 +8,11 @@ Makes no scheduling decision.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
 
 import llguidance
 import torch
@@ -22,6 +25,7 @@ from blockserve.grammar import GrammarCompiler, apply_token_masks
 from blockserve.model.compile import CompileReport, compile_forward, mark_token_dim_dynamic
 from blockserve.model.dtype import probe_host, warn_if_slow
 from blockserve.model.loader import LoadedModel, default_cache_dir, load_model, resolve_dtype
+from blockserve.model.packed import pack_for_tiles
 from blockserve.model.sampler import Sampler, SamplerOutput, SamplingBatch, SamplingRow
 from blockserve.runner.inputs import ModelInputs, prepare_inputs
 from blockserve.runner.kv_cache import allocate_kv_caches, num_blocks_for
@@ -32,6 +36,13 @@ from blockserve.sched.output import (
     SchedulerOutput,
     TokenLogprobs,
 )
+
+
+def _pack_for_tiles(model: weakref.ref[torch.nn.Module], ops: Any) -> None:
+    """Once our bf16 kernels are loaded (a thread of theirs): the tile copies of a model's
+    weights where the CPU has AMX, unless the model is gone by then."""
+    if (alive := model()) is not None and ops.has_amx():
+        pack_for_tiles(alive, ops)
 
 
 @dataclass
@@ -62,6 +73,8 @@ class ModelRunner:
         self.arch = self.loaded.arch
         if cpu_kernels.serves(self.device, dtype, self.arch.head_dim):
             cpu_kernels.start_loading(default_cache_dir(), dtype)  # torch's kernel serves meanwhile
+            if dtype == torch.bfloat16 and cpu_kernels.supported(dtype):
+                cpu_kernels.when_loaded(dtype, partial(_pack_for_tiles, weakref.ref(self.model)))
         self.block_size = cache_config.block_size
         self.num_blocks = num_blocks_for(
             self.arch,

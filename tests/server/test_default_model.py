@@ -7,12 +7,14 @@ from pathlib import Path
 import openai
 import pytest
 
+from tests.model.test_loader import QUESTION
 from tests.server.server_process import ServerProcess
 
 
 @pytest.mark.slow
 def test_default_model_chat_mentions_paris(tmp_path: Path) -> None:
-    """`blockserve serve` with no --model answers the capital of France with Paris."""
+    """`blockserve serve` with no --model answers the capital of France with Paris (asked for
+    the city's name: tests/model/test_loader.py says why)."""
     server = ServerProcess(["--max-model-len", "2048"], tmp_path / "server.log")
     try:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
@@ -20,7 +22,7 @@ def test_default_model_chat_mentions_paris(tmp_path: Path) -> None:
         assert model.id == "SmolLM2-135M-Instruct"
         answer = client.chat.completions.create(
             model=model.id,
-            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            messages=[{"role": "user", "content": QUESTION}],
             max_tokens=16,
             temperature=0,
         )

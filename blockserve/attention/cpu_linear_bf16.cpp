@@ -1,0 +1,172 @@
+// Linear layers of few rows (decode steps) on AMX tiles: y = x · Wᵀ (+ bias), bfloat16 in and
+// out, float32 sums.
+//
+// A decode step's products read every weight of the model once for a few dozen rows: they
+// are bound by memory, and oneDNN's reached 12-17 GB/s of this host's ~28 on them
+// (docs/benchmarks.md, "Decode products on AMX tiles"). Here the weight is repacked once
+// into tile order, [N/16][K/32][16 pairs of k][16 columns][2], so that each B tile (16
+// columns × 32 k) is one contiguous kilobyte and a thread's share of the weight one
+// sequential stream, fetched into L2 a few tiles ahead. Each thread takes a run of 32-column
+// blocks: per 32 of k, two A tiles (32 rows of x, read where x lies) and two B tiles make
+// four tile products into four 16×16 float32 results, so each loaded tile serves two
+// products. Rows past 32 take further passes over the same columns, whose tiles are then in
+// cache. The next step's tiles are loaded while this one's last products run.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <cstdint>
+
+#include "cpu_amx.h"
+
+namespace {
+
+using namespace blockserve_cpu;
+
+constexpr int64_t kTileK = 32;                 // bf16 of k per tile row
+constexpr int64_t kTileElems = 16 * kTileK;    // one 1 KB tile
+constexpr int64_t kColumnBlock = 32;           // output columns per task: two B tiles
+constexpr int64_t kPrefetchBytes = 32 * 1024;  // how far ahead of its products a stream is fetched
+
+// W [N, K] row-major → tile order: B tile (n block b, k step s) at (b · K/32 + s) · 512, its
+// row p holding (W[n][32s + 2p], W[n][32s + 2p + 1]) for the block's 16 columns n.
+at::Tensor tile_pack(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16,
+              "tile_pack: the weight must be 2-D bfloat16");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  TORCH_CHECK(n % kColumnBlock == 0 && k % kTileK == 0, "tile_pack: [", n, ", ", k,
+              "] is not a multiple of [32, 32]");
+  const at::Tensor w = weight.contiguous();
+  at::Tensor packed = at::empty_like(w);
+  const auto* src = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  auto* dst = reinterpret_cast<uint16_t*>(packed.data_ptr());
+  const int64_t steps = k / kTileK;
+  at::parallel_for(0, n / 16, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t block = begin; block < end; ++block) {
+      uint16_t* out = dst + block * steps * kTileElems;
+      for (int64_t s = 0; s < steps; ++s)
+        for (int64_t p = 0; p < 16; ++p)
+          for (int64_t c = 0; c < 16; ++c) {
+            const uint16_t* row = src + (block * 16 + c) * k + s * kTileK + 2 * p;
+            *out++ = row[0];
+            *out++ = row[1];
+          }
+    }
+  });
+  return packed;
+}
+
+// 16 × RowTiles rows of x (stride `k` elements) times the 32 columns whose tiles start at b0
+// (b1 = the next 16 columns): four (or two) 16×16 float32 results into acc. Tiles 0-3 hold
+// the results (0, 1: rows 0-15; 2, 3: rows 16-31), 4-5 x, 6-7 W.
+template <int RowTiles>
+void tile_block(const uint16_t* x, int64_t k, const uint16_t* b0, const uint16_t* b1,
+                bool prefetch, float (*acc)[16][16]) {
+  const int64_t steps = k / kTileK, stride = k * sizeof(uint16_t);
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (RowTiles == 2) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  _tile_loadd(4, x, stride);
+  _tile_loadd(6, b0, 64);
+  _tile_loadd(7, b1, 64);
+  if constexpr (RowTiles == 2) _tile_loadd(5, x + 16 * k, stride);
+  for (int64_t s = 0; s < steps; ++s) {
+    if (prefetch) {
+      const char* ahead0 = reinterpret_cast<const char*>(b0 + s * kTileElems) + kPrefetchBytes;
+      const char* ahead1 = reinterpret_cast<const char*>(b1 + s * kTileElems) + kPrefetchBytes;
+      for (int line = 0; line < 1024; line += 64) {
+        _mm_prefetch(ahead0 + line, _MM_HINT_T1);
+        _mm_prefetch(ahead1 + line, _MM_HINT_T1);
+      }
+    }
+    const bool more = s + 1 < steps;
+    const int64_t next = (s + 1) * kTileElems;
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (RowTiles == 2) _tile_dpbf16ps(2, 5, 6);
+    if (more) _tile_loadd(6, b0 + next, 64);
+    _tile_dpbf16ps(1, 4, 7);
+    if (more) _tile_loadd(4, x + (s + 1) * kTileK, stride);
+    if constexpr (RowTiles == 2) _tile_dpbf16ps(3, 5, 7);
+    if (more) {
+      _tile_loadd(7, b1 + next, 64);
+      if constexpr (RowTiles == 2) _tile_loadd(5, x + 16 * k + (s + 1) * kTileK, stride);
+    }
+  }
+  _tile_stored(0, acc[0], 64);
+  _tile_stored(1, acc[1], 64);
+  if constexpr (RowTiles == 2) {
+    _tile_stored(2, acc[2], 64);
+    _tile_stored(3, acc[3], 64);
+  }
+}
+
+at::Tensor tile_linear(const at::Tensor& x, const at::Tensor& packed,
+                       const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(tiles_available(), "tile_linear: this CPU (or process) has no AMX-BF16 tiles");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 &&
+                  packed.scalar_type() == at::kBFloat16 && packed.dim() == 2,
+              "tile_linear: x [rows, k] and the packed weight [n, k] must be bfloat16");
+  const int64_t rows = x.size(0), k = x.size(1), n = packed.size(0);
+  TORCH_CHECK(packed.size(1) == k && packed.is_contiguous(), "tile_linear: x has ", k,
+              " columns, the weight ", packed.size(1));
+  TORCH_CHECK(n % kColumnBlock == 0 && k % kTileK == 0, "tile_linear: [", n, ", ", k,
+              "] is not a multiple of [32, 32]");
+  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == n), "tile_linear: bias must be [",
+              n, "]");
+  at::Tensor out = at::empty({rows, n}, x.options());
+  if (rows == 0) return out;
+  // Whole tiles of rows: 16 for one row tile, else 32 per pass; padding rows are zero.
+  const int64_t padded = rows <= 16 ? 16 : (rows + 31) / 32 * 32;
+  at::Tensor left = x.contiguous();
+  if (padded != rows) left = at::cat({left, at::zeros({padded - rows, k}, x.options())});
+  const at::Tensor bias_f32 = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  const auto* xs = reinterpret_cast<const uint16_t*>(left.data_ptr());
+  const auto* ws = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  const float* bs = bias ? bias_f32.data_ptr<float>() : nullptr;
+  auto* ys = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const int64_t block_elems = k / kTileK * kTileElems;  // one 16-column block of W
+  at::parallel_for(0, n / kColumnBlock, 1, [&](int64_t begin, int64_t end) {
+    TileScope scope;
+    alignas(64) float acc[4][16][16];
+    for (int64_t task = begin; task < end; ++task) {
+      const uint16_t* b0 = ws + 2 * task * block_elems;
+      for (int64_t row0 = 0; row0 < padded; row0 += 32) {
+        const bool first = row0 == 0;  // later passes find the tiles in cache
+        if (padded == 16)
+          tile_block<1>(xs, k, b0, b0 + block_elems, first, acc);
+        else
+          tile_block<2>(xs + row0 * k, k, b0, b0 + block_elems, first, acc);
+        for (int64_t r = 0; r < 32 && row0 + r < rows; ++r) {
+          uint16_t* y = ys + (row0 + r) * n + task * kColumnBlock;
+          for (int64_t half = 0; half < 2; ++half) {
+            __m512 v = _mm512_load_ps(acc[(r / 16) * 2 + half][r % 16]);
+            if (bs) v = _mm512_add_ps(v, _mm512_loadu_ps(bs + task * kColumnBlock + half * 16));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + half * 16),
+                                reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+
+bool has_amx() { return tiles_available(); }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(blockserve_cpu, m) {
+  m.def("tile_pack(Tensor weight) -> Tensor");
+  m.def("tile_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
+  m.def("has_amx() -> bool", &has_amx);
+}
+
+TORCH_LIBRARY_IMPL(blockserve_cpu, CPU, m) {
+  m.impl("tile_pack", &tile_pack);
+  m.impl("tile_linear", &tile_linear);
+}

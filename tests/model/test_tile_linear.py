@@ -1,0 +1,188 @@
+"""Our few-row products on AMX tiles (attention/cpu_linear_bf16.cpp) and the `PackedLinear`
+path to them: exact where the float32 sums are, refusing what they do not handle, taken for
+up to `TILE_MAX_ROWS` rows of a layer that has its tile copy (oneDNN's products otherwise),
+and the copies made for a bf16 model once our kernels are loaded."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from blockserve.attention import cpu_kernels
+from blockserve.config import CacheConfig, ModelConfig
+from blockserve.model import packed
+from blockserve.model.packed import PackedLinear, pack_for_tiles
+from blockserve.runner.model_runner import ModelRunner
+from tests.attention.test_cpu_kernel import AMX
+from tests.tiny_models import save_tiny_model
+
+pytestmark = pytest.mark.skipif(
+    not AMX, reason="needs an x86 CPU with AMX-BF16 (elsewhere oneDNN serves every product)"
+)
+
+
+@pytest.fixture(scope="module")
+def ops(cpu_kernels_dir: Path) -> Iterator[Any]:
+    loaded = cpu_kernels.load(cpu_kernels_dir, torch.bfloat16)
+    assert loaded is not None and loaded.has_amx()
+    assert cpu_kernels.use_amx(True)
+    yield loaded
+    cpu_kernels.use_amx(True)  # the default, whatever a test left
+
+
+def small_ints(*shape: int, seed: int) -> torch.Tensor:
+    """Integers in [-2, 2] as bf16: every product and sum of them is exact in float32."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(-2, 3, shape, generator=generator).to(torch.bfloat16)
+
+
+def exact(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out = x.double() @ weight.double().T
+    if bias is not None:
+        out += bias.double()
+    return out.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 33, 64, 100])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_product_is_the_exact_one_rounded_once(ops: Any, rows: int, bias: bool) -> None:
+    """One row tile (up to 16 rows) or passes of 32, padding rows never written; 5 steps of
+    32 along k, 3 blocks of 32 columns shared by 2 threads."""
+    weight = small_ints(96, 160, seed=1)
+    bias_value = small_ints(96, seed=2) if bias else None
+    x = small_ints(rows, 2 * 160, seed=rows)[:, 160:]  # rows of a wider tensor: a view
+    got = ops.tile_linear(x, ops.tile_pack(weight), bias_value)
+    assert got.shape == (rows, 96) and got.dtype == torch.bfloat16
+    assert torch.equal(got, exact(x, weight, bias_value))
+
+
+def test_packing_puts_each_32_k_by_16_columns_in_one_kilobyte(ops: Any) -> None:
+    """The layout the kernel reads: block b, step s at (b * K/32 + s) * 512, row p holding
+    the pairs (W[n][32s + 2p], W[n][32s + 2p + 1]) of the block's 16 columns n."""
+    weight = torch.arange(64 * 64).view(64, 64).to(torch.float32)  # exact in bf16 up to 256
+    weight = (weight % 251).to(torch.bfloat16)
+    tiles = ops.tile_pack(weight).view(4, 2, 16, 16, 2)  # [blocks, steps, pairs, columns, 2]
+    for block, step, pair, column in ((0, 0, 0, 0), (1, 1, 15, 3), (3, 0, 7, 15), (2, 1, 4, 9)):
+        n, k = block * 16 + column, step * 32 + 2 * pair
+        assert torch.equal(tiles[block, step, pair, column], weight[n, k : k + 2])
+
+
+def bf16(*shape: int) -> torch.Tensor:
+    return torch.zeros(*shape, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda o: o.tile_pack(torch.zeros(64, 64)), "bfloat16"),
+        (lambda o: o.tile_pack(bf16(48, 64)), "multiple of"),
+        (lambda o: o.tile_pack(bf16(64, 40)), "multiple of"),
+        (lambda o: o.tile_linear(bf16(2, 32), o.tile_pack(bf16(64, 64)), None), "columns"),
+        (lambda o: o.tile_linear(torch.zeros(2, 64), o.tile_pack(bf16(64, 64)), None), "bfloat16"),
+        (lambda o: o.tile_linear(bf16(2, 64), o.tile_pack(bf16(64, 64)), bf16(32)), "bias"),
+        (lambda o: o.tile_linear(bf16(2, 64), bf16(64, 128)[:, :64], None), "columns"),
+    ],
+)
+def test_refuses_what_it_does_not_handle(ops: Any, call: Callable[[Any], Any], message: str):
+    with pytest.raises(RuntimeError, match=message):
+        call(ops)
+
+
+def int_linear(in_features: int, out_features: int, seed: int) -> nn.Linear:
+    linear = nn.Linear(in_features, out_features).to(torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.copy_(small_ints(out_features, in_features, seed=seed))
+        linear.bias.copy_(small_ints(out_features, seed=seed + 1))
+    return linear
+
+
+@pytest.fixture
+def tile_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The rows of each product the tile kernel was handed."""
+    calls: list[int] = []
+    find = cpu_kernels.tile_linear
+
+    def spying(x: torch.Tensor) -> Any:
+        op = find(x)
+        if op is None:
+            return None
+
+        def call(rows: torch.Tensor, *args: Any) -> torch.Tensor:
+            calls.append(rows.shape[0])
+            return op(rows, *args)
+
+        return call
+
+    monkeypatch.setattr(cpu_kernels, "tile_linear", spying)
+    return calls
+
+
+def test_a_packed_linear_takes_the_tiles_for_few_rows_only(ops: Any, tile_calls: list[int]):
+    linear = int_linear(160, 96, seed=3)
+    weight, bias = linear.weight.detach().clone(), linear.bias.detach().clone()
+    layer = PackedLinear(linear)
+    assert layer.tiles is None
+    x = small_ints(packed.TILE_MAX_ROWS + 1, 160, seed=4)
+    assert torch.equal(layer(x[:3]), exact(x[:3], weight, bias)) and tile_calls == []
+
+    assert pack_for_tiles(layer, ops) == 1 and layer.tiles is not None
+    for rows in (1, packed.TILE_MAX_ROWS, packed.TILE_MAX_ROWS + 1):
+        assert torch.equal(layer(x[:rows]), exact(x[:rows], weight, bias))
+    assert torch.equal(layer(x[:6].view(2, 3, 160)), exact(x[:6], weight, bias).view(2, 3, 96))
+    assert tile_calls == [1, packed.TILE_MAX_ROWS, 6]  # more rows: oneDNN's product
+
+    assert not cpu_kernels.use_amx(False)
+    assert torch.equal(layer(x[:3]), exact(x[:3], weight, bias))
+    assert tile_calls == [1, packed.TILE_MAX_ROWS, 6]
+    assert cpu_kernels.use_amx(True)
+
+
+def test_copies_only_layers_it_takes_within_the_memory_limit(
+    ops: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first, second = int_linear(160, 96, seed=5), int_linear(96, 100, seed=6)
+    weights = [(m.weight.detach().clone(), m.bias.detach().clone()) for m in (first, second)]
+    model = nn.Sequential(PackedLinear(first), PackedLinear(second))
+    monkeypatch.setattr(packed, "MAX_TILE_COPY_BYTES", 160 * 96 * 2 - 1)
+    assert pack_for_tiles(model, ops) == 0 and model[0].tiles is None
+    monkeypatch.setattr(packed, "MAX_TILE_COPY_BYTES", 160 * 96 * 2)
+    assert pack_for_tiles(model, ops) == 1  # 100 columns: not a multiple of 32
+    assert model[0].tiles is not None and model[1].tiles is None
+    x = small_ints(4, 160, seed=7)
+    assert torch.equal(model(x), exact(exact(x, *weights[0]), *weights[1]))
+
+
+def test_a_bf16_model_gets_its_copies_and_decodes_as_with_onednn(
+    ops: Any, tmp_path: Path, tile_calls: list[int]
+) -> None:
+    """A tiny Llama whose projections are multiples of 32 wide: with our library loaded, each
+    layer the kernel takes has its copy when the runner is made; a decode batch
+    of 8 rows runs them on the tiles, its logits within bf16 rounding of oneDNN's."""
+    model_dir = save_tiny_model(
+        tmp_path, hidden_size=128, intermediate_size=256, num_attention_heads=2,
+        num_key_value_heads=1,
+    )  # fmt: skip
+    runner = ModelRunner(
+        ModelConfig(model=str(model_dir), dtype="bfloat16"), CacheConfig(num_gpu_blocks_override=16)
+    )
+    linears = [m for m in runner.model.modules() if isinstance(m, PackedLinear)]
+    assert [m.tiles is not None for m in linears] == [m.out_features % 32 == 0 for m in linears]
+    # 2 layers' 4 projections, and the LM head where the vocabulary is a multiple of 32
+    assert sum(m.tiles is not None for m in linears) == 8 + (runner.arch.vocab_size % 32 == 0)
+    hidden = torch.randn(8, 128, generator=torch.Generator().manual_seed(8)).bfloat16()
+    layer = runner.model.model.layers[0]
+    with torch.inference_mode():
+        tiles = layer.mlp(hidden)
+        assert tile_calls == [8, 8]  # gate_up, down
+        cpu_kernels.use_amx(False)
+        try:
+            onednn = layer.mlp(hidden)
+        finally:
+            cpu_kernels.use_amx(True)
+    assert tile_calls == [8, 8]
+    assert (tiles.float() - onednn.float()).abs().max() <= 2**-7 * onednn.float().abs().max()
