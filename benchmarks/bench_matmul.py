@@ -2,7 +2,8 @@
 
 Peak: GFLOP/s of `torch.mm` in float32 and bfloat16 on a large square product and on the
 default model's own GEMM shapes (a 2,048-token prefill chunk and a 64-sequence decode step
-through the attention and MLP projections and the LM head); the best of --repeats runs each.
+through the attention and MLP projections and the LM head, and the QKV and down projections
+of a 1,056-token step); the best of --repeats runs each.
 On the model's shapes also `F.linear` over a row-major weight (an nn.Linear) against the
 engine's `PackedLinear` (weights reordered once for oneDNN, model/packed.py).
 
@@ -73,6 +74,9 @@ def model_shapes(arch: LlamaArchConfig) -> dict[str, tuple[int, int, int]]:
         "prefill qkv (2048 tokens)": (2048, hidden, qkv),
         "prefill gate+up (2048 tokens)": (2048, hidden, 2 * inter),
         "prefill down (2048 tokens)": (2048, inter, hidden),
+        # the shared-prefix workload's second step: 1,024 prompt tokens and 32 decodes
+        "prefill qkv (1056 tokens)": (1056, hidden, qkv),
+        "prefill down (1056 tokens)": (1056, inter, hidden),
         "decode gate+up (64 seqs)": (64, hidden, 2 * inter),
         "lm head (64 seqs)": (64, hidden, arch.vocab_size),
     }

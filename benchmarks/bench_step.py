@@ -11,7 +11,9 @@ it writes is the same each time). The two steps:
   decode   a step of 64 decodes, each over 1,024 shared and 33 own tokens
 
 Each step runs with our fused layer operators (attention/cpu_kernels.py) and without,
-alternating, `--repeats` times each way per round; medians. `--profile N` then runs each step
+alternating, `--repeats` times each way per round; medians. Where the CPU has AMX-BF16 a
+third way runs too: fused, but with oneDNN's products where our tile kernel would serve
+(`onednn_products`; `tiles_speedup` is it over `fused`). `--profile N` then runs each step
 under torch.profiler and keeps its top N operators by self time (per step, milliseconds).
 `--breakdown` times each fused step's parts by wall clock instead (the profiler stretches short
 parallel operators several-fold): the linear layers' products (LM head included), attention
@@ -170,11 +172,15 @@ def main() -> None:
     for kind, inputs in steps.items():
         repeats = args.repeats if kind == "decode" else max(2, args.repeats // 10)
         run_step(runner, inputs)  # warm
-        walls: dict[str, list[float]] = {"fused": [], "unfused": []}
+        modes = ["fused", "unfused"]
+        if cpu_kernels.tile_linear(inputs.input_ids.new_empty(0, dtype=torch.bfloat16)):
+            modes.append("onednn_products")
+        walls: dict[str, list[float]] = {mode: [] for mode in modes}
         for round_index in range(args.rounds):
-            order = ("fused", "unfused") if round_index % 2 == 0 else ("unfused", "fused")
-            for mode in order:
-                cpu_kernels.enable(True, layer=mode == "fused")
+            for mode in modes if round_index % 2 == 0 else modes[::-1]:
+                cpu_kernels.enable(
+                    True, layer=mode != "unfused", products=mode != "onednn_products"
+                )
                 walls[mode].extend(time_step(runner, inputs, repeats))
         cpu_kernels.enable(True)
         medians = {mode: round(statistics.median(t) * 1e3, 2) for mode, t in walls.items()}
@@ -183,6 +189,8 @@ def main() -> None:
             "median_ms": medians,
             "speedup": round(medians["unfused"] / medians["fused"], 3),
         }
+        if "onednn_products" in medians:
+            results[kind]["tiles_speedup"] = round(medians["onednn_products"] / medians["fused"], 3)
         if args.breakdown:
             results[kind]["breakdown_ms"] = breakdown(runner, inputs, repeats)
         if args.profile:

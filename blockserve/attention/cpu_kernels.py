@@ -1,16 +1,17 @@
 """Our CPU kernels, built with the host's g++ and loaded into torch as operators: two
 libraries, one per dtype a model is served in on a CPU.
 
-- `bf16`, for x86 CPUs with AVX512-BF16 (cpu_dense_bf16.cpp, cpu_layer_bf16.cpp), as the
-  `blockserve_cpu` operators; where the CPU also has AMX-BF16, dense and prefix attention run
-  their products on its tiles (`use_amx`).
+- `bf16`, for x86 CPUs with AVX512-BF16 (cpu_dense_bf16.cpp, cpu_layer_bf16.cpp,
+  cpu_linear_bf16.cpp), as the `blockserve_cpu` operators; where the CPU also has AMX-BF16,
+  dense and prefix attention run their products on its tiles, and so do linear layers' products
+  of few rows (`tile_linear`, model/packed.py) (`use_amx`).
 - `f32`, for x86 CPUs with AVX2 and FMA (cpu_dense_f32.cpp, cpu_layer_f32.cpp), as
   `blockserve_cpu_f32`: float32, what `auto` picks where bf16 is not native.
 
-Both have the same operators, for head dimension 64. The attention ones (cpu_attention.h)
-serve the torch backend: `dense_attention` for prefills one by one and each sequence's own
-blocks after a shared prefix (docs/benchmarks.md, "Attention on the workloads' shapes");
-`prefix_attention` for a shared prefix's common blocks, read in place;
+Both have the same attention and layer operators, for head dimension 64. The attention ones
+(cpu_attention.h) serve the torch backend: `dense_attention` for prefills one by one and each
+sequence's own blocks after a shared prefix (docs/benchmarks.md, "Attention on the workloads'
+shapes"); `prefix_attention` for a shared prefix's common blocks, read in place;
 `paged_decode` for decodes, reading each sequence's own blocks in place. The layer ones
 (`rms_norm`, `add_rms_norm`, `rotary_`, `silu_and_mul`, cpu_layer.h) serve an eager
 forward's elementwise math (`layer_ops`). Elsewhere, or while they build, or if they cannot
@@ -93,6 +94,7 @@ _enabled = True
 _paged_enabled = True
 _layer_enabled = True
 _tiles_wanted = True  # use_amx
+_products_enabled = True
 _tile_ops: Any = None  # the bf16 operators, once loaded where the CPU has AMX-BF16
 _callbacks_lock = threading.Lock()
 _when_loaded: dict[torch.dtype, list[Callable[[Any], None]]] = {}
@@ -316,7 +318,7 @@ def layer_ops(hidden: torch.Tensor, head_dim: int) -> Any:
 def tile_linear(x: torch.Tensor) -> Callable[..., torch.Tensor] | None:
     """Our product of few rows on AMX tiles (cpu_linear_bf16.cpp) for rows like `x`, or None:
     bf16 on a CPU with AMX-BF16 once the library is loaded, and not switched off."""
-    if _tile_ops is None or not _tiles_wanted or x.dtype != torch.bfloat16:
+    if _tile_ops is None or not (_tiles_wanted and _products_enabled) or x.dtype != torch.bfloat16:
         return None
     return _tile_ops.tile_linear if x.device.type == "cpu" else None
 
@@ -332,11 +334,18 @@ def use_amx(on: bool) -> bool:
     return ops is not None and bool(ops.use_amx(on))
 
 
-def enable(on: bool, *, paged: bool | None = None, layer: bool | None = None) -> None:
+def enable(
+    on: bool,
+    *,
+    paged: bool | None = None,
+    layer: bool | None = None,
+    products: bool | None = None,
+) -> None:
     """Switch the loaded kernels out (torch serves) and back in: benchmarks compare the two.
-    `paged` switches the paged decode alone, `layer` the fused layer operators (default: as
-    `on`)."""
-    global _enabled, _paged_enabled, _layer_enabled
+    `paged` switches the paged decode alone, `layer` the fused layer operators, `products` the
+    few-row products on AMX tiles (oneDNN's serve) (default: as `on`)."""
+    global _enabled, _paged_enabled, _layer_enabled, _products_enabled
     _enabled = on
     _paged_enabled = on if paged is None else paged
     _layer_enabled = on if layer is None else layer
+    _products_enabled = on if products is None else products
