@@ -77,11 +77,22 @@ def test_each_prefix_group_returns_to_the_replica_that_computed_it(
     }
     seen: dict[str, list[int]] = {}
     sent: dict[str, list[list[int]]] = {"A": [], "B": []}
+    # Each turn: the group, the router's view of each replica before it routed the request,
+    # and the replica that served it (for the message should the split below fail).
+    routed: list[tuple[str, dict, str]] = []
     for turn, group in enumerate("ABBAABBA"):
         prompt = f"{prefixes[group]}hello {turn}"
+        before = httpx.get(f"{cluster.url}/cluster/replicas").json()
         completion = client.completions.create(
             model=model, prompt=prompt, max_tokens=2, temperature=0
         )
+        after = httpx.get(f"{cluster.url}/cluster/replicas").json()["replicas"]
+        served = [
+            rid
+            for rid, r in after.items()
+            if r["num_requests"] > before["replicas"].get(rid, {}).get("num_requests", 0)
+        ]
+        routed.append((group, before["router"], ",".join(served)))
         details = completion.usage.prompt_tokens_details
         cached = details.cached_tokens if details is not None else 0
         current = tokens(cluster, prompt)
@@ -92,7 +103,7 @@ def test_each_prefix_group_returns_to_the_replica_that_computed_it(
     assert expected_hit(tokens(cluster, prefixes["A"]), tokens(cluster, prefixes["B"])) == 0
     # B's first request had no overlap anywhere: it went to the emptier replica.
     report = httpx.get(f"{cluster.url}/cluster/replicas").json()["replicas"]
-    assert sorted(r["num_requests"] for r in report.values()) == [4, 4]
+    assert sorted(r["num_requests"] for r in report.values()) == [4, 4], routed
     # The router follows each replica's KV events: its index of the replica that served a
     # group holds that group's full prompt blocks, plus at most one block per request that
     # the first generated token completed.
