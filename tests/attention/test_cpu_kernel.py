@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from blockserve.attention import cpu_kernels
+from blockserve.attention import cpu_build, cpu_kernels
 from blockserve.attention.torch_backend import TorchAttentionBackend
 from tests.attention.cases import make_case, reference_attention
 from tests.attention.test_torch_backend import TOLERANCE
@@ -569,23 +569,23 @@ def test_a_later_load_uses_the_built_library(
 def test_a_build_cut_short_at_exit_leaves_nothing(tmp_path: Path, dtype: torch.dtype) -> None:
     """A server stopped while the kernel builds: the compiler's process group ends and its
     scratch directory goes (the atexit hook), so neither runs on nor litters the cache."""
-    target = cpu_kernels.library_path(tmp_path, dtype)
+    target = cpu_build.library_path(tmp_path, dtype)
     failures: list[BaseException] = []
 
     def run() -> None:
         try:
-            cpu_kernels.build(target, dtype)
+            cpu_build.build(target, dtype)
         except subprocess.CalledProcessError as error:
             failures.append(error)
 
     thread = threading.Thread(target=run)
     thread.start()
     deadline = time.monotonic() + 30
-    while not cpu_kernels._builds and time.monotonic() < deadline:
+    while not cpu_build._builds and time.monotonic() < deadline:
         time.sleep(0.01)
-    processes = list(cpu_kernels._builds)
+    processes = list(cpu_build._builds)
     assert len(processes) == 1
-    cpu_kernels._stop_builds()
+    cpu_build._stop_builds()
     thread.join(30)
     assert not thread.is_alive()
     assert len(failures) == 1 and processes[0].returncode == -signal.SIGKILL

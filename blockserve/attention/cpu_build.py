@@ -1,0 +1,145 @@
+"""Building our CPU kernel libraries (attention/cpu_kernels.py loads them): which exist, what
+each is built from and for, whether this host can run it, and the g++ build itself.
+
+A build (~25 s, once per host, torch and sources) writes the library under
+`<cache dir>/cpu_kernels`, named by its dtype, the torch install and a hash of its sources and
+flags, whole (another process may be loading it), and removes the install's older build of
+it. A process that exits mid-build leaves neither a compiler nor a scratch directory behind.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+COMMON_FLAGS = ("-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-w")
+
+
+@dataclass(frozen=True, slots=True)
+class Library:
+    """One of our kernel libraries: what it serves, what it is built from, what it needs."""
+
+    name: str  # the file's prefix
+    dtype: torch.dtype
+    namespace: str  # of its operators under torch.ops
+    sources: tuple[str, ...]  # files next to this module; .cpp ones are compiled
+    flags: tuple[str, ...]  # the instruction set it is built for
+    needs: tuple[str, ...]  # torch.cpu.get_capabilities() flags the host must have
+
+    def paths(self) -> tuple[Path, ...]:
+        return tuple(Path(__file__).with_name(name) for name in self.sources)
+
+
+LIBRARIES = {
+    library.dtype: library
+    for library in (
+        Library(
+            "bf16", torch.bfloat16, "blockserve_cpu",
+            ("cpu_dense_bf16.cpp", "cpu_layer_bf16.cpp", "cpu_linear_bf16.cpp",
+             "cpu_bf16_common.h", "cpu_exp2.h", "cpu_amx.h", "cpu_attention.h", "cpu_layer.h"),
+            ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma",
+             "-mamx-tile", "-mamx-bf16"),  # AMX used only where the CPU has it
+            ("avx512_bf16",),
+        ),
+        Library(
+            "f32", torch.float32, "blockserve_cpu_f32",
+            ("cpu_dense_f32.cpp", "cpu_layer_f32.cpp", "cpu_f32_common.h", "cpu_exp2.h",
+             "cpu_attention.h", "cpu_layer.h"),
+            ("-mavx2", "-mfma", "-ffp-contract=off"),
+            ("avx2", "fma3"),
+        ),
+    )
+}  # fmt: skip
+
+_builds: dict[subprocess.Popen, Path] = {}  # running compiles → their scratch directories
+
+
+def supported(dtype: torch.dtype) -> bool:
+    """Whether `dtype`'s library can run here: an x86 CPU with the instructions it is built
+    for, a g++ to build with, and not switched off by `BLOCKSERVE_CPU_ATTENTION_KERNEL=0` (to
+    compare against torch's kernels)."""
+    if os.environ.get("BLOCKSERVE_CPU_ATTENTION_KERNEL", "1") == "0" or dtype not in LIBRARIES:
+        return False
+    flags = torch.cpu.get_capabilities()
+    has = all(flags.get(flag) for flag in LIBRARIES[dtype].needs)
+    return has and shutil.which("g++") is not None
+
+
+def library_path(cache_dir: Path, dtype: torch.dtype) -> Path:
+    """`<bf16|f32>-<torch install>-<sources and flags>.so`: each torch install (several venvs
+    may share a cache dir) keeps its own build, and a new source replaces only its own."""
+    library = LIBRARIES[dtype]
+    torch_lib = Path(torch.__file__).parent / "lib"
+    install = digest(torch.__version__, str(torch_lib))
+    flags = " ".join(COMMON_FLAGS + library.flags)
+    source = digest(*(path.read_bytes() for path in library.paths()), flags)
+    return cache_dir / "cpu_kernels" / f"{library.name}-{install}-{source}.so"
+
+
+def digest(*parts: str | bytes) -> str:
+    hasher = hashlib.sha256()
+    for part in parts:
+        hasher.update(part if isinstance(part, bytes) else part.encode())
+        hasher.update(b"\0")
+    return hasher.hexdigest()[:12]
+
+
+def build(target: Path, dtype: torch.dtype) -> None:
+    """Compile `dtype`'s library into `target` (written whole: another process may be loading
+    it)."""
+    from torch.utils.cpp_extension import include_paths
+
+    library = LIBRARIES[dtype]
+    torch_lib = Path(torch.__file__).parent / "lib"
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(dir=target.parent, prefix=".build-"))
+    # At the lowest priority: it runs while the engine starts and serves.
+    nice = ["nice", "-n", "19"] if shutil.which("nice") else []
+    command = [
+        *nice, "g++", *COMMON_FLAGS, *library.flags, f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        *(f"-I{path}" for path in include_paths()),
+        *(str(path) for path in library.paths() if path.suffix == ".cpp"),
+        f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lc10", "-ltorch_cpu",
+        "-o", str(scratch / target.name),
+    ]  # fmt: skip
+    process = subprocess.Popen(  # its own process group: g++ runs cc1plus and ld under it
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    _builds[process] = scratch
+    try:
+        _, errors = process.communicate(timeout=600)
+        if process.returncode != 0:
+            raise subprocess.CalledProcessError(process.returncode, command, stderr=errors)
+        os.replace(scratch / target.name, target)
+        install = target.name.split("-")[1]
+        for stale in target.parent.glob(f"{library.name}-{install}-*.so"):  # an older source's
+            if stale != target:
+                stale.unlink(missing_ok=True)
+    finally:
+        _stop(process, scratch)
+
+
+def _stop(process: subprocess.Popen, scratch: Path) -> None:
+    """End a build (if it still runs) and remove its scratch directory."""
+    _builds.pop(process, None)
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    shutil.rmtree(scratch, ignore_errors=True)
+
+
+@atexit.register
+def _stop_builds() -> None:
+    """A process that exits mid-build (a server stopped while starting) leaves nothing."""
+    for process, scratch in list(_builds.items()):
+        _stop(process, scratch)
