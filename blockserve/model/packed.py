@@ -10,8 +10,9 @@ Where the CPU has AMX-BF16, a bf16 model's products of up to `TILE_MAX_ROWS` row
 steps) run on our tile kernel instead (attention/cpu_linear_bf16.cpp), over a second copy of
 each weight in tile order made once our kernels are loaded (`pack_for_tiles`): those products
 read every weight for a few rows, and ours read them faster (docs/benchmarks.md, "Decode
-products on AMX tiles"). The copy doubles the linear weights' memory, so it is made only for
-models whose linear weights fit in `MAX_TILE_COPY_BYTES`.
+products on AMX tiles"). Its sums are float32 too, in another order: its results are within
+bf16 rounding of oneDNN's, not equal to them. The copy doubles the linear weights' memory, so
+it is made only for models whose linear weights fit in `MAX_TILE_COPY_BYTES`.
 
 Under `torch.compile` the product goes through `blockserve::packed_linear`, an operator of our
 own that inductor calls as an opaque kernel: inductor lowers oneDNN's linear only over weights
