@@ -57,9 +57,15 @@ class PrefixIndex:
         return num_held
 
     def clear(self) -> None:
-        """Forget everything (the replica died, or its event stream cannot be recovered)."""
+        """Forget everything (the replica is gone)."""
         self.mirror.clear()
         self._credits.clear()
+
+    def clear_events(self) -> None:
+        """Forget what the events said, keep the credits: the replica's event stream lost
+        batches for good, so its cache may hold anything now, but what was just routed to it
+        is as much on its way there as before."""
+        self.mirror.clear()
 
     @property
     def num_blocks(self) -> int:

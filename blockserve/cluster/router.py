@@ -202,11 +202,12 @@ class KVCacheAwareRouter(PolicyRouter):
         try:
             batches = subscriber.poll(timeout_ms)
         except ReplayUnavailableError:
-            # Batches were lost for good: what the index says may be wrong. Start over empty
-            # (an undercount only costs hits) from the batch that revealed the gap.
+            # Batches were lost for good: what the events said may be wrong. Start over empty
+            # (an undercount only costs hits) from the batch that revealed the gap; the
+            # credits of requests routed there stand (the events never made them).
             logger.warning("KV events of replica %s lost; its index starts over", replica_id)
             with self.lock:
-                self.kv_policy.index(replica_id).clear()
+                self.kv_policy.index(replica_id).clear_events()
             return
         if batches:
             with self.lock:

@@ -1,5 +1,6 @@
 """A router's index of one replica, fed by that replica's real event stream: equal to its
-pool after random traffic, lost batches recovered by replay, unrecoverable ones reset."""
+pool after random traffic, lost batches recovered by replay, unrecoverable ones reset (the
+events' part; the router's credits stand)."""
 
 from __future__ import annotations
 
@@ -136,3 +137,21 @@ def test_lower_tiers_keep_hashes_through_a_device_reset() -> None:
     assert (index.mirror.hashes, index.mirror.lower) == (set(), {"CPU": {1}})
     index.clear()
     assert index.num_blocks == 0
+
+
+def test_lost_events_reset_what_the_events_said_and_keep_the_credits() -> None:
+    """An unrecoverable gap (`clear_events`) empties the mirror, every tier of it; blocks just
+    routed to the replica stay credited until they expire; `clear` (replica gone) drops both."""
+    index = PrefixIndex(max_credits=8, credit_ttl_s=10.0)
+    stored = [BlockStored([1, 2], None, [], 4, None, "GPU", None),
+              BlockStored([3], None, [], 4, None, "CPU", None)]  # fmt: skip
+    index.apply([KVEventBatch(ts=0.0, events=stored)])
+    index.credit([7, 8], now=0.0)
+    assert (index.overlap([1, 2], 1.0), index.overlap([7, 8], 1.0)) == (2, 2)
+    index.clear_events()
+    assert (index.num_blocks, index.num_credits) == (0, 2)
+    assert [index.overlap(hashes, 1.0) for hashes in ([1, 2], [3], [7, 8])] == [0, 0, 2]
+    assert index.overlap([7, 8], 11.0) == 0  # expired
+    index.credit([7], now=12.0)
+    index.clear()
+    assert (index.num_blocks, index.num_credits) == (0, 0)
