@@ -95,7 +95,7 @@ def start_cluster(args: argparse.Namespace, replicas: int, router: str, blocks: 
         str(args.prefix_weight),
     ]
     server = ServerProcess(flags, log)
-    if not server.wait_for_cluster(replicas, timeout=300):
+    if not server.wait_for_cluster(replicas, timeout=300, ours=router != "pow2"):
         server.stop()
         raise TimeoutError(f"{replicas} replicas not routable in 300 s: {server.log()}")
     return server
