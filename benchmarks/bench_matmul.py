@@ -19,8 +19,11 @@ Floor: the FLOPs of bench_offline.py's shared-prefix workload (64 × (1,024 shar
 prompt tokens → 32 output tokens, prefix caching on, so the shared prefix is computed once):
 linear layers for every computed token, the LM head for every sampled one, and attention
 (QK^T and PV) at each token's context; divided by the peak (the fastest product measured,
-either way), that is the least time the work could take on this host. With --wall S (a
-measured run of that workload) it reports the run as a fraction of the floor.
+either way), that is the least time the work could take on this host. A second floor, the
+roofline one, also counts what the decode steps must read (every weight and the KV they
+attend to, each step) at the measured read speed, taking for each step the slower of its
+reads and its FLOPs. With --wall S (a measured run of that workload) it reports the run as a
+fraction of both.
 
     .venv/bin/python benchmarks/bench_matmul.py [--wall 17.7 --dtype float32]
 """
@@ -153,6 +156,32 @@ def workload_gflop(arch: LlamaArchConfig) -> dict[str, float]:
     }
 
 
+def roofline_floor_s(
+    arch: LlamaArchConfig, element_bytes: int, peak_gflops: float, read_gb_per_s: float
+) -> float:
+    """The shared-prefix workload's least time when each step is bound by whichever is slower,
+    its FLOPs at `peak_gflops` or its reads at `read_gb_per_s`: the prompt tokens as compute
+    (the first token of each request sampled there), each of the 31 decode steps as the larger
+    of its FLOPs and its reads (every weight once, the shared prefix's K and V once, each
+    sequence's own)."""
+    hidden, inter, layers = arch.hidden_size, arch.intermediate_size, arch.num_layers
+    q_width = arch.num_heads * arch.head_dim
+    kv_width = arch.num_kv_heads * arch.head_dim
+    layer_params = hidden * (q_width + 2 * kv_width) + q_width * hidden + 3 * hidden * inter
+    weights = layers * layer_params + hidden * arch.vocab_size
+    prompt = list(range(1, PREFIX + 1)) + REQUESTS * list(range(PREFIX + 1, PREFIX + SUFFIX + 1))
+    prompt_flop = sum(2 * layers * layer_params + 4 * layers * q_width * c for c in prompt)
+    prompt_flop += 2 * hidden * arch.vocab_size * REQUESTS
+    seconds = prompt_flop / (peak_gflops * 1e9)
+    for step in range(1, OUTPUT):
+        context = PREFIX + SUFFIX + step
+        flop = REQUESTS * (2 * weights + 4 * layers * q_width * context)
+        kv = (PREFIX + REQUESTS * (SUFFIX + step)) * layers * 2 * kv_width
+        read = (weights + kv) * element_bytes
+        seconds += max(flop / (peak_gflops * 1e9), read / (read_gb_per_s * 1e9))
+    return seconds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -197,21 +226,26 @@ def main() -> None:
     packed_peaks = (v["packed"] for v in linears[args.dtype].values())
     peak = max(*peaks[args.dtype].values(), *packed_peaks)
     floor = work["total"] / peak
+    read_speed = memory_read_gb_per_s(args.repeats)
+    element_bytes = torch.finfo(getattr(torch, args.dtype)).bits // 8
+    roofline = roofline_floor_s(arch, element_bytes, peak, read_speed)
     results: dict[str, Any] = {
         "torch": torch.__version__,
         "gflops": peaks,
         "linear_vs_packed_gflops": linears,
         "decode_step": decode,
         "decode_step_tiles": tiles,
-        "memory_read_gb_per_s": memory_read_gb_per_s(args.repeats),
+        "memory_read_gb_per_s": read_speed,
         "workload_gflop": {k: round(v, 1) for k, v in work.items()},
         "floor_dtype": args.dtype,
         "floor_peak_gflops": peak,
         "floor_s": round(floor, 2),
+        "roofline_floor_s": round(roofline, 2),
     }
     if args.wall is not None:
         results["wall_s"] = args.wall
         results["fraction_of_floor"] = round(floor / args.wall, 3)
+        results["fraction_of_roofline_floor"] = round(roofline / args.wall, 3)
     emit(results, args.out)
 
 
