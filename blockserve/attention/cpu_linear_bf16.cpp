@@ -3,14 +3,15 @@
 //
 // A decode step's products read every weight of the model once for a few dozen rows: they
 // are bound by memory, and oneDNN's read the weights at 12-18 GB/s where a plain read
-// reached 25-33 on the host measured (docs/benchmarks.md, "Decode products on AMX tiles"). Here the weight is repacked once
-// into tile order, [N/16][K/32][16 pairs of k][16 columns][2], so that each B tile (16
-// columns × 32 k) is one contiguous kilobyte and a thread's share of the weight one
-// sequential stream, fetched into L2 a few tiles ahead. Each thread takes a run of 32-column
-// blocks: per 32 of k, two A tiles (32 rows of x, read where x lies) and two B tiles make
-// four tile products into four 16×16 float32 results, so each loaded tile serves two
-// products. Rows past 32 take further passes over the same columns, whose tiles are then in
-// cache. The next step's tiles are loaded while this one's last products run.
+// reached 25-33 on the host measured (docs/benchmarks.md, "Decode products on AMX tiles").
+// Here the weight is repacked once into tile order, [N/16][K/32][16 pairs of k][16
+// columns][2], so that each B tile (16 columns × 32 k) is one contiguous kilobyte and a
+// thread's share of the weight one sequential stream, fetched into L2 a few tiles ahead.
+// Each thread takes a run of 32-column blocks: per 32 of k, two A tiles (32 rows of x, read
+// where x lies) and two B tiles make four tile products into four 16×16 float32 results, so
+// each loaded tile serves two products. Rows past 32 take further passes over the same
+// columns, whose tiles are then in cache. The next step's tiles are loaded while this one's
+// last products run.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
