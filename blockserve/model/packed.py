@@ -119,8 +119,10 @@ def prepack_linears(model: nn.Module) -> int:
 
 def pack_for_tiles(model: nn.Module, ops: Any) -> int:
     """Give each `PackedLinear` under `model` that our tile kernel takes a copy of its weight
-    in tile order (`ops`: our loaded bf16 operators), unless the copies would pass
-    `MAX_TILE_COPY_BYTES`; returns how many got one."""
+    in tile order (`ops`: our loaded bf16 operators), unless the CPU has no AMX-BF16 or the
+    copies would pass `MAX_TILE_COPY_BYTES`; returns how many got one."""
+    if not ops.has_amx():
+        return 0
     linears = [m for m in model.modules() if isinstance(m, PackedLinear) and m.tileable()]
     size = sum(m.in_features * m.out_features * 2 for m in linears)
     if size > MAX_TILE_COPY_BYTES:

@@ -40,8 +40,8 @@ from blockserve.sched.output import (
 
 def _pack_for_tiles(model: weakref.ref[torch.nn.Module], ops: Any) -> None:
     """Once our bf16 kernels are loaded (a thread of theirs): the tile copies of a model's
-    weights where the CPU has AMX, unless the model is gone by then."""
-    if (alive := model()) is not None and ops.has_amx():
+    weights, unless the model is gone by then."""
+    if (alive := model()) is not None:
         pack_for_tiles(alive, ops)
 
 
