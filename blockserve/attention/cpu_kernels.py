@@ -188,6 +188,16 @@ def layer_ops(hidden: torch.Tensor, head_dim: int) -> Any:
     return _loaded.get(hidden.dtype)
 
 
+def argmax(x: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """Our argmax along the last dimension of [rows, n] tensors like `x`, or None: the indices
+    of torch.max (the first of equal maxima, the first NaN) from one vectorized pass, in
+    either library's dtype; switched with the layer operators."""
+    if not _layer_enabled or x.device.type != "cpu":
+        return None
+    ops = _loaded.get(x.dtype)
+    return None if ops is None else ops.argmax_rows
+
+
 def tile_linear(x: torch.Tensor) -> Callable[..., torch.Tensor] | None:
     """Our product of few rows on AMX tiles (cpu_linear_bf16.cpp) for rows like `x`, or None:
     bf16 on a CPU with AMX-BF16 once the library is loaded, and not switched off."""

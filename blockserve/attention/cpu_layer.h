@@ -7,7 +7,8 @@
 //   add_row(residual, update, hidden)           residual += update, in place
 //   rotate_token(x, cos, sin, heads)            one token's `heads` 64-wide heads, in place
 //   silu_mul_row(gate_up, width, out)           out = silu(gate) * up, up at gate_up + width
-//
+//   argmax_row(x, n)                            the index of x's largest of n values: the
+//                                               first of equal ones, the first NaN if any
 //
 //   rms_norm(x [rows, hidden], weight [hidden]) → weight * (x * rsqrt(mean(x²) + eps))
 //   add_rms_norm(residual [rows, hidden] (in place), update, weight): residual += update, then
@@ -15,9 +16,11 @@
 //   rotary_(qkv [tokens, (q_heads + 2 kv_heads) * 64] (in place), cos, sin [tokens, 32]):
 //     each q and k head's halves (x1, x2) → (x1 cos − x2 sin, x2 cos + x1 sin)
 //   silu_and_mul(gate_up [rows, 2 * n]) → silu(gate) * up [rows, n]
+//   argmax_rows(x [rows, n]) → [rows] int64: torch.max(x, -1).indices (greedy sampling, read
+//     from the LM head's output in its own dtype: widening bf16 to float32 is exact)
 //
 // Rows have unit stride along their last dimension, a multiple of 16 (a whole number of
-// vectors in either library). Internal linkage, as in cpu_attention.h.
+// vectors in either library), except argmax_rows' (any n ≥ 1). Internal linkage, as in cpu_attention.h.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -25,6 +28,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 namespace blockserve_cpu {
@@ -151,11 +155,55 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
 }
 
 template <class L>
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == L::kCheck.type && x.stride(1) == 1 &&
+                  x.size(1) > 0,
+              "x must be a ", L::kCheck.type_name, " [rows, n] tensor, n >= 1, with unit "
+              "stride along n");
+  const int64_t n = x.size(1), stride = x.stride(0);
+  at::Tensor out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  const auto* xp = elements<L>(x);
+  auto* op = out.data_ptr<int64_t>();
+  for_rows(x.size(0), n, [&](int64_t row) { op[row] = L::argmax_row(xp + row * stride, n); });
+  return out;
+}
+
+// How a policy's argmax_row ends. Its vectors went over x[0, whole), each lane keeping its
+// first strict maximum (lane_best[l] at index lane_at[l]; a lane that saw none, -inf at 0)
+// and flagging any NaN: then the first NaN, as torch; else the lowest index among the lanes
+// holding the largest value, continued over the tail x[whole, n) one value at a time.
+template <int64_t Lanes, typename Value>
+int64_t finish_argmax(const float* lane_best, const int32_t* lane_at, bool saw_nan,
+                      int64_t whole, int64_t n, const Value& value) {
+  if (saw_nan) {
+    for (int64_t i = 0; i < whole; ++i)
+      if (std::isnan(value(i))) return i;
+  }
+  int64_t result = -1;
+  float top = 0.0f;
+  for (int64_t l = 0; l < Lanes && whole > 0; ++l)
+    if (result < 0 || lane_best[l] > top || (lane_best[l] == top && lane_at[l] < result)) {
+      top = lane_best[l];
+      result = lane_at[l];
+    }
+  for (int64_t i = whole; i < n; ++i) {
+    const float v = value(i);
+    if (std::isnan(v)) return i;
+    if (result < 0 || v > top) {
+      top = v;
+      result = i;
+    }
+  }
+  return result;
+}
+
+template <class L>
 void implement_layer(torch::Library& m) {
   m.impl("rms_norm", &rms_norm<L>);
   m.impl("add_rms_norm", &add_rms_norm<L>);
   m.impl("rotary_", &rotary_<L>);
   m.impl("silu_and_mul", &silu_and_mul<L>);
+  m.impl("argmax_rows", &argmax_rows<L>);
 }
 
 inline void define_layer(torch::Library& m) {
@@ -163,6 +211,7 @@ inline void define_layer(torch::Library& m) {
   m.def("add_rms_norm(Tensor(a!) residual, Tensor update, Tensor weight, float eps) -> Tensor");
   m.def("rotary_(Tensor(a!) qkv, Tensor cos, Tensor sin, int q_heads, int kv_heads) -> ()");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+  m.def("argmax_rows(Tensor x) -> Tensor");
 }
 
 }  // namespace

@@ -1,6 +1,6 @@
 // The elementwise math of a Llama layer, fused, for bfloat16 on x86 CPUs with AVX512-BF16:
 // RMSNorm (alone, or after the residual add), the rotary embedding of q and k in place, and
-// SiLU(gate) * up. An eager forward spends ~20 torch operators a layer on these, each a pass
+// SiLU(gate) * up; and the argmax of greedy sampling. An eager forward spends ~20 torch operators a layer on these, each a pass
 // over memory and a dispatch; here each is one pass.
 //
 // The operators' shapes are in cpu_layer.h. Every result equals torch's bf16 composition
@@ -17,6 +17,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "cpu_bf16_common.h"
 #include "cpu_layer.h"
@@ -91,6 +92,33 @@ struct Bf16Layer {
       const __m512 activated = round_bf16(silu(widen_bf16(gate + c)));
       store_bf16(out + c, _mm512_mul_ps(activated, widen_bf16(gate + width + c)));
     }
+  }
+
+  static int64_t argmax_row(const uint16_t* x, int64_t n) {
+    const int64_t whole = n / kLanes * kLanes;
+    __m512 best = _mm512_set1_ps(-INFINITY);
+    __m512i at = _mm512_setzero_si512();
+    __m512i index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __mmask16 nan = 0;
+    for (int64_t c = 0; c < whole; c += kLanes) {
+      const __m512 v = widen_bf16(x + c);
+      const __mmask16 larger = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
+      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      best = _mm512_mask_mov_ps(best, larger, v);
+      at = _mm512_mask_mov_epi32(at, larger, index);
+      index = _mm512_add_epi32(index, _mm512_set1_epi32(kLanes));
+    }
+    alignas(64) float lane_best[kLanes];
+    alignas(64) int32_t lane_at[kLanes];
+    _mm512_store_ps(lane_best, best);
+    _mm512_store_si512(lane_at, at);
+    const auto value = [x](int64_t i) {
+      const uint32_t bits = static_cast<uint32_t>(x[i]) << 16;
+      float widened;
+      std::memcpy(&widened, &bits, sizeof(widened));
+      return widened;
+    };
+    return finish_argmax<kLanes>(lane_best, lane_at, nan != 0, whole, n, value);
   }
 };
 

@@ -1,5 +1,5 @@
 // The elementwise math of a Llama layer, fused, for float32 on x86 CPUs with AVX2 and FMA:
-// the same four operators as cpu_layer_bf16.cpp (shapes in cpu_layer.h), for models served
+// the same operators as cpu_layer_bf16.cpp (shapes in cpu_layer.h), for models served
 // in float32. Each is one pass over memory where torch's float32 composition (model/llama.py)
 // is several operators.
 //
@@ -81,6 +81,28 @@ struct F32Layer {
       const __m256 activated = silu(_mm256_loadu_ps(gate + c));
       _mm256_storeu_ps(out + c, _mm256_mul_ps(activated, _mm256_loadu_ps(gate + width + c)));
     }
+  }
+
+  static int64_t argmax_row(const float* x, int64_t n) {
+    const int64_t whole = n / kLanes * kLanes;
+    __m256 best = _mm256_set1_ps(-INFINITY);
+    __m256 at = _mm256_setzero_ps();  // int32 indices, blended as floats' bits
+    __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256 nan = _mm256_setzero_ps();
+    for (int64_t c = 0; c < whole; c += kLanes) {
+      const __m256 v = _mm256_loadu_ps(x + c);
+      const __m256 larger = _mm256_cmp_ps(v, best, _CMP_GT_OQ);
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      best = _mm256_blendv_ps(best, v, larger);
+      at = _mm256_blendv_ps(at, _mm256_castsi256_ps(index), larger);
+      index = _mm256_add_epi32(index, _mm256_set1_epi32(kLanes));
+    }
+    alignas(32) float lane_best[kLanes];
+    alignas(32) int32_t lane_at[kLanes];
+    _mm256_store_ps(lane_best, best);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lane_at), _mm256_castps_si256(at));
+    return finish_argmax<kLanes>(lane_best, lane_at, _mm256_movemask_ps(nan) != 0, whole, n,
+                                 [x](int64_t i) { return x[i]; });
   }
 };
 

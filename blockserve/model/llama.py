@@ -209,8 +209,9 @@ class LlamaForCausalLM(nn.Module):
         return normed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[num_sampled, hidden] → [num_sampled, vocab] in float32."""
-        return self.lm_head(hidden).float()
+        """[num_sampled, hidden] → [num_sampled, vocab] in the model's dtype (the sampler
+        widens them to float32 where it computes on them)."""
+        return self.lm_head(hidden)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -1,5 +1,6 @@
 """Our fused layer operators (attention/cpu_layer_bf16.cpp, cpu_layer_f32.cpp): RMSNorm with
-and without the residual add, the rotary embedding in place, SiLU-and-multiply. Each equals
+and without the residual add, the rotary embedding in place, SiLU-and-multiply, and the
+argmax of greedy sampling. Each equals
 torch's composition in model/llama.py in its dtype bit for bit, or within a few steps of it
 where noted; each refuses what it does not handle; and the eager forward that uses them gives
 the forward without them."""
@@ -111,6 +112,37 @@ def test_silu_and_mul_equals_torch_within_one_step(ops: Any) -> None:
     assert steps.sum().item() <= 512 * 1536 // 500
 
 
+def argmax_cases(dtype: torch.dtype) -> list[torch.Tensor]:
+    """Rows the greedy argmax must get exactly as torch.max does: many ties (small integers),
+    lengths with and without a tail past whole vectors, all -inf, NaN in the vectors and in
+    the tail, +0 after -0, and rows of a wider tensor (a view)."""
+    generator = torch.Generator().manual_seed(7)
+    cases = []
+    for n in (1, 7, 16, 33, 49152, 49157):
+        x = torch.randint(-3, 3, (12, n), generator=generator).to(dtype)
+        x[0] = float("-inf")
+        x[1, n // 2] = float("nan")
+        x[2, -1] = float("nan")
+        x[3, : min(n, 3)] = float("nan")
+        x[4] = -0.0
+        x[4, -1] = 0.0
+        cases.append(x)
+    cases.append(torch.randn(64, 2 * 49152, generator=generator).to(dtype)[:, 100 : 100 + 49152])
+    return cases
+
+
+@NEEDS[torch.bfloat16]
+def test_argmax_rows_is_torch_max_indices(ops: Any) -> None:
+    for x in argmax_cases(torch.bfloat16):
+        assert ops.argmax_rows(x).tolist() == x.max(dim=-1).indices.tolist()
+
+
+@NEEDS[torch.float32]
+def test_float32_argmax_rows_is_torch_max_indices(ops32: Any) -> None:
+    for x in argmax_cases(torch.float32):
+        assert ops32.argmax_rows(x).tolist() == x.max(dim=-1).indices.tolist()
+
+
 @NEEDS[torch.bfloat16]
 @pytest.mark.parametrize(
     ("call", "message"),
@@ -123,6 +155,10 @@ def test_silu_and_mul_equals_torch_within_one_step(ops: Any) -> None:
         (lambda o: o.rotary_(bf16(2, 256), bf16(2, 32), bf16(2, 32), 2, 2), "qkv must be"),
         (lambda o: o.rotary_(bf16(2, 256), bf16(2, 16), bf16(2, 32), 2, 1), "cos and sin"),
         (lambda o: o.silu_and_mul(bf16(2, 48)), "multiples of 16"),
+        (lambda o: o.argmax_rows(bf16(2, 0)), "n >= 1"),
+        (lambda o: o.argmax_rows(bf16(8)), r"\[rows, n\]"),
+        (lambda o: o.argmax_rows(bf16(4, 2).t()), "unit stride"),
+        (lambda o: o.argmax_rows(torch.zeros(2, 8)), "bfloat16"),
     ],
 )
 def test_refuses_what_it_does_not_handle(ops: Any, call: Callable[[Any], Any], message: str):
@@ -196,6 +232,7 @@ def test_float32_silu_and_mul_equals_torch_to_its_exp(ops32: Any) -> None:
         (lambda o: o.rotary_(torch.zeros(2, 256), torch.zeros(2, 16), torch.zeros(2, 32), 2, 1),
          "cos and sin"),
         (lambda o: o.silu_and_mul(torch.zeros(2, 48)), "multiples of 16"),
+        (lambda o: o.argmax_rows(torch.zeros(2, 8).bfloat16()), "float32"),
     ],
 )  # fmt: skip
 def test_float32_refuses_what_it_does_not_handle(

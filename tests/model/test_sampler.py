@@ -36,6 +36,25 @@ def test_temperature_zero_is_argmax() -> None:
     assert out.token_ids.tolist() == logits.argmax(dim=-1).tolist()
 
 
+def test_greedy_takes_bf16_logits_as_they_are_and_others_widen_them() -> None:
+    """The LM head's bf16 logits: a greedy batch's tokens are the argmax of the logits as
+    they are (ties and NaN as torch.max); a batch that asks for logprobs computes them on the
+    logits widened to float32, exactly."""
+    logits = torch.randint(-4, 4, (6, 50), generator=torch.Generator().manual_seed(1)).bfloat16()
+    logits[2, 7] = float("nan")
+    expected = logits.float().max(dim=-1).indices.tolist()
+    greedy = [SamplingRow(SamplingParams(temperature=0.0), [0], [], None) for _ in range(6)]
+    out = Sampler()(logits, SamplingBatch.build(greedy, 50, torch.device("cpu")))
+    assert out.token_ids.tolist() == expected
+    assert out.logprobs is None
+    with_logprobs = [SamplingRow(SamplingParams(temperature=0.0, logprobs=2), [0], [], None)]
+    out = Sampler()(logits[3:], SamplingBatch.build(with_logprobs * 3, 50, torch.device("cpu")))
+    raw = logits[3:].float().log_softmax(dim=-1)
+    assert out.token_ids.tolist() == expected[3:]
+    assert out.logprobs is not None and out.logprobs.dtype == torch.float32
+    assert out.logprobs.tolist() == raw.gather(1, out.token_ids[:, None])[:, 0].tolist()
+
+
 def test_top_k_never_leaves_the_top_k() -> None:
     """2,000 draws with top_k=2 only ever give the two most likely tokens."""
     logits = logits_of([0.1, 0.4, 0.2, 0.3], rows=2000)
