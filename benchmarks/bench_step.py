@@ -18,7 +18,10 @@ under torch.profiler and keeps its top N operators by self time (per step, milli
 `--breakdown` times each fused step's parts by wall clock instead (the profiler stretches short
 parallel operators several-fold): the linear layers' products (LM head included), attention
 (the backend's forward: KV writes, our kernels, the glue between them), the fused layer
-operators, and the rest (Python, views, sampling rows, the plan).
+operators, and the rest (Python, views, sampling rows, the plan). The decode step's greedy
+sampling is timed on its logits two ways (`greedy_sampling_ms`): widened to float32, then
+torch.max, as the sampler did before it took the LM head's bf16 logits as they are, and the
+sampler's argmax now (our kernel where it is loaded).
 
     .venv/bin/python benchmarks/bench_step.py [--repeats 20] [--rounds 3] [--profile 15]
         [--breakdown] [--dtype auto|float32] [--out FILE]
@@ -41,6 +44,7 @@ from blockserve import LLM, SamplingParams
 from blockserve.attention import cpu_kernels
 from blockserve.model import llama
 from blockserve.model.packed import PackedLinear
+from blockserve.model.sampler import argmax
 from blockserve.runner.inputs import ModelInputs
 from blockserve.runner.model_runner import ModelRunner
 from blockserve.sched.output import SchedulerOutput
@@ -74,10 +78,28 @@ def capture_steps(llm: LLM) -> dict[str, ModelInputs]:
 
 
 @torch.inference_mode()
-def run_step(runner: ModelRunner, inputs: ModelInputs) -> None:
+def run_step(runner: ModelRunner, inputs: ModelInputs) -> torch.Tensor:
+    """The step's forward and LM head; its logits (as the LM head gives them)."""
     plan = runner.backend.prepare(inputs.metadata)
     hidden = runner.forward(inputs.input_ids, inputs.positions, runner.kv_caches, plan)
-    runner.model.compute_logits(hidden[inputs.sample_indices])
+    return runner.model.compute_logits(hidden[inputs.sample_indices])
+
+
+def greedy_sampling(logits: torch.Tensor, repeats: int) -> dict[str, float]:
+    """Median ms of a greedy batch's argmax on these logits: widened to float32 first, then
+    torch.max (the sampler before it took bf16 logits), against the sampler's argmax as it is
+    (our kernel on the logits as they are, where it is loaded)."""
+    ways = {
+        "widened_max": lambda: logits.float().max(dim=-1).indices,
+        "argmax": lambda: argmax(logits),
+    }
+    walls: dict[str, list[float]] = {way: [] for way in ways}
+    for _ in range(repeats):
+        for way, call in ways.items():
+            start = time.perf_counter()
+            call()
+            walls[way].append(time.perf_counter() - start)
+    return {way: round(statistics.median(t) * 1e3, 3) for way, t in walls.items()}
 
 
 def time_step(runner: ModelRunner, inputs: ModelInputs, repeats: int) -> list[float]:
@@ -191,6 +213,9 @@ def main() -> None:
         }
         if "onednn_products" in medians:
             results[kind]["tiles_speedup"] = round(medians["onednn_products"] / medians["fused"], 3)
+        if kind == "decode":
+            logits = run_step(runner, inputs)
+            results[kind]["greedy_sampling_ms"] = greedy_sampling(logits, 5 * repeats)
         if args.breakdown:
             results[kind]["breakdown_ms"] = breakdown(runner, inputs, repeats)
         if args.profile:
