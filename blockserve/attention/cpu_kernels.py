@@ -189,10 +189,17 @@ def layer_ops(hidden: torch.Tensor, head_dim: int) -> Any:
 
 
 def argmax(x: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """Our argmax along the last dimension of [rows, n] tensors like `x`, or None: the indices
-    of torch.max (the first of equal maxima, the first NaN) from one vectorized pass, in
-    either library's dtype; switched with the layer operators."""
-    if not _layer_enabled or x.device.type != "cpu":
+    """Our argmax along the last dimension of `x`, or None: the indices of torch.max (the
+    first of equal maxima, the first NaN) from one vectorized pass, for [rows, n] tensors
+    (n ≥ 1, unit stride along it) in either library's dtype; switched with the layer
+    operators."""
+    if (
+        not _layer_enabled
+        or x.device.type != "cpu"
+        or x.dim() != 2
+        or x.shape[1] == 0
+        or x.stride(1) != 1
+    ):
         return None
     ops = _loaded.get(x.dtype)
     return None if ops is None else ops.argmax_rows

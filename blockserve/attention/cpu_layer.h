@@ -20,7 +20,8 @@
 //     from the LM head's output in its own dtype: widening bf16 to float32 is exact)
 //
 // Rows have unit stride along their last dimension, a multiple of 16 (a whole number of
-// vectors in either library), except argmax_rows' (any n ≥ 1). Internal linkage, as in cpu_attention.h.
+// vectors in either library), except argmax_rows' (any n ≥ 1). Internal linkage, as in
+// cpu_attention.h.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -1,9 +1,8 @@
 """Our fused layer operators (attention/cpu_layer_bf16.cpp, cpu_layer_f32.cpp): RMSNorm with
-and without the residual add, the rotary embedding in place, SiLU-and-multiply, and the
-argmax of greedy sampling. Each equals
-torch's composition in model/llama.py in its dtype bit for bit, or within a few steps of it
-where noted; each refuses what it does not handle; and the eager forward that uses them gives
-the forward without them."""
+and without the residual add, the rotary embedding in place, SiLU-and-multiply, and the argmax
+of greedy sampling. Each equals torch's composition in model/llama.py in its dtype bit for bit,
+or within a few steps of it where noted; each refuses what it does not handle; and the eager
+forward that uses them gives the forward without them."""
 
 from __future__ import annotations
 
@@ -135,6 +134,22 @@ def argmax_cases(dtype: torch.dtype) -> list[torch.Tensor]:
 def test_argmax_rows_is_torch_max_indices(ops: Any) -> None:
     for x in argmax_cases(torch.bfloat16):
         assert ops.argmax_rows(x).tolist() == x.max(dim=-1).indices.tolist()
+
+
+@NEEDS[torch.bfloat16]
+def test_the_argmax_kernel_is_handed_out_only_where_it_applies(ops: Any) -> None:
+    """cpu_kernels.argmax (what the sampler asks) gives the kernel for [rows, n] rows with
+    unit stride, and None where torch.max must serve: another rank, no columns, a transposed
+    view, the layer operators switched off."""
+    x = torch.zeros(4, 32, dtype=torch.bfloat16)
+    assert cpu_kernels.argmax(x) is not None
+    for other in (x[0], x[:, :0], x.t()):
+        assert cpu_kernels.argmax(other) is None
+    cpu_kernels.enable(True, layer=False)
+    try:
+        assert cpu_kernels.argmax(x) is None
+    finally:
+        cpu_kernels.enable(True)
 
 
 @NEEDS[torch.float32]
