@@ -14,6 +14,8 @@ sequences. At small batches a step is bound by reading the weights, not by the F
 reading memory alone reaches (a sum over 512 MB, more than any cache) is reported beside it.
 Where the CPU has AMX-BF16, the bf16 step is timed both ways, oneDNN's products and our tile
 kernel's (`decode_step_tiles`, the engine's path for up to 128 rows), at 1 to 256 rows.
+In --dtype, each projection of a layer through `PackedLinear` at prefill-chunk row counts
+(`packed_gflops_by_rows`, 160 to 2,048 rows).
 
 Floor: the FLOPs of bench_offline.py's shared-prefix workload (64 × (1,024 shared + 32 own)
 prompt tokens → 32 output tokens, prefix caching on, so the shared prefix is computed once):
@@ -82,6 +84,29 @@ def model_shapes(arch: LlamaArchConfig) -> dict[str, tuple[int, int, int]]:
         "prefill down (1056 tokens)": (1056, inter, hidden),
         "decode gate+up (64 seqs)": (64, hidden, 2 * inter),
         "lm head (64 seqs)": (64, hidden, arch.vocab_size),
+    }
+
+
+SWEEP_ROWS = (160, 256, 384, 512, 544, 768, 1024, 1056, 1280, 1536, 1792, 2048)
+
+
+def packed_by_rows(
+    arch: LlamaArchConfig, dtype: torch.dtype, repeats: int
+) -> dict[str, dict[int, float]]:
+    """GFLOP/s of each projection of a layer through `PackedLinear` (oneDNN over the prepacked
+    weight) at prefill-chunk row counts: where oneDNN's split of the work leaves a core idle,
+    a row count's rate falls to about half its neighbours'."""
+    hidden, inter = arch.hidden_size, arch.intermediate_size
+    qkv = (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
+    projections = {
+        "qkv": (hidden, qkv),
+        "o": (arch.num_heads * arch.head_dim, hidden),
+        "gate+up": (hidden, 2 * inter),
+        "down": (inter, hidden),
+    }
+    return {
+        name: {rows: round(gflops(rows, k, n, dtype, repeats, "packed"), 1) for rows in SWEEP_ROWS}
+        for name, (k, n) in projections.items()
     }
 
 
@@ -221,6 +246,8 @@ def main() -> None:
             tiles["tiles"] = decode_step(arch, torch.bfloat16, rows, args.repeats, ops)
             packed.TILE_MAX_ROWS = limit
             print("decode step, oneDNN vs tiles", tiles, flush=True)
+    by_rows = packed_by_rows(arch, getattr(torch, args.dtype), args.repeats)
+    print("packed products by rows", by_rows, flush=True)
     work = workload_gflop(arch)
     # The fastest product measured either way: torch.mm or the prepacked linear.
     packed_peaks = (v["packed"] for v in linears[args.dtype].values())
@@ -235,6 +262,7 @@ def main() -> None:
         "linear_vs_packed_gflops": linears,
         "decode_step": decode,
         "decode_step_tiles": tiles,
+        "packed_gflops_by_rows": by_rows,
         "memory_read_gb_per_s": read_speed,
         "workload_gflop": {k: round(v, 1) for k, v in work.items()},
         "floor_dtype": args.dtype,
