@@ -165,22 +165,31 @@ auto task_scope() {
   }
 }
 
-// Pack each head's K and V (pack(head, values, out) writes one), then every task.
-template <class K, typename QRow, typename Pack>
+// Each head's K and V packed by `pack(head, values, out)`: [2 (K, V), heads, padded * 64].
+template <class K, typename Pack>
+at::Tensor pack_heads(const at::TensorOptions& options, const Shapes& n, const Pack& pack) {
+  using Elem = typename K::Elem;
+  const int64_t heads = n.batch * n.heads, size = n.padded * kDim;
+  at::Tensor packed = at::empty({2, heads, size}, options);
+  auto* pp = reinterpret_cast<Elem*>(packed.data_ptr());
+  at::parallel_for(0, 2 * heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)  // K of head t / 2, or its V
+      pack(t / 2, t % 2 == 1, pp + ((t % 2) * heads + t / 2) * size);
+  });
+  return packed;
+}
+
+// Every task over K and V packed by pack_heads.
+template <class K, typename QRow>
 std::tuple<at::Tensor, at::Tensor> attend_packed(const at::TensorOptions& options,
                                                  const Shapes& n, const QRow& q_row,
-                                                 const Pack& pack, const at::Tensor& counts,
-                                                 const Prior& prior, double scale) {
+                                                 const at::Tensor& packed,
+                                                 const at::Tensor& counts, const Prior& prior,
+                                                 double scale) {
   using Elem = typename K::Elem;
   const int64_t heads = n.batch * n.heads;
-  at::Tensor kpack = at::empty({heads, n.padded * kDim}, options);
-  at::Tensor vpack = at::empty({heads, n.padded * kDim}, options);
-  auto* kpp = reinterpret_cast<Elem*>(kpack.data_ptr());
-  auto* vpp = reinterpret_cast<Elem*>(vpack.data_ptr());
-  at::parallel_for(0, 2 * heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t)
-      pack(t / 2, t % 2 == 1, (t % 2 == 0 ? kpp : vpp) + (t / 2) * n.padded * kDim);
-  });
+  const auto* kpp = reinterpret_cast<const Elem*>(packed.data_ptr());
+  const auto* vpp = kpp + heads * n.padded * kDim;
   at::Tensor out = at::empty({n.batch, n.heads, n.rows, kDim}, options.dtype(at::kFloat));
   at::Tensor lse = at::empty({n.batch, n.heads, n.rows}, options.dtype(at::kFloat));
   const int64_t* lp = counts.defined() ? counts.data_ptr<int64_t>() : nullptr;
@@ -258,68 +267,104 @@ std::tuple<at::Tensor, at::Tensor> dense_attention(const at::Tensor& q, const at
   const Prior prior = prior_of(prior_out, prior_lse, {n.batch, n.heads, n.rows},
                                "prior_out must be [batch, heads, rows, 64] and prior_lse "
                                "[batch, heads, rows]");
-  return attend_packed<K>(q.options(), n, q_row, pack, counts, prior, scale);
+  return attend_packed<K>(q.options(), n, q_row, pack_heads<K>(q.options(), n, pack), counts,
+                          prior, scale);
 }
 
-// What the operators reading the paged cache take: a q of `q_dims` dimensions (shaped as
-// `q_shape` says) and two contiguous caches [blocks, block_size, kv_heads, 64] of one shape,
-// all of K's type.
+// What the operators reading the paged cache take: two contiguous caches [blocks,
+// block_size, kv_heads, 64] of one shape and of K's type.
 template <class K>
-void check_paged(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                 int64_t q_dims, const char* q_shape) {
-  TORCH_CHECK(q.dim() == q_dims && k_cache.dim() == 4 && v_cache.dim() == 4, q_shape,
-              " and the caches [blocks, block_size, kv_heads, 64]");
-  TORCH_CHECK(q.scalar_type() == K::kType && k_cache.scalar_type() == K::kType &&
-                  v_cache.scalar_type() == K::kType,
-              "q and the caches must be ", K::kTypeName);
-  TORCH_CHECK(q.size(-1) == kDim && k_cache.size(3) == kDim, "head dimension must be 64");
+void check_caches(const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4,
+              "the caches must be [blocks, block_size, kv_heads, 64]");
+  TORCH_CHECK(k_cache.scalar_type() == K::kType && v_cache.scalar_type() == K::kType,
+              "the caches must be ", K::kTypeName);
+  TORCH_CHECK(k_cache.size(3) == kDim, "head dimension must be 64");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
                   v_cache.is_contiguous(),
               "the caches must be contiguous and of one shape");
 }
 
-// Rows of each KV head against every key of whole blocks of the paged cache, read in place:
-// a shared prefix's common blocks, seen by every query of the sequences that share them.
+// ... and a q of `q_dims` dimensions (shaped as `q_shape` says), of K's type too.
+template <class K>
+void check_paged(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                 int64_t q_dims, const char* q_shape) {
+  TORCH_CHECK(q.dim() == q_dims, q_shape, " and the caches [blocks, block_size, kv_heads, 64]");
+  TORCH_CHECK(q.scalar_type() == K::kType, "q and the caches must be ", K::kTypeName);
+  TORCH_CHECK(q.size(-1) == kDim, "head dimension must be 64");
+  check_caches<K>(k_cache, v_cache);
+}
+
+// The common blocks' keys: as many as the blocks hold, padded to whole softmax blocks.
+inline Shapes common_shapes(int64_t kv_heads, int64_t rows, int64_t num_blocks,
+                            int64_t block_size) {
+  const int64_t keys = num_blocks * block_size;
+  return {1, kv_heads, rows, keys, (keys + kKeyBlock - 1) / kKeyBlock * kKeyBlock};
+}
+
+// K and V of whole blocks of the paged cache, packed for prefix_attention: a shared prefix's
+// common blocks, which every decode step of the sequences sharing them reads again (the
+// caller may keep this across steps while no step writes into those blocks).
+//
+//   k_cache / v_cache [blocks, block_size, kv_heads, 64]; block_ids [b] integers
+//   → [2 (K, V), kv_heads, padded keys * 64] in the kernel's layout.
+template <class K>
+at::Tensor pack_common(const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& block_ids) {
+  using Elem = typename K::Elem;
+  check_caches<K>(k_cache, v_cache);
+  TORCH_CHECK(block_ids.dim() == 1 && block_ids.numel() > 0, "block_ids must be [n], n >= 1");
+  const at::Tensor ids = block_ids.to(at::kLong).contiguous();
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t b = 0; b < ids.numel(); ++b)
+    TORCH_CHECK(ip[b] >= 0 && ip[b] < k_cache.size(0), "a block id is outside the cache");
+  const int64_t kv_heads = k_cache.size(2), block_size = k_cache.size(1);
+  const Shapes n = common_shapes(kv_heads, 0, ids.numel(), block_size);
+  const auto* kp = reinterpret_cast<const Elem*>(k_cache.data_ptr());
+  const auto* vp = reinterpret_cast<const Elem*>(v_cache.data_ptr());
+  return pack_heads<K>(k_cache.options(), n, [&](int64_t head, bool values, Elem* out) {
+    const Elem* base = values ? vp : kp;
+    const auto at = [&](int64_t key) {
+      return base + ((ip[key / block_size] * block_size + key % block_size) * kv_heads + head) *
+                        kDim;
+    };
+    pack_head<K>(at, values, n.keys, n.padded, out);
+  });
+}
+
+// Rows of each KV head against every key of whole blocks of the paged cache, read in place
+// (or as pack_common packed them, if `packed` is given): a shared prefix's common blocks,
+// seen by every query of the sequences that share them.
 //
 //   q [n, kv_heads, m, 64], any strides but the last (head h's rows are q[:, h] in order: a
 //   decode step's query as it is, [sequences, kv_heads, query heads per KV head, 64]);
-//   k_cache / v_cache [blocks, block_size, kv_heads, 64]; block_ids [b] integers
+//   k_cache / v_cache [blocks, block_size, kv_heads, 64]; block_ids [b] integers;
+//   packed: pack_common(k_cache, v_cache, block_ids), or none
 //   → out [kv_heads, n * m, 64] f32, lse [kv_heads, n * m] f32.
 template <class K>
 std::tuple<at::Tensor, at::Tensor> prefix_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                                     const at::Tensor& v_cache,
-                                                    const at::Tensor& block_ids, double scale) {
+                                                    const at::Tensor& block_ids, double scale,
+                                                    const std::optional<at::Tensor>& packed) {
   using Elem = typename K::Elem;
   check_paged<K>(q, k_cache, v_cache, 4, "q must be [n, kv_heads, m, 64]");
   TORCH_CHECK(q.stride(3) == 1, "q must have unit stride along its last dimension");
   const int64_t kv_heads = k_cache.size(2), block_size = k_cache.size(1);
   TORCH_CHECK(q.size(1) == kv_heads, "q must have one row set per KV head");
   TORCH_CHECK(block_ids.dim() == 1 && block_ids.numel() > 0, "block_ids must be [n], n >= 1");
-  const at::Tensor ids = block_ids.to(at::kLong).contiguous();
-  const int64_t* ip = ids.data_ptr<int64_t>();
-  for (int64_t b = 0; b < ids.numel(); ++b)
-    TORCH_CHECK(ip[b] >= 0 && ip[b] < k_cache.size(0), "a block id is outside the cache");
-  const int64_t keys = ids.numel() * block_size;
   const int64_t per_outer = q.size(2);
-  const Shapes n{1, kv_heads, q.size(0) * per_outer, keys,
-                 (keys + kKeyBlock - 1) / kKeyBlock * kKeyBlock};
-  const auto* kp = reinterpret_cast<const Elem*>(k_cache.data_ptr());
-  const auto* vp = reinterpret_cast<const Elem*>(v_cache.data_ptr());
-  const auto pack = [&](int64_t head, bool values, Elem* out) {
-    const Elem* base = values ? vp : kp;
-    const auto at = [&](int64_t key) {
-      return base + ((ip[key / block_size] * block_size + key % block_size) * kv_heads + head) *
-                        kDim;
-    };
-    pack_head<K>(at, values, keys, n.padded, out);
-  };
+  const Shapes n = common_shapes(kv_heads, q.size(0) * per_outer, block_ids.numel(), block_size);
+  const at::Tensor keys = packed ? *packed : pack_common<K>(k_cache, v_cache, block_ids);
+  TORCH_CHECK(keys.scalar_type() == K::kType && keys.is_contiguous() &&
+                  keys.sizes() == at::IntArrayRef({2, kv_heads, n.padded * kDim}),
+              "packed must be pack_common's result for these caches and block_ids");
   const auto* qp = reinterpret_cast<const Elem*>(q.data_ptr());
   const int64_t outer_stride = q.stride(0), head_stride = q.stride(1), row_stride = q.stride(2);
   const auto q_row = [&](int64_t head, int64_t row) {
     return qp + (row / per_outer) * outer_stride + head * head_stride +
            (row % per_outer) * row_stride;
   };
-  auto [out, lse] = attend_packed<K>(q.options(), n, q_row, pack, at::Tensor(), Prior(), scale);
+  auto [out, lse] = attend_packed<K>(q.options(), n, q_row, keys, at::Tensor(), Prior(), scale);
   return {out.squeeze(0), lse.squeeze(0)};
 }
 
@@ -468,8 +513,9 @@ inline void define_attention(torch::Library& m) {
       "dense_attention(Tensor q, Tensor k, Tensor v, Tensor? lengths, float scale,"
       " Tensor? prior_out=None, Tensor? prior_lse=None) -> (Tensor, Tensor)");
   m.def(
-      "prefix_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_ids, float scale)"
-      " -> (Tensor, Tensor)");
+      "prefix_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_ids, float scale,"
+      " Tensor? packed=None) -> (Tensor, Tensor)");
+  m.def("pack_common(Tensor k_cache, Tensor v_cache, Tensor block_ids) -> Tensor");
   m.def(
       "paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor lengths,"
       " float scale, Tensor? prior_out=None, Tensor? prior_lse=None) -> (Tensor, Tensor)");
@@ -479,6 +525,7 @@ template <class K>
 void implement_attention(torch::Library& m) {
   m.impl("dense_attention", &dense_attention<K>);
   m.impl("prefix_attention", &prefix_attention<K>);
+  m.impl("pack_common", &pack_common<K>);
   m.impl("paged_decode", &paged_decode<K>);
 }
 

@@ -5,8 +5,9 @@
 // summed into float32 lanes), which torch's own CPU flash attention does not, so scores are
 // float32 sums of bf16 products (as in oneDNN's bf16 matmul) and never rounded to bf16; the
 // probabilities are, for the second product, as in every bf16 flash kernel. Online softmax
-// over blocks of 64 keys. K is repacked per call so that one 64-byte load holds one dimension
-// pair of 16 keys; V so that one load holds 16 dimensions of a key pair. Each task is
+// over blocks of 64 keys. K is packed (per call; a shared prefix's common blocks once, by
+// pack_common) so that one 64-byte load holds one dimension pair of 16 keys; V so that one
+// load holds 16 dimensions of a key pair. Each task is
 // (batch, head, 16 rows), processed as 4-row tiles whose accumulators stay in registers; key
 // blocks past the task's longest row are skipped. Where the CPU has AMX-BF16, the same
 // operators run both products on AMX tiles instead (AmxKernel below: one task, one tile).
@@ -329,13 +330,12 @@ std::tuple<at::Tensor, at::Tensor> dense_attention_bf16(
                      : dense_attention<Bf16Kernel>(q, k, v, lengths, scale, prior_out, prior_lse);
 }
 
-std::tuple<at::Tensor, at::Tensor> prefix_attention_bf16(const at::Tensor& q,
-                                                         const at::Tensor& k_cache,
-                                                         const at::Tensor& v_cache,
-                                                         const at::Tensor& block_ids,
-                                                         double scale) {
-  return use_tiles() ? prefix_attention<AmxKernel>(q, k_cache, v_cache, block_ids, scale)
-                     : prefix_attention<Bf16Kernel>(q, k_cache, v_cache, block_ids, scale);
+std::tuple<at::Tensor, at::Tensor> prefix_attention_bf16(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const at::Tensor& block_ids, double scale, const std::optional<at::Tensor>& packed) {
+  return use_tiles()
+             ? prefix_attention<AmxKernel>(q, k_cache, v_cache, block_ids, scale, packed)
+             : prefix_attention<Bf16Kernel>(q, k_cache, v_cache, block_ids, scale, packed);
 }
 
 // Switch the tiles in or out (tests and benchmarks compare the two paths); whether they are
@@ -355,5 +355,6 @@ TORCH_LIBRARY_FRAGMENT(blockserve_cpu, m) {
 TORCH_LIBRARY_IMPL(blockserve_cpu, CPU, m) {
   m.impl("dense_attention", &dense_attention_bf16);
   m.impl("prefix_attention", &prefix_attention_bf16);
+  m.impl("pack_common", &pack_common<Bf16Kernel>);  // the tiles read the same layout
   m.impl("paged_decode", &paged_decode<Bf16Kernel>);
 }

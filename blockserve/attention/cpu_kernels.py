@@ -168,6 +168,13 @@ def prefix_attention(q: torch.Tensor) -> Callable[..., tuple[torch.Tensor, torch
     return None if ops is None else ops.prefix_attention
 
 
+def pack_common(q: torch.Tensor) -> Callable[..., torch.Tensor] | None:
+    """The loaded packing of whole cached blocks for `prefix_attention` (its `packed`
+    argument), for rows like `q`, or None: switched with it."""
+    ops = _ops_for(q) if _enabled else None
+    return None if ops is None else ops.pack_common
+
+
 def paged_decode(q: torch.Tensor) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
     """The loaded paged-decode kernel (decodes reading their keys in place) for queries like
     `q`, or None."""

@@ -56,6 +56,9 @@ class CudaAttentionBackend:
         (tests/attention/cuda_emulation) behind the same two calls."""
         self.ops = ops if ops is not None else load_extension()
 
+    def forget_kv(self) -> None:
+        """Nothing is kept between steps."""
+
     def prepare(self, metadata: AttentionMetadata) -> CudaAttentionPlan:
         split = split_batch(metadata)
         decode_rows, decode_tokens = split.decode_rows, split.decode_tokens

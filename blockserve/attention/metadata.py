@@ -52,6 +52,10 @@ class AttentionBackend(Protocol):
     def prepare(self, metadata: AttentionMetadata) -> Any:
         """Derive this backend's per-step plan (called once per step, before the forward)."""
 
+    def forget_kv(self) -> None:
+        """Something outside the forward wrote into the KV caches (the KV tiers' loads, from
+        their own thread): drop whatever the backend keeps that was derived from them."""
+
     def forward(
         self,
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from blockserve.attention import cpu_kernels
+from blockserve.attention.common_blocks import BlockSet, PackedCommonBlocks
 from blockserve.attention.metadata import AttentionMetadata
 
 
@@ -86,13 +87,18 @@ def attend_common_blocks(
     q: torch.Tensor,  # [n, kv_heads, m, dim]: KV head h's queries are q[:, h], n * m of them
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, dim]
     block_ids: torch.Tensor,  # [num_common]
+    kept: tuple[PackedCommonBlocks, BlockSet] | None = None,  # where packings are kept
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [kv_heads, n * m, (dim)] float32
-    """`attend_heads` of every query against all keys of whole cached blocks: read in place
-    (and the queries where they are) by our CPU kernel where it serves, else gathered first."""
+    """`attend_heads` of every query against all keys of whole cached blocks: by our CPU
+    kernel where it serves, over the blocks as it packed them (kept across steps in `kept`'s
+    store under its block set, if given; else packed for this call) and the queries where
+    they are; else gathered first."""
     num_kv_heads, head_dim = q.shape[1], q.shape[3]
     kernel = cpu_kernels.prefix_attention(q)
-    if kernel is not None:
-        return kernel(q, kv_cache[0], kv_cache[1], block_ids, head_dim**-0.5)
+    pack = cpu_kernels.pack_common(q)
+    if kernel is not None and pack is not None:
+        packed = None if kept is None else kept[0].get(pack, kv_cache, kept[1], block_ids)
+        return kernel(q, kv_cache[0], kv_cache[1], block_ids, head_dim**-0.5, packed)
     rows = q.permute(1, 0, 2, 3).reshape(1, num_kv_heads, -1, head_dim)
     k = kv_cache[0, block_ids].reshape(-1, num_kv_heads, head_dim).transpose(0, 1)
     v = kv_cache[1, block_ids].reshape(-1, num_kv_heads, head_dim).transpose(0, 1)
@@ -138,6 +144,7 @@ class SharedPrefixPlan:
     own_block_ids: torch.Tensor  # [rows * max_own_blocks] (padding → block 0)
     own_mask: torch.Tensor  # [rows, 1, 1, max_queries, max_own_blocks * block_size]
     own_counts: torch.Tensor  # [rows, max_queries]: own keys each query sees (a prefix of them)
+    common_set: BlockSet  # common_block_ids as a tuple
 
 
 def plan_shared_prefix(
@@ -175,6 +182,7 @@ def plan_shared_prefix(
         own_block_ids=own.reshape(-1),
         own_mask=visible[:, None, None],  # [rows, 1 (kv head), 1 (group), queries, keys]
         own_counts=visible.sum(-1),
+        common_set=tuple(tables[0, :num_common].tolist()),
     )
 
 
@@ -183,6 +191,7 @@ def attend_shared_prefix(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, dim], this step's K/V written
     plan: SharedPrefixPlan,
     output: torch.Tensor,  # [num_tokens, heads, dim]: the plan's rows are written
+    kept: PackedCommonBlocks | None = None,  # the common blocks' packings across steps
 ) -> None:
     rows, max_queries = plan.token_index.shape
     num_heads, head_dim = query.shape[1], query.shape[2]
@@ -201,7 +210,9 @@ def attend_shared_prefix(
     own_mask = plan.own_mask.expand(-1, -1, group, -1, -1).reshape(rows, 1, per_head, -1)
     own_counts = plan.own_counts[:, None].expand(-1, group, -1).reshape(rows, per_head)
     # Every query of every row against the common keys, then its own keys from there on.
-    out_common, lse_common = attend_common_blocks(q_rows, kv_cache, plan.common_block_ids)
+    out_common, lse_common = attend_common_blocks(
+        q_rows, kv_cache, plan.common_block_ids, None if kept is None else (kept, plan.common_set)
+    )
     common = (  # [kv_heads, rows * per_head, (dim)] → [rows, kv_heads, per_head, (dim)]
         out_common.view(num_kv_heads, rows, per_head, head_dim).transpose(0, 1),
         lse_common.view(num_kv_heads, rows, per_head).transpose(0, 1),

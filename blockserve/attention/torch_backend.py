@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from blockserve.attention import cpu_kernels
+from blockserve.attention.common_blocks import BlockSet, PackedCommonBlocks
 from blockserve.attention.metadata import AttentionMetadata
 from blockserve.attention.prefill import PrefillPlan, attend_prefills, prefix_prefill_plan
 from blockserve.attention.shared_prefix import (
@@ -41,6 +42,7 @@ class DecodePlan:
 
     token_indices: torch.Tensor  # [num_decodes]: their rows in the flat batch
     common_block_ids: torch.Tensor | None  # [num_common]; None when nothing is shared
+    common_set: BlockSet  # common_block_ids as a tuple; () when nothing is shared
     own_tables: torch.Tensor  # [num_decodes, max_own_blocks] int64, padding → block 0
     own_lengths: torch.Tensor  # [num_decodes]: tokens in each sequence's own blocks
     mask: torch.Tensor  # [num_decodes, 1, 1, max_own_blocks * block_size] bool, True = attend
@@ -97,7 +99,9 @@ def all_prefill_plans(metadata: AttentionMetadata, split: BatchSplit) -> tuple[P
 
 class TorchAttentionBackend:
     """Stateless between steps but for a gather workspace, reused so that decode contexts are
-    copied into memory already mapped (fresh large allocations fault pages in on every layer).
+    copied into memory already mapped (fresh large allocations fault pages in on every layer),
+    and our kernel's packings of common blocks, kept while steps go on reading the same ones
+    (common_blocks.py; `forget_kv` when something else writes into the cache).
     Decodes that share blocks take the shared-prefix path when it saves at least
     `min_shared_decode_tokens` key reads, (decodes − 1) × common tokens: by default always, as
     it measured no slower at any batch (bench_shared_decode.py forces either path)."""
@@ -107,6 +111,11 @@ class TorchAttentionBackend:
     def __init__(self, min_shared_decode_tokens: int = 0) -> None:
         self._workspace: torch.Tensor | None = None
         self.min_shared_decode_tokens = min_shared_decode_tokens
+        self.common_blocks = PackedCommonBlocks()  # our kernel's packings, across steps
+
+    def forget_kv(self) -> None:
+        """Something outside the forward wrote into the KV caches (any thread)."""
+        self.common_blocks.forget()
 
     # -- planning (once per step) ---------------------------------------------------------
 
@@ -116,6 +125,8 @@ class TorchAttentionBackend:
         if split.decode_rows:
             decode = self._plan_decodes(metadata, split.decode_rows, split.decode_tokens)
         shared = plan_shared_prefix(metadata, split.prefix_rows, split.prefix_token_starts)
+        used = [plan.common_set for plan in (decode, shared) if plan is not None]
+        self.common_blocks.begin_step(metadata.slot_mapping, metadata.block_size, used)
         if shared is not None:  # prefill chunks on one shared prefix: read it once
             return TorchAttentionPlan(
                 metadata.slot_mapping, decode, tuple(split.fresh_prefills), shared
@@ -146,6 +157,7 @@ class TorchAttentionBackend:
         return DecodePlan(
             token_indices=torch.tensor(token_indices, device=device),
             common_block_ids=tables[0, :num_common] if num_common else None,
+            common_set=tuple(tables[0, :num_common].tolist()),
             own_tables=own.long().contiguous(),
             own_lengths=decode_lens - num_common * block_size,
             mask=mask,
@@ -175,7 +187,7 @@ class TorchAttentionBackend:
             output[rows] = self._decode(query[rows], kv_cache, plan.decode)
         attend_prefills(query, key, value, kv_cache, plan.prefills, output)
         if plan.shared_prefix is not None:
-            attend_shared_prefix(query, kv_cache, plan.shared_prefix, output)
+            attend_shared_prefix(query, kv_cache, plan.shared_prefix, output, self.common_blocks)
         return output
 
     def _gather_blocks(self, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
@@ -239,8 +251,8 @@ class TorchAttentionBackend:
         out = torch.matmul(probs, v.contiguous())  # [decodes, kv_heads, group, dim]
         return out.reshape(num_decodes, num_heads, head_dim)
 
-    @staticmethod
     def _common_prefix(
+        self,
         q: torch.Tensor,  # [num_decodes, kv_heads, group, dim]
         kv_cache: torch.Tensor,
         plan: DecodePlan,
@@ -249,6 +261,8 @@ class TorchAttentionBackend:
         KV head's queries of every sequence as rows of one call."""
         assert plan.common_block_ids is not None
         num_decodes, num_kv_heads, group, head_dim = q.shape
-        out, lse = attend_common_blocks(q, kv_cache, plan.common_block_ids)
+        out, lse = attend_common_blocks(
+            q, kv_cache, plan.common_block_ids, (self.common_blocks, plan.common_set)
+        )
         out = out.view(num_kv_heads, num_decodes, group, head_dim).transpose(0, 1)
         return out, lse.view(num_kv_heads, num_decodes, group).transpose(0, 1)

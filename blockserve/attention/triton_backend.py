@@ -264,6 +264,9 @@ def _merge_splits(
 class TritonAttentionBackend:
     name = "triton"
 
+    def forget_kv(self) -> None:
+        """Nothing is kept between steps."""
+
     def prepare(self, metadata: AttentionMetadata) -> TritonAttentionPlan:
         return TritonAttentionPlan(metadata)
 

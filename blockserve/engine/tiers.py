@@ -65,7 +65,13 @@ def create_kv_tiers(
             logger.info("KV disk tier: %d blocks held in %s", len(store), directory.root)
     if not tiers:
         return None, directory
-    kv_tiers = KVTiers(tiers, runner.kv_caches, cache.block_size, events_hash_format)
+    kv_tiers = KVTiers(
+        tiers,
+        runner.kv_caches,
+        cache.block_size,
+        events_hash_format,
+        on_write=runner.backend.forget_kv,
+    )
     return kv_tiers, directory
 
 

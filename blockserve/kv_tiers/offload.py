@@ -23,7 +23,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -75,9 +75,13 @@ class KVTiers:
         block_size: int,
         events_hash_format: str | None = None,
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
+        on_write: Callable[[], None] | None = None,
     ) -> None:
         self.tiers = tuple(tiers)
         self.kv_caches = list(kv_caches)
+        # Called (on the loader's thread) after a load wrote blocks into kv_caches: the
+        # attention backend keeps packings of cached blocks across steps.
+        self.on_write = on_write
         self.block_size = block_size
         self.max_pending_bytes = max_pending_bytes
         self.num_dropped_writes = 0  # blocks not written because the queue was full
@@ -185,6 +189,8 @@ class KVTiers:
                 break
             for layer, kv in enumerate(self.kv_caches):
                 kv[:, block_id].copy_(block[layer], non_blocking=False)
+            if self.on_write is not None:
+                self.on_write()
             if host is not None and tier is not host:
                 self._put(host, block_hash, block, None)  # promoted: the next hit is in memory
             num_loaded += 1

@@ -58,6 +58,10 @@ def load(tiers: KVTiers, keys: list[BlockHash], block_ids: list[int]) -> int:
 
 
 def test_blocks_go_down_to_every_tier_and_come_back_bit_exact(tiers: KVTiers) -> None:
+    """...and each block loaded into the caches is told to `on_write` (the attention backend
+    drops what it kept of the caches)."""
+    writes: list[None] = []
+    tiers.on_write = lambda: writes.append(None)
     source = [kv.clone() for kv in tiers.kv_caches]
     tiers.store([filled(1, 1), filled(2, 2, parent=1)])
     assert tiers.flush(10.0)
@@ -68,6 +72,7 @@ def test_blocks_go_down_to_every_tier_and_come_back_bit_exact(tiers: KVTiers) ->
     assert load(tiers, [key(1), key(2)], [5, 6]) == 2
     assert torch.equal(block_of(tiers.kv_caches, 5), block_of(source, 1))
     assert torch.equal(block_of(tiers.kv_caches, 6), block_of(source, 2))
+    assert len(writes) == 2
 
 
 def test_a_block_every_tier_holds_is_not_copied_again(tiers: KVTiers) -> None:
