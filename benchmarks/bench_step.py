@@ -13,7 +13,9 @@ it writes is the same each time). The two steps:
 Each step runs with our fused layer operators (attention/cpu_kernels.py) and without,
 alternating, `--repeats` times each way per round; medians. Where the CPU has AMX-BF16 a
 third way runs too: fused, but with oneDNN's products where our tile kernel would serve
-(`onednn_products`; `tiles_speedup` is it over `fused`). `--profile N` then runs each step
+(`onednn_products`; `tiles_speedup` is it over `fused`). And fused, but with the shared
+prefix's common blocks packed for our prefix kernel on every call instead of kept from the
+step before (`packing_each_step`; `kept_packing_speedup`). `--profile N` then runs each step
 under torch.profiler and keeps its top N operators by self time (per step, milliseconds).
 `--breakdown` times each fused step's parts by wall clock instead (the profiler stretches short
 parallel operators several-fold): the linear layers' products (LM head included), attention
@@ -42,6 +44,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from blockserve import LLM, SamplingParams
 from blockserve.attention import cpu_kernels
+from blockserve.attention.common_blocks import MAX_BYTES
 from blockserve.model import llama
 from blockserve.model.packed import PackedLinear
 from blockserve.model.sampler import argmax
@@ -194,23 +197,31 @@ def main() -> None:
     for kind, inputs in steps.items():
         repeats = args.repeats if kind == "decode" else max(2, args.repeats // 10)
         run_step(runner, inputs)  # warm
-        modes = ["fused", "unfused"]
+        modes = ["fused", "unfused", "packing_each_step"]
         if cpu_kernels.tile_linear(inputs.input_ids.new_empty(0, dtype=torch.bfloat16)):
             modes.append("onednn_products")
         walls: dict[str, list[float]] = {mode: [] for mode in modes}
+        kept = runner.backend.common_blocks
         for round_index in range(args.rounds):
             for mode in modes if round_index % 2 == 0 else modes[::-1]:
                 cpu_kernels.enable(
                     True, layer=mode != "unfused", products=mode != "onednn_products"
                 )
+                kept.max_bytes = 0 if mode == "packing_each_step" else MAX_BYTES
+                kept.forget()  # the next step starts from nothing kept
+                run_step(runner, inputs)  # the step that packs (kept from here, but there)
                 walls[mode].extend(time_step(runner, inputs, repeats))
         cpu_kernels.enable(True)
+        kept.max_bytes = MAX_BYTES
         medians = {mode: round(statistics.median(t) * 1e3, 2) for mode, t in walls.items()}
         results[kind] = {
             "tokens": int(inputs.input_ids.numel()),
             "median_ms": medians,
             "speedup": round(medians["unfused"] / medians["fused"], 3),
         }
+        results[kind]["kept_packing_speedup"] = round(
+            medians["packing_each_step"] / medians["fused"], 3
+        )
         if "onednn_products" in medians:
             results[kind]["tiles_speedup"] = round(medians["onednn_products"] / medians["fused"], 3)
         if kind == "decode":
