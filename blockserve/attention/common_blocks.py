@@ -77,13 +77,13 @@ class PackedCommonBlocks:
         kept if it fits under `max_bytes`)."""
         layers = self._kept.get(block_set)
         key = kv_cache.data_ptr()
-        kept = None if layers is None else layers.get(key)
-        if kept is not None:
-            if kept[0]() is kv_cache:
+        if layers is not None and key in layers:
+            cache, packed = layers[key]
+            if cache() is kv_cache:
                 self.reuses += 1
-                return kept[1]
+                return packed
             del layers[key]  # another cache's, gone, that lay at the same address
-            self._bytes -= _size(kept[1])
+            self._bytes -= _size(packed)
         packed = pack(kv_cache[0], kv_cache[1], block_ids)
         self.packs += 1
         if self._bytes + _size(packed) <= self.max_bytes:
