@@ -2,7 +2,7 @@
 
 Every decode step of sequences that share a cached prefix attends to the same common blocks
 (shared_prefix.py). Our kernel reads K and V in its own layout, which it packs from the paged
-cache on every call: on the shared-prefix workload's decode step that packing took ~3 ms of
+cache on every call: on the shared-prefix workload's decode step that packing took ~2 ms of
 ~37 (docs/benchmarks.md). This keeps each layer's packed blocks (`pack_common`) from one step
 to the next while the blocks stay the same and nothing writes into them.
 
