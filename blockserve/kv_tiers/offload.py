@@ -75,12 +75,10 @@ class KVTiers:
         block_size: int,
         events_hash_format: str | None = None,
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
-        on_write: Callable[[], None] | None = None,
+        on_write: Callable[[], None] = lambda: None,  # per block loaded (loader's thread)
     ) -> None:
         self.tiers = tuple(tiers)
         self.kv_caches = list(kv_caches)
-        # Called (on the loader's thread) after a load wrote blocks into kv_caches: the
-        # attention backend keeps packings of cached blocks across steps.
         self.on_write = on_write
         self.block_size = block_size
         self.max_pending_bytes = max_pending_bytes
@@ -180,17 +178,15 @@ class KVTiers:
                     block = tier.store.get(block_hash)
                     if held and block is None:  # found damaged and dropped by the store
                         self._record_removed(tier, [block_hash])
-                if held:
-                    spent = time.perf_counter() - started
-                    seconds[tier.name] = seconds.get(tier.name, 0.0) + spent
+                if held:  # the time the tier took to read it
+                    seconds[tier.name] = seconds.get(tier.name, 0.0) + time.perf_counter() - started
                 if block is not None:
                     break
             if block is None or tier is None:
                 break
             for layer, kv in enumerate(self.kv_caches):
                 kv[:, block_id].copy_(block[layer], non_blocking=False)
-            if self.on_write is not None:
-                self.on_write()
+            self.on_write()
             if host is not None and tier is not host:
                 self._put(host, block_hash, block, None)  # promoted: the next hit is in memory
             num_loaded += 1
