@@ -212,6 +212,16 @@ def argmax(x: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
     return None if ops is None else ops.argmax_rows
 
 
+def write_kv(key: torch.Tensor) -> Callable[..., None] | None:
+    """Our write of a step's K and V into a layer's cache, both in one call (`write_kv_`),
+    for keys like `key` ([tokens, kv_heads, dim] on the CPU), or None where two index_copy_
+    serve: switched with the layer operators."""
+    if not _layer_enabled or key.device.type != "cpu":
+        return None
+    ops = _loaded.get(key.dtype)
+    return None if ops is None else ops.write_kv_
+
+
 def tile_linear(x: torch.Tensor) -> Callable[..., torch.Tensor] | None:
     """Our product of few rows on AMX tiles (cpu_linear_bf16.cpp) for rows like `x`, or None:
     bf16 on a CPU with AMX-BF16 once the library is loaded, and not switched off."""

@@ -18,6 +18,9 @@
 //   silu_and_mul(gate_up [rows, 2 * n]) → silu(gate) * up [rows, n]
 //   argmax_rows(x [rows, n]) → [rows] int64: torch.max(x, -1).indices (greedy sampling, read
 //     from the LM head's output in its own dtype: widening bf16 to float32 is exact)
+//   write_kv_(kv_cache [2, blocks, block_size, kv_heads, dim] (in place), slots [tokens],
+//     key, value [tokens, kv_heads, dim]): token t's K and V into slot slots[t] (one call a
+//     layer for what two index_copy_ did; every slot is checked before anything is written)
 //
 // Rows have unit stride along their last dimension, a multiple of 16 (a whole number of
 // vectors in either library), except argmax_rows' (any n ≥ 1). Internal linkage, as in
@@ -31,6 +34,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 namespace blockserve_cpu {
 namespace {
@@ -169,6 +173,39 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
+template <class L>
+void write_kv_(at::Tensor& kv_cache, const at::Tensor& slots, const at::Tensor& key,
+               const at::Tensor& value) {
+  const auto type = L::kCheck.type;
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() &&
+                  kv_cache.scalar_type() == type,
+              "kv_cache must be a contiguous ", L::kCheck.type_name,
+              " [2, blocks, block_size, kv_heads, dim]");
+  const int64_t heads = kv_cache.size(3), dim = kv_cache.size(4);
+  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2), width = heads * dim;
+  for (const at::Tensor* t : {&key, &value})
+    TORCH_CHECK(t->dim() == 3 && t->size(1) == heads && t->size(2) == dim &&
+                    t->scalar_type() == type && t->stride(2) == 1 && t->stride(1) == dim,
+                "key and value must be ", L::kCheck.type_name,
+                " [tokens, kv_heads, dim], each token's heads contiguous");
+  TORCH_CHECK(key.size(0) == value.size(0) && slots.dim() == 1 &&
+                  slots.scalar_type() == at::kLong && slots.size(0) == key.size(0),
+              "slots must be int64 [tokens], as many as key and value have");
+  const at::Tensor slot_list = slots.contiguous();
+  const int64_t* sp = slot_list.data_ptr<int64_t>();
+  const int64_t tokens = key.size(0);
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot ", sp[t], " is outside the cache");
+  auto* kp = elements<L>(kv_cache);
+  auto* vp = kp + num_slots * width;
+  const auto *kin = elements<L>(key), *vin = elements<L>(value);
+  const int64_t bytes = width * static_cast<int64_t>(sizeof(typename L::Elem));
+  for_rows(tokens, 2 * width, [&](int64_t t) {
+    std::memcpy(kp + sp[t] * width, kin + t * key.stride(0), bytes);
+    std::memcpy(vp + sp[t] * width, vin + t * value.stride(0), bytes);
+  });
+}
+
 // How a policy's argmax_row ends. Its vectors went over x[0, whole), each lane keeping its
 // first strict maximum (lane_best[l] at index lane_at[l]; a lane that saw none, -inf at 0)
 // and flagging any NaN: then the first NaN, as torch; else the lowest index among the lanes
@@ -205,6 +242,7 @@ void implement_layer(torch::Library& m) {
   m.impl("rotary_", &rotary_<L>);
   m.impl("silu_and_mul", &silu_and_mul<L>);
   m.impl("argmax_rows", &argmax_rows<L>);
+  m.impl("write_kv_", &write_kv_<L>);
 }
 
 inline void define_layer(torch::Library& m) {
@@ -213,6 +251,7 @@ inline void define_layer(torch::Library& m) {
   m.def("rotary_(Tensor(a!) qkv, Tensor cos, Tensor sin, int q_heads, int kv_heads) -> ()");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
+  m.def("write_kv_(Tensor(a!) kv_cache, Tensor slots, Tensor key, Tensor value) -> ()");
 }
 
 }  // namespace

@@ -1,7 +1,8 @@
 // The elementwise math of a Llama layer, fused, for bfloat16 on x86 CPUs with AVX512-BF16:
 // RMSNorm (alone, or after the residual add), the rotary embedding of q and k in place, and
-// SiLU(gate) * up; and the argmax of greedy sampling. An eager forward spends ~20 torch
-// operators a layer on these, each a pass over memory and a dispatch; here each is one pass.
+// SiLU(gate) * up; and the argmax of greedy sampling and the K/V cache write (cpu_layer.h).
+// An eager forward spends ~20 torch operators a layer on these, each a pass over memory and a
+// dispatch; here each is one pass.
 //
 // The operators' shapes are in cpu_layer.h. Every result equals torch's bf16 composition
 // (model/llama.py) to the bit where that rounds the same intermediates: each value is rounded

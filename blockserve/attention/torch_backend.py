@@ -174,10 +174,12 @@ class TorchAttentionBackend:
         plan: TorchAttentionPlan,
     ) -> torch.Tensor:
         num_kv_heads, head_dim = key.shape[1], key.shape[2]
-        key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)  # [num_slots, kv_heads, dim]
-        value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
-        key_cache.index_copy_(0, plan.slot_mapping, key)
-        value_cache.index_copy_(0, plan.slot_mapping, value)
+        write = cpu_kernels.write_kv(key)
+        if write is not None:
+            write(kv_cache, plan.slot_mapping, key, value)
+        else:  # into [slots, kv_heads, dim] views of the K and V caches
+            for cache, written in zip(kv_cache, (key, value), strict=True):
+                cache.view(-1, num_kv_heads, head_dim).index_copy_(0, plan.slot_mapping, written)
 
         if plan.decode is not None and len(plan.decode.token_indices) == query.shape[0]:
             return self._decode(query, kv_cache, plan.decode)  # decodes only: rows in order

@@ -1,8 +1,8 @@
 """Our fused layer operators (attention/cpu_layer_bf16.cpp, cpu_layer_f32.cpp): RMSNorm with
-and without the residual add, the rotary embedding in place, SiLU-and-multiply, and the argmax
-of greedy sampling. Each equals torch's composition in model/llama.py in its dtype bit for bit,
-or within a few steps of it where noted; each refuses what it does not handle; and the eager
-forward that uses them gives the forward without them."""
+and without the residual add, the rotary embedding in place, SiLU-and-multiply, the argmax of
+greedy sampling and the K/V cache write. Each equals torch's composition in model/llama.py in
+its dtype bit for bit, or within a few steps of it where noted; each refuses what it does not
+handle; and the eager forward that uses them gives the forward without them."""
 
 from __future__ import annotations
 
@@ -134,6 +134,65 @@ def argmax_cases(dtype: torch.dtype) -> list[torch.Tensor]:
 def test_argmax_rows_is_torch_max_indices(ops: Any) -> None:
     for x in argmax_cases(torch.bfloat16):
         assert ops.argmax_rows(x).tolist() == x.max(dim=-1).indices.tolist()
+
+
+def kv_write_case(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """A layer's cache [2, 6 blocks, 16, 3 KV heads, 64], a step's K and V as the QKV
+    product leaves them (views of its rows), 10 slots anywhere in the cache, and the cache as
+    two index_copy_ leave it."""
+    generator = torch.Generator().manual_seed(11)
+    kv = torch.randn(2, 6, 16, 3, 64, generator=generator).to(dtype)
+    qkv = torch.randn(10, (9 + 2 * 3) * 64, generator=generator).to(dtype)
+    key, value = qkv[:, 576:768].view(10, 3, 64), qkv[:, 768:].view(10, 3, 64)
+    slots = torch.randperm(96, generator=generator)[:10]
+    expected = kv.clone()
+    expected[0].view(-1, 3, 64).index_copy_(0, slots, key)
+    expected[1].view(-1, 3, 64).index_copy_(0, slots, value)
+    return kv, slots, key, value, expected
+
+
+@NEEDS[torch.bfloat16]
+def test_write_kv_is_the_two_index_copies(ops: Any) -> None:
+    kv, slots, key, value, expected = kv_write_case(torch.bfloat16)
+    ops.write_kv_(kv, slots, key, value)
+    assert torch.equal(kv, expected)
+
+
+@NEEDS[torch.float32]
+def test_float32_write_kv_is_the_two_index_copies(ops32: Any) -> None:
+    kv, slots, key, value, expected = kv_write_case(torch.float32)
+    ops32.write_kv_(kv, slots, key, value)
+    assert torch.equal(kv, expected)
+
+
+@NEEDS[torch.bfloat16]
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ("a slot past the cache", "slot 96 is outside the cache"),
+        ("a negative slot", "slot -1 is outside the cache"),
+        ("int32 slots", "slots must be int64"),
+        ("keys of another width", "key and value must be"),
+        ("a float32 cache", "kv_cache must be a contiguous bfloat16"),
+    ],
+)
+def test_write_kv_refuses_and_writes_nothing(ops: Any, change: str, message: str) -> None:
+    kv, slots, key, value, _ = kv_write_case(torch.bfloat16)
+    before = kv.clone()
+    if change == "a slot past the cache":
+        slots[-1] = 96
+    elif change == "a negative slot":
+        slots[3] = -1
+    elif change == "int32 slots":
+        slots = slots.int()
+    elif change == "keys of another width":
+        key = key[:, :2]
+    else:
+        kv = kv.float()
+        before = kv.clone()
+    with pytest.raises(RuntimeError, match=message):
+        ops.write_kv_(kv, slots, key, value)
+    assert torch.equal(kv, before)
 
 
 @NEEDS[torch.bfloat16]
