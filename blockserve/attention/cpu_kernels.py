@@ -212,11 +212,20 @@ def argmax(x: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
     return None if ops is None else ops.argmax_rows
 
 
-def write_kv(key: torch.Tensor) -> Callable[..., None] | None:
-    """Our write of a step's K and V into a layer's cache, both in one call (`write_kv_`),
-    for keys like `key` ([tokens, kv_heads, dim] on the CPU), or None where two index_copy_
-    serve: switched with the layer operators."""
-    if not _layer_enabled or key.device.type != "cpu":
+def write_kv(
+    kv_cache: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> Callable[..., None] | None:
+    """Our write of a step's K and V ([tokens, kv_heads, dim], each token's heads contiguous)
+    into a layer's cache (contiguous, on the CPU) at int64 `slots`, both in one call
+    (`write_kv_`), or None where two index_copy_ serve: another layout, or the layer
+    operators switched off."""
+    if (
+        not _layer_enabled
+        or kv_cache.device.type != "cpu"
+        or not kv_cache.is_contiguous()
+        or slots.dtype != torch.int64
+        or any(t.stride(-1) != 1 or t.stride(-2) != t.shape[-1] for t in (key, value))
+    ):
         return None
     ops = _loaded.get(key.dtype)
     return None if ops is None else ops.write_kv_

@@ -174,7 +174,7 @@ class TorchAttentionBackend:
         plan: TorchAttentionPlan,
     ) -> torch.Tensor:
         num_kv_heads, head_dim = key.shape[1], key.shape[2]
-        write = cpu_kernels.write_kv(key)
+        write = cpu_kernels.write_kv(kv_cache, plan.slot_mapping, key, value)
         if write is not None:
             write(kv_cache, plan.slot_mapping, key, value)
         else:  # into [slots, kv_heads, dim] views of the K and V caches

@@ -196,6 +196,21 @@ def test_write_kv_refuses_and_writes_nothing(ops: Any, change: str, message: str
 
 
 @NEEDS[torch.bfloat16]
+def test_the_kv_write_is_handed_out_only_where_it_applies(ops: Any) -> None:
+    """cpu_kernels.write_kv gives our op for the layout the backend passes, and None (two
+    index_copy_ then) for another: heads not contiguous, int32 slots, layer operators off."""
+    kv, slots, key, value, _ = kv_write_case(torch.bfloat16)
+    assert cpu_kernels.write_kv(kv, slots, key, value) is not None
+    assert cpu_kernels.write_kv(kv, slots, key.transpose(1, 2), value) is None
+    assert cpu_kernels.write_kv(kv, slots.int(), key, value) is None
+    cpu_kernels.enable(True, layer=False)
+    try:
+        assert cpu_kernels.write_kv(kv, slots, key, value) is None
+    finally:
+        cpu_kernels.enable(True)
+
+
+@NEEDS[torch.bfloat16]
 def test_the_argmax_kernel_is_handed_out_only_where_it_applies(ops: Any) -> None:
     """cpu_kernels.argmax (what the sampler asks) gives the kernel for [rows, n] rows with
     unit stride, and None where torch.max must serve: another rank, no columns, a transposed
