@@ -36,7 +36,6 @@ class PackedCommonBlocks:
         # block set → {a layer's cache data_ptr: (that cache, its packing)}: the weak
         # reference tells a cache freed and another allocated at its address apart
         self._kept: dict[BlockSet, dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]]] = {}
-        self._ids: dict[BlockSet, torch.Tensor] = {}  # each kept set's ids as a tensor
         self._bytes = 0
         self._forgets = 0  # counted by `forget` (any thread), acted on by `begin_step`
         self._forgets_seen = 0
@@ -54,16 +53,10 @@ class PackedCommonBlocks:
         if self._forgets != self._forgets_seen:
             self._forgets_seen = self._forgets
             self._drop(list(self._kept))
-        stale = [block_set for block_set in self._kept if block_set not in used]
-        written = None
-        for block_set in self._kept:
-            if block_set in stale:
-                continue
-            if written is None:
-                written = torch.div(slot_mapping, block_size, rounding_mode="floor")
-            if torch.isin(written, self._ids[block_set]).any():
-                stale.append(block_set)
-        self._drop(stale)
+        written: set[int] = set()  # the blocks the step writes into, if any kept set is used
+        if any(block_set in used for block_set in self._kept):
+            written = set(torch.div(slot_mapping, block_size, rounding_mode="floor").tolist())
+        self._drop([s for s in self._kept if s not in used or not written.isdisjoint(s)])
 
     def get(
         self,
@@ -87,9 +80,7 @@ class PackedCommonBlocks:
         packed = pack(kv_cache[0], kv_cache[1], block_ids)
         self.packs += 1
         if self._bytes + _size(packed) <= self.max_bytes:
-            if layers is None:
-                layers = self._kept[block_set] = {}
-                self._ids[block_set] = block_ids.clone()
+            layers = self._kept.setdefault(block_set, {})
             layers[key] = (weakref.ref(kv_cache), packed)
             self._bytes += _size(packed)
         return packed
@@ -97,7 +88,6 @@ class PackedCommonBlocks:
     def _drop(self, block_sets: list[BlockSet]) -> None:
         for block_set in block_sets:
             layers = self._kept.pop(block_set)
-            del self._ids[block_set]
             self._bytes -= sum(_size(packed) for _, packed in layers.values())
 
 
