@@ -59,48 +59,87 @@ inline void transpose_words(__m512i rows[16]) {
   }
 }
 
-// The online-softmax update of `Rows` rows (state rows row0 ..) by one block of 64 keys:
-// scores [row][key] (unscaled) become probabilities, rounded to bf16 in key order (the
+// Lane r: op over the 16 lanes of v[r]. Sixteen rows reduced together, in four rounds that
+// each pair two vectors' lanes (half of each row's values from one, half from the other)
+// and apply op, halving the lanes every row has: 45 instructions, where reducing each row
+// by itself takes ~8 and a scalar extract each.
+template <typename Op>
+inline __m512 reduce_rows(const __m512 (&v)[16], Op op) {
+  __m512 a[8], b[4], c[2];
+  // Lanes taken from a then b (index 16 + i is b's lane i); each round's second half is its
+  // first shifted by the width of a row's run.
+  const __m512i round1 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+  const __m512i round2 = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+  const __m512i round3 = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29);
+  const __m512i round4 = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const auto halve = [&](__m512 x, __m512 y, __m512i low, int shift) {
+    const __m512i high = _mm512_add_epi32(low, _mm512_set1_epi32(shift));
+    return op(_mm512_permutex2var_ps(x, low, y), _mm512_permutex2var_ps(x, high, y));
+  };
+  for (int i = 0; i < 8; ++i) a[i] = halve(v[2 * i], v[2 * i + 1], round1, 8);  // 8 lanes a row
+  for (int i = 0; i < 4; ++i) b[i] = halve(a[2 * i], a[2 * i + 1], round2, 4);  // 4
+  for (int i = 0; i < 2; ++i) c[i] = halve(b[2 * i], b[2 * i + 1], round3, 2);  // 2
+  return halve(c[0], c[1], round4, 1);                                           // 1: row r at r
+}
+
+// The online-softmax update of `Rows` (up to 16) rows (state rows row0 ..) by one block of 64
+// keys: scores [row][key] (unscaled) become probabilities, rounded to bf16 in key order (the
 // second product's left side, [row][key pair]); factor[r] is what row r's output so far
 // must be scaled by. valid[r]: how many of the block's keys row r sees (0 to 64); a row that
-// sees none is left as it was and contributes nothing.
+// sees none is left as it was and contributes nothing. The rows' maxima, sums and rescales
+// are found together, a lane a row.
 template <int64_t Rows, int64_t StateRows>
 void block_softmax(float (*scores)[kKeyBlock], const int64_t* valid, float scale,
                    RowState<StateRows>& state, int64_t row0, uint32_t (*probs)[kKeyBlock / 2],
                    float* factor) {
+  static_assert(Rows <= 16);
+  constexpr __mmask16 kRows = static_cast<__mmask16>((1u << Rows) - 1);
+  __m512 row_max[16];  // each row's maximum in every lane it has: a lane each after reduce_rows
+  __mmask16 seeing = 0;
+  for (int64_t r = 0; r < 16; ++r) {
+    row_max[r] = _mm512_set1_ps(kNegInf);
+    if (r >= Rows || valid[r] <= 0) continue;
+    seeing |= static_cast<__mmask16>(1u << r);
+    for (int64_t n = valid[r]; n < kKeyBlock; ++n) scores[r][n] = kNegInf;
+    for (int64_t g = 0; g < kGroups; ++g)
+      row_max[r] = _mm512_max_ps(row_max[r], _mm512_loadu_ps(scores[r] + g * 16));
+  }
+  const auto max = [](__m512 x, __m512 y) { return _mm512_max_ps(x, y); };
+  const __m512 old_max = _mm512_maskz_loadu_ps(kRows, state.max + row0);  // of scaled scores
+  const __m512 new_max = _mm512_mask_max_ps(
+      old_max, seeing, old_max, _mm512_mul_ps(reduce_rows(row_max, max), _mm512_set1_ps(scale)));
+  // exp(old - new) where the maximum moved (~0 on a row's first block: what it scales is 0)
+  const __mmask16 moved = _mm512_cmp_ps_mask(new_max, old_max, _CMP_NEQ_UQ);
+  const __m512 rescale = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), moved,
+                                            exp_nonpositive(_mm512_sub_ps(old_max, new_max)));
   // exp(scale * (score - max)) as 2^(score * scale log2 e - max log2 e): one FMA a vector
   const __m512 to_exponent = _mm512_set1_ps(scale * kLog2E);
-  for (int64_t r = 0; r < Rows; ++r) {
-    factor[r] = 1.0f;
-    if (valid[r] <= 0) {
+  alignas(64) float offset[16];
+  _mm512_store_ps(offset, _mm512_mul_ps(new_max, _mm512_set1_ps(-kLog2E)));
+  __m512 total[16];
+  for (int64_t r = 0; r < 16; ++r) {
+    total[r] = _mm512_setzero_ps();
+    if (r >= Rows) continue;
+    if (!(seeing >> r & 1)) {
       std::memset(probs[r], 0, sizeof(probs[r]));
       continue;
     }
-    for (int64_t n = valid[r]; n < kKeyBlock; ++n) scores[r][n] = kNegInf;
-    __m512 block_max = _mm512_loadu_ps(scores[r]);
-    for (int64_t g = 1; g < kGroups; ++g)
-      block_max = _mm512_max_ps(block_max, _mm512_loadu_ps(scores[r] + g * 16));
-    const float old_max = state.max[row0 + r];  // of scaled scores
-    const float new_max = std::max(old_max, _mm512_reduce_max_ps(block_max) * scale);
-    // ~0 on the first block (the output and sum it scales are 0 then)
-    const float rescale =
-        new_max == old_max ? 1.0f
-                           : _mm512_cvtss_f32(exp_nonpositive(_mm512_set1_ps(old_max - new_max)));
-    const __m512 offset = _mm512_set1_ps(-new_max * kLog2E);
-    __m512 total = _mm512_setzero_ps();
+    const __m512 row_offset = _mm512_set1_ps(offset[r]);
     __m512 e[kGroups];
     for (int64_t g = 0; g < kGroups; ++g) {
       e[g] = exp2_nonpositive(
-          _mm512_fmadd_ps(_mm512_loadu_ps(scores[r] + g * 16), to_exponent, offset));
-      total = _mm512_add_ps(total, e[g]);
+          _mm512_fmadd_ps(_mm512_loadu_ps(scores[r] + g * 16), to_exponent, row_offset));
+      total[r] = _mm512_add_ps(total[r], e[g]);
     }
     for (int64_t g = 0; g < kGroups; g += 2)  // 32 probabilities → 32 bf16 in key order
       _mm512_storeu_si512(probs[r] + g * 8,
                           reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(e[g + 1], e[g])));
-    state.max[row0 + r] = new_max;
-    state.sum[row0 + r] = state.sum[row0 + r] * rescale + _mm512_reduce_add_ps(total);
-    factor[r] = rescale;
   }
+  const __m512 sums = reduce_rows(total, [](__m512 x, __m512 y) { return _mm512_add_ps(x, y); });
+  const __m512 old_sum = _mm512_maskz_loadu_ps(kRows, state.sum + row0);
+  _mm512_mask_storeu_ps(state.sum + row0, kRows, _mm512_fmadd_ps(old_sum, rescale, sums));
+  _mm512_mask_storeu_ps(state.max + row0, kRows, new_max);
+  _mm512_mask_storeu_ps(factor, kRows, rescale);
 }
 
 struct Bf16Kernel {
