@@ -145,6 +145,9 @@ class SharedPrefixPlan:
     own_mask: torch.Tensor  # [rows, 1, 1, max_queries, max_own_blocks * block_size]
     own_counts: torch.Tensor  # [rows, max_queries]: own keys each query sees (a prefix of them)
     common_set: BlockSet  # common_block_ids as a tuple
+    # The flat-batch index of the first query when the rows' queries are one run of the
+    # batch, max_queries each (token_index is then that run in order): None otherwise.
+    first_token: int | None = None
 
 
 def plan_shared_prefix(
@@ -165,6 +168,10 @@ def plan_shared_prefix(
     if num_common == 0:
         return None
     max_queries = max(query_lens)
+    one_run = all(
+        n == max_queries and start == token_starts[0] + i * max_queries
+        for i, (n, start) in enumerate(zip(query_lens, token_starts, strict=True))
+    )
     offsets = torch.arange(max_queries, device=device)
     lens = torch.tensor(query_lens, device=device)
     valid = offsets[None, :] < lens[:, None]  # [rows, max_queries]
@@ -183,6 +190,7 @@ def plan_shared_prefix(
         own_mask=visible[:, None, None],  # [rows, 1 (kv head), 1 (group), queries, keys]
         own_counts=visible.sum(-1),
         common_set=tuple(tables[0, :num_common].tolist()),
+        first_token=token_starts[0] if one_run else None,
     )
 
 
@@ -197,27 +205,40 @@ def attend_shared_prefix(
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
-    # q: [rows, kv_heads, group, queries, dim]
-    q = query[plan.token_index].view(rows, max_queries, num_kv_heads, group, head_dim)
-    q = q.permute(0, 2, 3, 1, 4)
+    first = plan.first_token
+    run = None if first is None else slice(first, first + rows * max_queries)
+    # [rows, queries, kv_heads, group, dim]: the rows' queries where they lie when they are
+    # one run of the batch, else gathered (padding reads token 0).
+    tokens = query[run] if run is not None else query[plan.token_index]
+    tokens = tokens.view(rows, max_queries, num_kv_heads, group, head_dim)
     own_k = kv_cache[0][plan.own_block_ids].view(rows, -1, num_kv_heads, head_dim)
     own_v = kv_cache[1][plan.own_block_ids].view(rows, -1, num_kv_heads, head_dim)
     own_k = own_k.permute(0, 2, 1, 3)  # [rows, kv_heads, own_keys, dim]
     own_v = own_v.permute(0, 2, 1, 3)
-    # Each KV head's group of query heads becomes rows: [rows, kv_heads, group * queries, dim]
-    per_head = group * max_queries
-    q_rows = q.reshape(rows, num_kv_heads, per_head, head_dim)
-    own_mask = plan.own_mask.expand(-1, -1, group, -1, -1).reshape(rows, 1, per_head, -1)
-    own_counts = plan.own_counts[:, None].expand(-1, group, -1).reshape(rows, per_head)
-    # Every query of every row against the common keys, then its own keys from there on.
+    # Each KV head's queries become rows, query by query and within a query head by head:
+    # [rows, kv_heads, queries * group, dim].
+    per_head = max_queries * group
+    q_rows = tokens.permute(0, 2, 1, 3, 4).reshape(rows, num_kv_heads, per_head, head_dim)
+    own_mask = plan.own_mask.transpose(2, 3).expand(-1, -1, -1, group, -1)
+    own_mask = own_mask.reshape(rows, 1, per_head, -1)
+    own_counts = plan.own_counts[:, :, None].expand(-1, -1, group).reshape(rows, per_head)
+    # Every query of every row against the common keys (the queries as they lie: the same
+    # rows in the same order), then its own keys from there on.
     out_common, lse_common = attend_common_blocks(
-        q_rows, kv_cache, plan.common_block_ids, None if kept is None else (kept, plan.common_set)
+        tokens.view(rows * max_queries, num_kv_heads, group, head_dim),
+        kv_cache,
+        plan.common_block_ids,
+        None if kept is None else (kept, plan.common_set),
     )
     common = (  # [kv_heads, rows * per_head, (dim)] → [rows, kv_heads, per_head, (dim)]
         out_common.view(num_kv_heads, rows, per_head, head_dim).transpose(0, 1),
         lse_common.view(num_kv_heads, rows, per_head).transpose(0, 1),
     )
     out, _ = attend_heads(q_rows, own_k, own_v, own_mask, own_counts, prior=common)
-    out = out.view(rows, num_kv_heads, group, max_queries, head_dim)
-    out = out.permute(0, 3, 1, 2, 4).reshape(rows, max_queries, num_heads, head_dim)
-    output[plan.token_index[plan.valid]] = out[plan.valid].to(output.dtype)
+    # [rows, kv_heads, queries, group, dim] → [rows, queries, kv_heads, group, dim]
+    out = out.view(rows, num_kv_heads, max_queries, group, head_dim).transpose(1, 2)
+    if run is not None:  # one strided copy into place, in the output's dtype
+        output[run].view(rows, max_queries, num_kv_heads, group, head_dim).copy_(out)
+    else:
+        rows_out = out[plan.valid].reshape(-1, num_heads, head_dim)
+        output[plan.token_index[plan.valid]] = rows_out.to(output.dtype)

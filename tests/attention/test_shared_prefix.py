@@ -58,30 +58,43 @@ def test_decodes_sharing_prefix_blocks_read_them_once(dtype: torch.dtype) -> Non
     assert (out.double() - reference_attention(case)).abs().max().item() < TOLERANCE[dtype]
 
 
+# (cached, new) tokens of each sequence; where the shared-prefix rows' queries start
+CHUNKS = {
+    # chunks of 32, 5 and 17 tokens (then a fresh prefill, a decode): gathered, with padding
+    "uneven": ([(48, 32), (50, 5), (70, 17), (0, 20), (60, 1)], None),
+    # three chunks of 16, one run of the batch after a decode: read where they lie
+    "one run": ([(60, 1), (48, 16), (50, 16), (70, 16), (0, 20)], 1),
+}
+
+
+@pytest.mark.parametrize("chunks", CHUNKS)
 @pytest.mark.parametrize("kernels", ["ours", "torch's"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_chunks_on_a_shared_prefix_read_it_once(
-    dtype: torch.dtype, kernels: str, cpu_kernels_dir: Path
+    dtype: torch.dtype, kernels: str, chunks: str, cpu_kernels_dir: Path
 ) -> None:
-    """Chunks of 32, 5 and 17 tokens on 3 shared blocks use the shared-prefix path, exactly:
-    with our kernels where the host has them (each chunk's own keys continue from the common
-    blocks' softmax) and with torch's (the two softmaxes merged)."""
+    """Chunks on 3 shared blocks use the shared-prefix path, exactly: with our kernels where
+    the host has them (each chunk's own keys continue from the common blocks' softmax) and
+    with torch's (the two softmaxes merged); chunks of one length that are one run of the
+    batch are read and written in place, others gathered."""
+    specs, first_token = CHUNKS[chunks]
     ours = kernels == "ours" and cpu_kernels.supported(dtype)
     if ours:
         assert cpu_kernels.load(cpu_kernels_dir, dtype) is not None
     cpu_kernels.enable(ours)
     try:
         assert (cpu_kernels.dense_attention(torch.zeros(1, 64, dtype=dtype)) is not None) == ours
-        specs = [(48, 32), (50, 5), (70, 17), (0, 20), (60, 1)]
         case = make_case(specs, 6, 2, head_dim=64, dtype=dtype, shared_blocks=3, seed=9)
         backend = TorchAttentionBackend()
         plan = backend.prepare(case.metadata)
         assert plan.shared_prefix is not None
-        assert (
-            plan.shared_prefix.common_block_ids.tolist()
-            == case.metadata.block_tables[0, :3].tolist()
+        chunks_on_it = [row for row, (cached, n) in enumerate(specs) if cached and n > 1]
+        assert plan.shared_prefix.common_block_ids.tolist() == (
+            case.metadata.block_tables[chunks_on_it[0], :3].tolist()
         )
-        assert plan.shared_prefix.valid.sum().item() == 32 + 5 + 17
+        shared = [specs[row][1] for row in chunks_on_it]
+        assert plan.shared_prefix.valid.sum().item() == sum(shared)
+        assert plan.shared_prefix.first_token == first_token
         assert len(plan.prefills) == 1  # only the fresh prefill goes one by one
         out = backend.forward(case.query, case.key, case.value, case.kv_cache, plan)
         assert (out.double() - reference_attention(case)).abs().max().item() < TOLERANCE[dtype]
