@@ -91,7 +91,7 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(request_ids), desc="Generating", disable=not use_tqdm) as bar:
             while pending:
-                for output in self.engine.step():
+                for output in self.engine.step(final_only=True):
                     if output.finished and output.request_id in pending:
                         pending.discard(output.request_id)
                         finished[output.request_id] = output

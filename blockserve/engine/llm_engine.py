@@ -66,12 +66,13 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return len(self.output_processor) > 0
 
-    def step(self) -> list[RequestOutput]:
-        """One engine step: an output for every request that changed (or was aborted)."""
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """One engine step: an output for every request that changed (or was aborted);
+        `final_only`: for every request that ended (the offline API's outputs)."""
         outputs, self._pending_outputs = self._pending_outputs, []
         if not self.core.has_unfinished_requests():
             return outputs
-        processed = self.output_processor.process(self.core.step())
+        processed = self.output_processor.process(self.core.step(), final_only)
         self.core.abort_requests(processed.samples_to_abort)
         return outputs + processed.request_outputs
 

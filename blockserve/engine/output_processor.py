@@ -124,8 +124,11 @@ class OutputProcessor:
                 outputs.append(self._output(state))
         return ProcessedOutputs(outputs, to_abort)
 
-    def process(self, core_outputs: EngineCoreOutputs) -> ProcessedOutputs:
-        """Apply one step: an output for every request it changed."""
+    def process(
+        self, core_outputs: EngineCoreOutputs, final_only: bool = False
+    ) -> ProcessedOutputs:
+        """Apply one step: an output for every request it changed (`final_only`: for every
+        request it finished; the others' are not built)."""
         for core_id, num_cached_tokens, explanation, per_tier in core_outputs.started:
             state = self._state_of(core_id)
             if state is not None and state.first_scheduled_time is None:
@@ -152,7 +155,8 @@ class OutputProcessor:
             touched[sample_id.request_id] = state
         outputs = []
         for request_id, state in touched.items():
-            outputs.append(self._output(state))
+            if state.finished or not final_only:
+                outputs.append(self._output(state))
             if state.finished:
                 del self._requests[request_id]
         return ProcessedOutputs(outputs, to_abort)

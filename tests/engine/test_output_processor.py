@@ -76,6 +76,28 @@ def test_updates_fan_in_to_one_output_per_request() -> None:
     assert (processor.num_prompt_tokens, processor.num_generation_tokens) == (3, 4)
 
 
+def test_final_only_builds_outputs_for_finished_requests_alone() -> None:
+    """With `final_only` (the offline API) a step's output list holds the requests it ended,
+    with all their text; a request that only advanced gets none, though its tokens count."""
+    processor = OutputProcessor(CharTokenizer())
+    (running,) = add(processor, "running", SamplingParams(max_tokens=3))
+    (ending,) = add(processor, "ending", SamplingParams(max_tokens=2))
+    first = processor.process(
+        step(RequestUpdate(running, (104,), RUNNING), RequestUpdate(ending, (105,), RUNNING)),
+        final_only=True,
+    )
+    assert first.request_outputs == []
+    second = processor.process(
+        step(RequestUpdate(running, (106,), RUNNING), RequestUpdate(ending, (33,), LENGTH)),
+        final_only=True,
+    )
+    assert [(o.request_id, o.outputs[0].text, o.finished) for o in second.request_outputs] == [
+        ("ending", "i!", True)
+    ]
+    assert "running" in processor and "ending" not in processor
+    assert processor.num_generation_tokens == 4
+
+
 def test_a_stop_string_ends_the_sample_and_asks_the_core_to_abort_it() -> None:
     """Text reaching a stop string finishes that sample with reason "stop"; the core is told
     to abort it, its sibling runs on."""
