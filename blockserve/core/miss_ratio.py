@@ -126,11 +126,12 @@ class MissRatioCurve:
         self.query_tokens += num_tokens
         num_hittable = (num_tokens - 1) // self.block_size
         weight = 1.0 / self.sampling_rate
+        used = self._times.prefix(self._now)  # the same for every block: none is used here
         for block_hash in block_hashes[:num_hittable]:
             last = self._last_access.get(block_hash)
             if last is None:
                 continue
-            distance = int((self._times.prefix(self._now) - self._times.prefix(last + 1)) * weight)
+            distance = int((used - self._times.prefix(last + 1)) * weight)
             key = _distance_bucket(distance)
             self._histogram[key] = self._histogram.get(key, 0.0) + weight
             for index, capacity in enumerate(self.capacities):
