@@ -104,10 +104,10 @@ void block_softmax(float (*scores)[kKeyBlock], const int64_t* valid, float scale
     for (int64_t g = 0; g < kGroups; ++g)
       row_max[r] = _mm512_max_ps(row_max[r], _mm512_loadu_ps(scores[r] + g * 16));
   }
-  const auto max = [](__m512 x, __m512 y) { return _mm512_max_ps(x, y); };
+  const auto larger = [](__m512 x, __m512 y) { return _mm512_max_ps(x, y); };
   const __m512 old_max = _mm512_maskz_loadu_ps(kRows, state.max + row0);  // of scaled scores
   const __m512 new_max = _mm512_mask_max_ps(
-      old_max, seeing, old_max, _mm512_mul_ps(reduce_rows(row_max, max), _mm512_set1_ps(scale)));
+      old_max, seeing, old_max, _mm512_mul_ps(reduce_rows(row_max, larger), _mm512_set1_ps(scale)));
   // exp(old - new) where the maximum moved (~0 on a row's first block: what it scales is 0)
   const __mmask16 moved = _mm512_cmp_ps_mask(new_max, old_max, _CMP_NEQ_UQ);
   const __m512 rescale = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), moved,
