@@ -12,8 +12,9 @@
 // blocks past the task's longest row are skipped. Where the CPU has AMX-BF16, the same
 // operators run both products on AMX tiles instead (AmxKernel below: one task, one tile).
 //
-// Paged decode: per key, each query row's dot product is two `vdpbf16ps` and one horizontal
-// sum; probabilities stay float32 and V is widened to float32 for the second product.
+// Paged decode: per key, each query row's dot product is two `vdpbf16ps`, and a chunk's 16
+// keys' sums are reduced together (reduce_rows); probabilities stay float32 and V is widened
+// to float32 for the second product.
 
 #include <immintrin.h>
 
@@ -257,20 +258,28 @@ struct Bf16Kernel {
     for (int r = 0; r < G; ++r)
       for (int half = 0; half < 2; ++half)
         query[r][half] = _mm512_loadu_si512(q + r * kDim + half * 32);
-    alignas(64) float probs[G][16];
+    // dots[r][t]: row r's products with key t in 16 partial sums, reduced for all 16 keys at
+    // once (reduce_rows: the lanes of a row's scores are its keys).
+    __m512 dots[G][16];
     for (int64_t t = 0; t < 16; ++t) {
       if (t >= count) {
-        for (int r = 0; r < G; ++r) probs[r][t] = kNegInf;
+        for (int r = 0; r < G; ++r) dots[r][t] = _mm512_setzero_ps();
         continue;
       }
       const uint16_t* key = kc + first + t * stride;
       const __m512i k0 = _mm512_loadu_si512(key), k1 = _mm512_loadu_si512(key + 32);
       for (int r = 0; r < G; ++r) {
-        __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), as_bh(query[r][0]), as_bh(k0));
-        dot = _mm512_dpbf16_ps(dot, as_bh(query[r][1]), as_bh(k1));
-        probs[r][t] = _mm512_reduce_add_ps(dot) * scale;
+        const __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), as_bh(query[r][0]), as_bh(k0));
+        dots[r][t] = _mm512_dpbf16_ps(dot, as_bh(query[r][1]), as_bh(k1));
       }
     }
+    const auto sum = [](__m512 x, __m512 y) { return _mm512_add_ps(x, y); };
+    const __mmask16 keys = static_cast<__mmask16>((1u << count) - 1);
+    alignas(64) float probs[G][16];
+    for (int r = 0; r < G; ++r)
+      _mm512_store_ps(probs[r], _mm512_mask_mul_ps(_mm512_set1_ps(kNegInf), keys,
+                                                   reduce_rows(dots[r], sum),
+                                                   _mm512_set1_ps(scale)));
     __m512 acc[G][kDim / 16];
     for (int r = 0; r < G; ++r) {
       const __m512 scores = _mm512_load_ps(probs[r]);
