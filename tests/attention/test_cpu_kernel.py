@@ -6,6 +6,7 @@ and prefills, the paged one for decodes."""
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import threading
@@ -213,6 +214,26 @@ def test_dense_attention_continues_from_a_prior(kernel: Kernel, dtype: torch.dty
     )  # fmt: skip
     alone = kernel(q, k, v, lengths, 0.125)
     assert all(torch.equal(a, b) for a, b in zip(empty, alone, strict=True))
+
+
+def test_the_exp_polynomial_is_within_float32_rounding() -> None:
+    """The coefficients both libraries' exponentials use (cpu_exp2.h), evaluated as the
+    kernels do (Horner's order, one rounding to float32 a step), give 2^f within 2.5e-7 of
+    its value over [-0.5, 0.5]: about two float32 roundings, as the Taylor series of a degree
+    more they replaced."""
+    header = (Path(cpu_build.__file__).parent / "cpu_exp2.h").read_text()
+    body = re.search(r"kExp2Poly\[kExp2Terms\] = \{([^}]*)\}", header)
+    assert body is not None
+    coefficients = [
+        float(c.rstrip("f")) for c in body.group(1).replace("\n", "").split(",") if c.strip()
+    ]
+    assert len(coefficients) == 6
+    f = torch.linspace(-0.5, 0.5, 100_001, dtype=torch.float32)
+    p = torch.full_like(f, coefficients[0])
+    for c in coefficients[1:]:
+        p = (p.double() * f.double() + torch.tensor(c, dtype=torch.float32).double()).float()
+    exact = torch.exp2(f.double())
+    assert (p.double() / exact - 1).abs().max().item() < 2.5e-7
 
 
 @pytest.mark.parametrize(
