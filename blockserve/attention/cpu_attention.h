@@ -507,7 +507,38 @@ std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::T
   return {out, lse};
 }
 
-// The three operators' schemas, and their implementations by kernel policy K.
+// A decode step's attention in one call: each sequence's query rows over the common blocks
+// (`prefix_attention` by policy P, over `packed` if given; none without common_ids), then
+// over its own blocks continuing from there (`paged_decode` by policy K), in q's dtype.
+//
+//   q [seqs, kv_heads * G, 64] (rows of any stride, unit along the last); own_tables,
+//   own_lengths, scale as paged_decode's; common_ids [b] and packed as prefix_attention's
+//   → out [seqs, kv_heads * G, 64] in q's dtype.
+template <class P, class K>
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& own_tables,
+                            const at::Tensor& own_lengths, double scale,
+                            const std::optional<at::Tensor>& common_ids,
+                            const std::optional<at::Tensor>& packed) {
+  check_paged<K>(q, k_cache, v_cache, 3, "q must be [seqs, heads, 64]");
+  const int64_t seqs = q.size(0), kv_heads = k_cache.size(2);
+  TORCH_CHECK(q.size(1) % kv_heads == 0 && q.size(1) / kv_heads <= kMaxGroup,
+              "query heads must be 1 to 8 per KV head");
+  TORCH_CHECK(!packed || common_ids, "packed comes with common_ids");
+  std::optional<at::Tensor> prior_out, prior_lse;
+  if (common_ids) {  // [kv_heads, seqs * G, ...] as [seqs, kv_heads, G, ...] views
+    const int64_t group = q.size(1) / kv_heads;
+    auto [out, lse] = prefix_attention<P>(q.unflatten(1, {kv_heads, group}), k_cache, v_cache,
+                                          *common_ids, scale, packed);
+    prior_out = out.view({kv_heads, seqs, group, kDim}).transpose(0, 1);
+    prior_lse = lse.view({kv_heads, seqs, group}).transpose(0, 1);
+  }
+  auto [out, lse] = paged_decode<K>(q, k_cache, v_cache, own_tables, own_lengths, scale,
+                                    prior_out, prior_lse);
+  return out.to(q.scalar_type());
+}
+
+// The operators' schemas, and their implementations by kernel policy K.
 inline void define_attention(torch::Library& m) {
   m.def(
       "dense_attention(Tensor q, Tensor k, Tensor v, Tensor? lengths, float scale,"
@@ -519,6 +550,9 @@ inline void define_attention(torch::Library& m) {
   m.def(
       "paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor lengths,"
       " float scale, Tensor? prior_out=None, Tensor? prior_lse=None) -> (Tensor, Tensor)");
+  m.def(
+      "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor own_tables,"
+      " Tensor own_lengths, float scale, Tensor? common_ids=None, Tensor? packed=None) -> Tensor");
 }
 
 template <class K>
@@ -527,6 +561,7 @@ void implement_attention(torch::Library& m) {
   m.impl("prefix_attention", &prefix_attention<K>);
   m.impl("pack_common", &pack_common<K>);
   m.impl("paged_decode", &paged_decode<K>);
+  m.impl("decode_attention", &decode_attention<K, K>);
 }
 
 }  // namespace

@@ -386,6 +386,19 @@ std::tuple<at::Tensor, at::Tensor> prefix_attention_bf16(
              : prefix_attention<Bf16Kernel>(q, k_cache, v_cache, block_ids, scale, packed);
 }
 
+at::Tensor decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
+                                 const at::Tensor& v_cache, const at::Tensor& own_tables,
+                                 const at::Tensor& own_lengths, double scale,
+                                 const std::optional<at::Tensor>& common_ids,
+                                 const std::optional<at::Tensor>& packed) {
+  return use_tiles() ? decode_attention<AmxKernel, Bf16Kernel>(q, k_cache, v_cache, own_tables,
+                                                               own_lengths, scale, common_ids,
+                                                               packed)
+                     : decode_attention<Bf16Kernel, Bf16Kernel>(q, k_cache, v_cache, own_tables,
+                                                                own_lengths, scale, common_ids,
+                                                                packed);
+}
+
 // Switch the tiles in or out (tests and benchmarks compare the two paths); whether they are
 // now in use: never where the CPU has no AMX-BF16.
 bool use_amx(bool wanted) {
@@ -405,4 +418,5 @@ TORCH_LIBRARY_IMPL(blockserve_cpu, CPU, m) {
   m.impl("prefix_attention", &prefix_attention_bf16);
   m.impl("pack_common", &pack_common<Bf16Kernel>);  // the tiles read the same layout
   m.impl("paged_decode", &paged_decode<Bf16Kernel>);
+  m.impl("decode_attention", &decode_attention_bf16);
 }

@@ -12,7 +12,8 @@ Both have the same attention and layer operators, for head dimension 64. The att
 (cpu_attention.h) serve the torch backend: `dense_attention` for prefills one by one and each
 sequence's own blocks after a shared prefix (docs/benchmarks.md, "Attention on the workloads'
 shapes"); `prefix_attention` for a shared prefix's common blocks, read in place;
-`paged_decode` for decodes, reading each sequence's own blocks in place. The layer ones
+`paged_decode` for decodes, reading each sequence's own blocks in place, continuing from
+the common blocks' result (the two in one call: `decode_attention`). The layer ones
 (`rms_norm`, `add_rms_norm`, `rotary_`, `silu_and_mul`, cpu_layer.h) serve an eager
 forward's elementwise math (`layer_ops`). Elsewhere, or while they build, or if they cannot
 be built, torch's operators serve: the result is the same up to rounding.
@@ -175,11 +176,12 @@ def pack_common(q: torch.Tensor) -> Callable[..., torch.Tensor] | None:
     return None if ops is None else ops.pack_common
 
 
-def paged_decode(q: torch.Tensor) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
-    """The loaded paged-decode kernel (decodes reading their keys in place) for queries like
-    `q`, or None."""
+def decode_attention(q: torch.Tensor) -> Callable[..., torch.Tensor] | None:
+    """The loaded decode step's attention in one call for queries like `q`, or None: the
+    common blocks through `prefix_attention`, then each sequence's own blocks read in place
+    through `paged_decode`, continuing from there, in q's dtype."""
     ops = _ops_for(q) if _paged_enabled else None
-    return None if ops is None else ops.paged_decode
+    return None if ops is None else ops.decode_attention
 
 
 def layer_ops(hidden: torch.Tensor, head_dim: int) -> Any:

@@ -220,16 +220,20 @@ class TorchAttentionBackend:
         num_kv_heads = kv_cache.shape[3]
         group = num_heads // num_kv_heads
         q = query.view(num_decodes, num_kv_heads, group, head_dim)
-        paged = cpu_kernels.paged_decode(query)
-        if paged is not None and group <= cpu_kernels.MAX_DECODE_GROUP:
-            # Our kernel reads each sequence's own blocks in place (no gather), continuing
-            # from the common blocks' result: no merge.
-            prior = () if plan.common_block_ids is None else self._common_prefix(q, kv_cache, plan)
-            out, _ = paged(
+        fused = cpu_kernels.decode_attention(query)
+        if fused is not None and group <= cpu_kernels.MAX_DECODE_GROUP:
+            # Our kernels, in one call: the common blocks read once for every decode (packed
+            # as kept across steps), then each sequence's own blocks read in place (no
+            # gather), continuing from that result (no merge).
+            packed, pack = None, cpu_kernels.pack_common(query)
+            if plan.common_block_ids is not None and pack is not None:
+                packed = self.common_blocks.get(
+                    pack, kv_cache, plan.common_set, plan.common_block_ids
+                )
+            return fused(
                 query, kv_cache[0], kv_cache[1], plan.own_tables, plan.own_lengths,
-                head_dim**-0.5, *prior,
+                head_dim**-0.5, plan.common_block_ids, packed,
             )  # fmt: skip
-            return out.to(query.dtype)
         context = plan.mask.shape[-1]
         gathered = self._gather_blocks(kv_cache, plan.own_tables.view(-1))
         # [num_decodes, context, kv_heads, dim] → [num_decodes, kv_heads, context, dim]

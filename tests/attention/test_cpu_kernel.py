@@ -268,10 +268,10 @@ def test_refuses_what_it_does_not_handle(
 @pytest.mark.parametrize(
     ("specs", "shared_blocks", "expected"),
     [
-        # decodes on a shared prefix: its blocks read in place, the rest by the paged decode
-        ([(64, 1), (64, 1), (70, 1), (99, 1), (65, 1)], 4, ["prefix"]),
+        # decodes on a shared prefix: its blocks read in place, then the paged decode, one call
+        ([(64, 1), (64, 1), (70, 1), (99, 1), (65, 1)], 4, ["decode"]),
         # prefill chunks on one: the common blocks in place, each chunk's own keys packed
-        ([(48, 32), (50, 5), (70, 17), (0, 20), (60, 1)], 3, ["dense", "prefix"]),
+        ([(48, 32), (50, 5), (70, 17), (0, 20), (60, 1)], 3, ["decode", "dense", "prefix"]),
         ([(0, 20), (37, 9), (0, 70)], 0, ["dense"]),  # prefills one by one
     ],
 )
@@ -286,7 +286,7 @@ def test_the_backend_paths_use_it(
     """Steps call the kernels for shared prefixes and prefills and still equal dense
     attention."""
     calls: set[str] = set()
-    for name in ("dense", "prefix"):
+    for name in ("dense", "prefix", "decode"):
         find = getattr(cpu_kernels, f"{name}_attention")
         monkeypatch.setattr(
             cpu_kernels,
@@ -378,10 +378,8 @@ def test_prefix_attention_refuses_what_it_does_not_handle(
 
 
 @pytest.fixture(scope="module")
-def paged(ops: Any, dtype: torch.dtype) -> Kernel:
-    op = cpu_kernels.paged_decode(torch.zeros(1, 64, dtype=dtype))
-    assert op is ops.paged_decode
-    return op
+def paged(ops: Any) -> Kernel:
+    return ops.paged_decode
 
 
 def paged_reference(q, k_cache, v_cache, tables, lengths, scale: float):
@@ -519,31 +517,54 @@ def test_paged_decode_refuses_what_it_does_not_handle(
     ],
 )
 def test_decodes_read_their_blocks_in_place(
-    paged: Kernel, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch, specs, shared_blocks: int
+    ops: Any,
+    prefix: Kernel,
+    paged: Kernel,
+    dtype: torch.dtype,
+    monkeypatch: pytest.MonkeyPatch,
+    specs,
+    shared_blocks: int,
 ) -> None:
-    """Decodes go through the paged kernel (no gather) and equal dense attention, as the torch
-    path does with it switched off."""
+    """Decodes go through `decode_attention` (the common blocks once, then the paged kernel:
+    no gather) and equal dense attention, as the torch path does with it switched off, and
+    equal to the bit the two kernels called one after the other, in the query's dtype."""
     calls = []
 
     def counted(q: torch.Tensor) -> Kernel:
         calls.append(q.dtype)
-        return paged
+        return ops.decode_attention
 
     case = make_case(specs, 9, 3, head_dim=64, dtype=dtype, shared_blocks=shared_blocks)
     backend = TorchAttentionBackend()
     plan = backend.prepare(case.metadata)
     expected = reference_attention(case)
-    monkeypatch.setattr(cpu_kernels, "paged_decode", lambda q: None)
+    monkeypatch.setattr(cpu_kernels, "decode_attention", lambda q: None)
     without = backend.forward(case.query, case.key, case.value, case.kv_cache, plan)
-    monkeypatch.setattr(cpu_kernels, "paged_decode", counted)
+    monkeypatch.setattr(cpu_kernels, "decode_attention", counted)
     with_kernel = backend.forward(case.query, case.key, case.value, case.kv_cache, plan)
     assert calls == [dtype]
     for out in (without, with_kernel):
         assert (out.double() - expected).abs().max().item() < TOLERANCE[dtype]
 
+    decode = plan.decode
+    assert decode is not None
+    rows, (k_cache, v_cache) = decode.token_indices, case.kv_cache
+    q = case.query[rows]
+    prior = ()
+    if decode.common_block_ids is not None:
+        out, lse = prefix(q.unflatten(1, (3, 3)), k_cache, v_cache, decode.common_block_ids, 0.125)
+        prior = (out.view(3, len(rows), 3, 64).transpose(0, 1), lse.view(3, -1, 3).transpose(0, 1))
+    apart, _ = paged(q, k_cache, v_cache, decode.own_tables, decode.own_lengths, 0.125, *prior)
+    fused = ops.decode_attention(
+        q, k_cache, v_cache, decode.own_tables, decode.own_lengths, 0.125,
+        decode.common_block_ids,
+    )  # fmt: skip
+    assert fused.dtype == dtype and torch.equal(fused, apart.to(dtype))
+    assert torch.equal(with_kernel[rows], fused)
+
 
 def test_switched_off_torch_serves(
-    kernel: Kernel, prefix: Kernel, paged: Kernel, dtype: torch.dtype
+    kernel: Kernel, prefix: Kernel, ops: Any, dtype: torch.dtype
 ) -> None:
     """Each switch takes out its kernels."""
     q, hidden = torch.zeros(2, 64, dtype=dtype), torch.zeros(2, 576, dtype=dtype)
@@ -552,7 +573,7 @@ def test_switched_off_torch_serves(
         return (
             cpu_kernels.dense_attention(q) is kernel,
             cpu_kernels.prefix_attention(q) is prefix,
-            cpu_kernels.paged_decode(q) is paged,
+            cpu_kernels.decode_attention(q) is ops.decode_attention,
             cpu_kernels.layer_ops(hidden, head_dim=64) is not None,
         )
 
@@ -568,7 +589,7 @@ def test_switched_off_torch_serves(
     assert served() == (True, True, True, True)
     # Not for another dtype, other head widths, or a hidden size off the 16-wide vectors.
     assert cpu_kernels.dense_attention(q.half()) is None
-    assert cpu_kernels.paged_decode(q[:, :32]) is None
+    assert cpu_kernels.decode_attention(q[:, :32]) is None
     assert cpu_kernels.layer_ops(hidden.half(), head_dim=64) is None
     assert cpu_kernels.layer_ops(hidden, head_dim=128) is None
     assert cpu_kernels.layer_ops(hidden[:, :40], head_dim=64) is None
