@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -33,8 +34,8 @@ def prepare_inputs(
     )
     query_lens_t = torch.tensor(query_lens, dtype=torch.int64)
     row_of_token = torch.repeat_interleave(torch.arange(len(scheduled)), query_lens_t)
-    query_start_loc = torch.zeros(len(scheduled) + 1, dtype=torch.int64)
-    torch.cumsum(query_lens_t, 0, out=query_start_loc[1:])
+    starts = list(itertools.accumulate(query_lens, initial=0))  # each row's first token
+    query_start_loc = torch.tensor(starts, dtype=torch.int64)
     num_computed = torch.tensor([s.num_computed_tokens for s in scheduled], dtype=torch.int64)
     # positions: num_computed + 0, 1, ... within each request
     offsets = torch.arange(len(row_of_token)) - query_start_loc[row_of_token]
@@ -44,8 +45,7 @@ def prepare_inputs(
     )
     input_ids = torch.tensor([t for s in scheduled for t in s.token_ids], dtype=torch.int64)
     sample_indices = torch.tensor(
-        [int(query_start_loc[i + 1]) - 1 for i, s in enumerate(scheduled) if s.sample],
-        dtype=torch.int64,
+        [starts[i + 1] - 1 for i, s in enumerate(scheduled) if s.sample], dtype=torch.int64
     )
     metadata = AttentionMetadata(
         slot_mapping=slot_mapping.to(device),
