@@ -29,6 +29,31 @@ def test_incremental_text_equals_full_decode() -> None:
     assert detok.text == text
 
 
+def test_without_stop_strings_decoding_waits_until_the_text_is_read() -> None:
+    """No stop string: updates only collect tokens, and reading the text once at the end
+    decodes them in one go (two tokenizer calls), to what decoding them all at once gives,
+    as reading it after every token does."""
+    text = "hello wörld — blocks ✓ cached"
+    calls = []
+
+    class Counting:
+        def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+            calls.append(len(token_ids))
+            return str(TOKENIZER.decode(token_ids, skip_special_tokens=skip_special_tokens))
+
+    tokens = TOKENIZER.encode(text)
+    lazy = IncrementalDetokenizer(Counting(), SamplingParams(), prompt_token_ids=[5, 6])
+    assert all(lazy.update([token]) is None for token in tokens) and calls == []
+    assert lazy.visible_text(True) == text and len(calls) == 2
+    assert lazy.text == text and len(calls) == 2  # nothing new: no decoding
+    eager = IncrementalDetokenizer(TOKENIZER, SamplingParams(), prompt_token_ids=[5, 6])
+    read = []
+    for token in tokens:
+        eager.update([token])
+        read.append(eager.text)
+    assert read[-1] == text and all(text.startswith(r) for r in read)
+
+
 def test_stop_string_spanning_tokens_is_found_and_cut() -> None:
     """A stop string split across tokens ends the text before it."""
     text = "the quick brown fox jumps"
