@@ -60,14 +60,15 @@ inline void transpose_words(__m512i rows[16]) {
   }
 }
 
-// Lane r: op over the 16 lanes of v[r]. Sixteen rows reduced together, in four rounds that
-// each pair two vectors' lanes (half of each row's values from one, half from the other)
-// and apply op, halving the lanes every row has: 45 instructions, where reducing each row
-// by itself takes ~8 and a scalar extract each.
-template <typename Op>
+// Lane r (r < Rows): op over the 16 lanes of v[r]. Rows reduced together, in four rounds
+// that each pair two vectors' lanes (half of each row's values from one, half from the
+// other) and apply op, halving the lanes every row has: 45 instructions for 16 rows, where
+// reducing each row by itself takes ~8 and a scalar extract each. Vectors that hold only
+// rows past Rows are not computed (their lanes come out as don't-cares).
+template <int Rows, typename Op>
 inline __m512 reduce_rows(const __m512 (&v)[16], Op op) {
-  __m512 a[8], b[4], c[2];
-  // Lanes taken from a then b (index 16 + i is b's lane i); each round's second half is its
+  static_assert(Rows >= 1 && Rows <= 16);
+  // Lanes taken from x then y (index 16 + i is y's lane i); each round's second half is its
   // first shifted by the width of a row's run.
   const __m512i round1 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
   const __m512i round2 = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
@@ -77,10 +78,16 @@ inline __m512 reduce_rows(const __m512 (&v)[16], Op op) {
     const __m512i high = _mm512_add_epi32(low, _mm512_set1_epi32(shift));
     return op(_mm512_permutex2var_ps(x, low, y), _mm512_permutex2var_ps(x, high, y));
   };
-  for (int i = 0; i < 8; ++i) a[i] = halve(v[2 * i], v[2 * i + 1], round1, 8);  // 8 lanes a row
-  for (int i = 0; i < 4; ++i) b[i] = halve(a[2 * i], a[2 * i + 1], round2, 4);  // 4
-  for (int i = 0; i < 2; ++i) c[i] = halve(b[2 * i], b[2 * i + 1], round3, 2);  // 2
-  return halve(c[0], c[1], round4, 1);                                           // 1: row r at r
+  // Vector i of a round holds rows i * per .. + per - 1: computed only if one is below Rows.
+  const auto live = [](int i, int per) { return i * per < Rows; };
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)  // 8 lanes a row, 2 rows a vector
+    a[i] = live(i, 2) ? halve(v[2 * i], v[2 * i + 1], round1, 8) : a[0];
+  for (int i = 0; i < 4; ++i)  // 4 lanes, 4 rows
+    b[i] = live(i, 4) ? halve(a[2 * i], a[2 * i + 1], round2, 4) : b[0];
+  for (int i = 0; i < 2; ++i)  // 2 lanes, 8 rows
+    c[i] = live(i, 8) ? halve(b[2 * i], b[2 * i + 1], round3, 2) : c[0];
+  return halve(c[0], c[1], round4, 1);  // 1 lane, 16 rows: row r at lane r
 }
 
 // The online-softmax update of `Rows` (up to 16) rows (state rows row0 ..) by one block of 64
@@ -108,7 +115,8 @@ void block_softmax(float (*scores)[kKeyBlock], const int64_t* valid, float scale
   const auto larger = [](__m512 x, __m512 y) { return _mm512_max_ps(x, y); };
   const __m512 old_max = _mm512_maskz_loadu_ps(kRows, state.max + row0);  // of scaled scores
   const __m512 new_max = _mm512_mask_max_ps(
-      old_max, seeing, old_max, _mm512_mul_ps(reduce_rows(row_max, larger), _mm512_set1_ps(scale)));
+      old_max, seeing, old_max,
+      _mm512_mul_ps(reduce_rows<Rows>(row_max, larger), _mm512_set1_ps(scale)));
   // exp(old - new) where the maximum moved (~0 on a row's first block: what it scales is 0)
   const __mmask16 moved = _mm512_cmp_ps_mask(new_max, old_max, _CMP_NEQ_UQ);
   const __m512 rescale = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), moved,
@@ -136,7 +144,8 @@ void block_softmax(float (*scores)[kKeyBlock], const int64_t* valid, float scale
       _mm512_storeu_si512(probs[r] + g * 8,
                           reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(e[g + 1], e[g])));
   }
-  const __m512 sums = reduce_rows(total, [](__m512 x, __m512 y) { return _mm512_add_ps(x, y); });
+  const __m512 sums =
+      reduce_rows<Rows>(total, [](__m512 x, __m512 y) { return _mm512_add_ps(x, y); });
   const __m512 old_sum = _mm512_maskz_loadu_ps(kRows, state.sum + row0);
   _mm512_mask_storeu_ps(state.sum + row0, kRows, _mm512_fmadd_ps(old_sum, rescale, sums));
   _mm512_mask_storeu_ps(state.max + row0, kRows, new_max);
@@ -278,7 +287,7 @@ struct Bf16Kernel {
     alignas(64) float probs[G][16];
     for (int r = 0; r < G; ++r)
       _mm512_store_ps(probs[r], _mm512_mask_mul_ps(_mm512_set1_ps(kNegInf), keys,
-                                                   reduce_rows(dots[r], sum),
+                                                   reduce_rows<16>(dots[r], sum),
                                                    _mm512_set1_ps(scale)));
     __m512 acc[G][kDim / 16];
     for (int r = 0; r < G; ++r) {
