@@ -179,8 +179,9 @@ def pack_common(q: torch.Tensor) -> Callable[..., torch.Tensor] | None:
 def decode_attention(q: torch.Tensor) -> Callable[..., torch.Tensor] | None:
     """The loaded decode step's attention in one call for queries like `q`, or None: the
     common blocks through `prefix_attention`, then each sequence's own blocks read in place
-    through `paged_decode`, continuing from there, in q's dtype."""
-    ops = _ops_for(q) if _paged_enabled else None
+    through `paged_decode`, continuing from there, in q's dtype. Switched with the paged
+    decode, and off with `prefix_attention` too (it runs that kernel)."""
+    ops = _ops_for(q) if _enabled and _paged_enabled else None
     return None if ops is None else ops.decode_attention
 
 
@@ -260,8 +261,9 @@ def enable(
     products: bool | None = None,
 ) -> None:
     """Switch the loaded kernels out (torch serves) and back in: benchmarks compare the two.
-    `paged` switches the paged decode alone, `layer` the fused layer operators, `products` the
-    few-row products on AMX tiles (oneDNN's serve) (default: as `on`)."""
+    `paged` switches the decodes' path alone (`decode_attention`), `layer` the fused layer
+    operators, `products` the few-row products on AMX tiles (oneDNN's serve) (default: as
+    `on`)."""
     global _enabled, _paged_enabled, _layer_enabled, _products_enabled
     _enabled = on
     _paged_enabled = on if paged is None else paged

@@ -584,6 +584,8 @@ def test_switched_off_torch_serves(
         assert served() == (True, True, False, True)
         cpu_kernels.enable(True, layer=False)
         assert served() == (True, True, True, False)
+        cpu_kernels.enable(False, paged=True)  # the decodes' path runs prefix_attention
+        assert served() == (False, False, False, False)
     finally:
         cpu_kernels.enable(True)
     assert served() == (True, True, True, True)
