@@ -21,10 +21,14 @@ be built, torch's operators serve: the result is the same up to rounding.
 A build (~25 s, once per host, torch and sources: cpu_build.py) runs on a thread of its own
 when an engine starts, so start-up does not wait for it; later starts load the library from
 the cache dir in a fraction of a second. `make setup` builds every library the host can run.
+That thread is a daemon (exit never waits for a build), so it must not be inside torch's C++
+when the interpreter shuts down: a thread stopped there aborts the process. At exit, `_at_exit`
+waits for it to leave its C++ (loading the library, the callbacks) and lets it not go back in.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import subprocess
 import threading
@@ -54,6 +58,8 @@ _products_enabled = True
 _tile_ops: Any = None  # the bf16 operators, once loaded where the CPU has AMX-BF16
 _callbacks_lock = threading.Lock()
 _when_loaded: dict[torch.dtype, list[Callable[[Any], None]]] = {}
+_native = threading.Lock()  # held while a load runs torch's C++: the library, its callbacks
+_exiting = False  # the interpreter is shutting down: no load starts its C++ any more
 
 
 def serves(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
@@ -63,7 +69,7 @@ def serves(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
 
 def load(cache_dir: Path, dtype: torch.dtype) -> Any:
     """Build if needed and load `dtype`'s library: its operators (a torch.ops namespace), or
-    None (logged) where that fails. Blocking."""
+    None (logged) where that fails or the interpreter is exiting. Blocking."""
     global _tile_ops
     with _lock:
         if dtype in _loaded:
@@ -73,7 +79,10 @@ def load(cache_dir: Path, dtype: torch.dtype) -> Any:
         try:
             if not target.exists():
                 build(target, dtype)
-            torch.ops.load_library(str(target))
+            with _native:
+                if _exiting:
+                    return None
+                torch.ops.load_library(str(target))
         except (OSError, subprocess.SubprocessError) as error:
             detail = getattr(error, "stderr", "") or ""
             logger.warning("CPU kernels not built, torch's are used: %s %s", error, detail)
@@ -89,8 +98,19 @@ def load(cache_dir: Path, dtype: torch.dtype) -> Any:
     with _callbacks_lock:
         callbacks = _when_loaded.pop(dtype, [])
     for callback in callbacks:
-        _run_callback(callback, ops)
+        with _native:
+            if _exiting:
+                break
+            _run_callback(callback, ops)
     return ops
+
+
+@atexit.register
+def _at_exit() -> None:
+    """Wait for a load inside torch's C++ to come out of it, and let none go in again."""
+    global _exiting
+    with _native:
+        _exiting = True
 
 
 def when_loaded(dtype: torch.dtype, callback: Callable[[Any], None]) -> None:

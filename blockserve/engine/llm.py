@@ -11,7 +11,7 @@ from blockserve.engine.args import EngineArgs
 from blockserve.engine.chat import Message
 from blockserve.engine.llm_engine import LLMEngine, build_engine
 from blockserve.engine.outputs import EngineStats, RequestOutput
-from blockserve.engine.request import RequestSpec, as_prompt_list
+from blockserve.engine.request import PromptInput, RequestSpec, as_prompt_list
 from blockserve.sampling_params import SamplingParams
 
 
@@ -42,7 +42,7 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+        prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         priority: Sequence[int] | None = None,
         cache_salt: str | Sequence[str | None] | None = None,
@@ -50,7 +50,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order.
 
-        A prompt is a string or a list of token ids. `sampling_params`, `priority` and
+        A prompt is a string, a list of token ids, or vLLM's `{"prompt": text}` or
+        `{"prompt_token_ids": ids}`. `sampling_params`, `priority` and
         `cache_salt` are one value for all prompts or one per prompt.
         """
         prompt_list = as_prompt_list(prompts)

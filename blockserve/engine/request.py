@@ -9,7 +9,7 @@ frozen plain data: they can cross a thread or a process as they are.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, cast
 
@@ -73,13 +73,37 @@ class EngineCoreRequest:
     explain_cache: bool = False
 
 
-def as_prompt_list(prompts: str | Sequence[int] | Sequence[str | Sequence[int]]) -> list[Prompt]:
-    """One prompt per entry from the shapes callers accept: a string, a list of token ids, or
-    a list of either. An empty list is refused."""
-    if isinstance(prompts, str):
-        return [prompts]
+PromptInput = str | Sequence[int] | Mapping[str, Any]
+
+
+def as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[Prompt]:
+    """One prompt per entry from the shapes callers accept: a string, a list of token ids,
+    vLLM's prompt dicts (`{"prompt": text}`, `{"prompt_token_ids": ids}`), or a list of any of
+    them. An empty list, or an entry of another shape, is refused."""
+    if isinstance(prompts, str | Mapping):
+        return [_one_prompt(prompts)]
     if not prompts:
         raise InvalidRequestError("prompt must not be empty", "prompt")
     if all(isinstance(t, int) for t in prompts):
         return [tuple(cast(Sequence[int], prompts))]
-    return [p if isinstance(p, str) else tuple(p) for p in cast(Sequence[Any], prompts)]
+    return [_one_prompt(p) for p in cast(Sequence[Any], prompts)]
+
+
+def _one_prompt(prompt: Any) -> Prompt:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, Mapping):
+        if set(prompt) == {"prompt"} and isinstance(prompt["prompt"], str):
+            return prompt["prompt"]
+        if set(prompt) == {"prompt_token_ids"} and isinstance(prompt["prompt_token_ids"], Sequence):
+            return tuple(prompt["prompt_token_ids"])
+        raise InvalidRequestError(
+            "a prompt dict holds 'prompt' (a string) or 'prompt_token_ids' (token ids) alone; "
+            f"got the keys {sorted(map(str, prompt))}",
+            "prompt",
+        )
+    if isinstance(prompt, Sequence):
+        return tuple(prompt)
+    raise InvalidRequestError(
+        f"a prompt is a string, token ids or a prompt dict; got {type(prompt).__name__}", "prompt"
+    )

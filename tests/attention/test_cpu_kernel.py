@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -608,6 +609,36 @@ def test_a_later_load_uses_the_built_library(
     monkeypatch.setattr(cpu_kernels, "_loaded", {})
     monkeypatch.setattr(cpu_kernels, "build", no_build)
     assert cpu_kernels.load(cache_dir, dtype) is not None
+
+
+def test_no_load_enters_torch_once_exit_began(
+    kernel: Kernel, cache_dir: Path, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loader is a daemon thread; interpreter shutdown stops such a thread when it next
+    takes the GIL, and inside torch's C++ that aborts the process. Once the exit hook ran, a
+    load neither loads the library nor runs the callbacks waiting for it."""
+    monkeypatch.setattr(cpu_kernels, "_loaded", {})
+    monkeypatch.setattr(cpu_kernels, "_when_loaded", {})
+    monkeypatch.setattr(cpu_kernels, "_exiting", False)
+    called: list[Any] = []
+    cpu_kernels.when_loaded(dtype, called.append)
+    cpu_kernels._at_exit()
+    assert cpu_kernels.load(cache_dir, dtype) is None
+    assert called == [] and not cpu_kernels.loaded(dtype)
+
+
+def test_a_process_that_exits_as_its_engine_starts_is_not_aborted() -> None:
+    """The kernels load (and, on AMX, the weights are packed) on a thread while the engine
+    starts; a script that fails right after must end with its own status, not SIGABRT."""
+    script = (
+        "from blockserve import LLM\n"
+        "LLM(num_gpu_blocks_override=64, max_model_len=256)\n"
+        "raise SystemExit(3)\n"
+    )
+    for _ in range(2):  # the race it guards against took each of 3 runs on an AMX host
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+        assert done.returncode == 3, done.stderr[-2000:]
+        assert "terminate called" not in done.stderr
 
 
 def test_a_build_cut_short_at_exit_leaves_nothing(tmp_path: Path, dtype: torch.dtype) -> None:

@@ -18,10 +18,14 @@ from blockserve.errors import InvalidRequestError
         (["a", "b"], ["a", "b"]),
         ([[1, 2], [3]], [(1, 2), (3,)]),
         (["a", [4, 5]], ["a", (4, 5)]),
+        ({"prompt": "hi"}, ["hi"]),
+        ({"prompt_token_ids": [1, 2]}, [(1, 2)]),
+        ([{"prompt_token_ids": [7]}, {"prompt": "b"}, [8]], [(7,), "b", (8,)]),
     ],
 )
 def test_prompt_shapes(prompts: object, expected: list[object]) -> None:
-    """A string, token ids, or a list of either: one prompt per entry, token ids as tuples."""
+    """A string, token ids, vLLM's prompt dicts, or a list of any: one prompt per entry,
+    token ids as tuples."""
     assert as_prompt_list(prompts) == expected  # type: ignore[arg-type]
 
 
@@ -29,6 +33,23 @@ def test_an_empty_prompt_list_is_refused() -> None:
     """No prompt at all is a request error on the prompt field."""
     with pytest.raises(InvalidRequestError, match="prompt must not be empty") as refused:
         as_prompt_list([])
+    assert refused.value.param == "prompt"
+
+
+@pytest.mark.parametrize(
+    ("prompts", "message"),
+    [
+        ({"prompt_token_ids": [1], "prompt": "a"}, r"keys \['prompt', 'prompt_token_ids'\]"),
+        ([{"text": "a"}], r"got the keys \['text'\]"),
+        ({"prompt": [1, 2]}, r"got the keys \['prompt'\]"),
+        (["a", 3], "got int"),
+    ],
+)
+def test_other_prompt_shapes_are_refused(prompts: object, message: str) -> None:
+    """A dict with other keys (or both), or an entry that is no prompt, is a request error on
+    the prompt field, before anything is queued."""
+    with pytest.raises(InvalidRequestError, match=message) as refused:
+        as_prompt_list(prompts)  # type: ignore[arg-type]
     assert refused.value.param == "prompt"
 
 
