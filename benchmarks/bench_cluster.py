@@ -28,6 +28,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.bench_serving import RequestResult, one_request, percentiles
 from benchmarks.report import emit
+from blockserve.cluster.policies import DEFAULT_PREFIX_WEIGHT
 from tests.server.server_process import ServerProcess
 
 VOCAB_LOW, VOCAB_HIGH = 100, 40000
@@ -207,11 +208,14 @@ def main() -> None:
     parser.add_argument("--blocks-per-replica", type=int, default=256)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--prefix-weight", type=float, default=8.0, help="kv router's weight")
+    parser.add_argument(
+        "--prefix-weight", type=float, default=DEFAULT_PREFIX_WEIGHT, help="kv router's weight"
+    )
     parser.add_argument(
         "--repeats", type=int, default=3, help="runs per router (a fresh cluster each)"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tag", default="", help="added to the output files' names")
     parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -226,6 +230,7 @@ def main() -> None:
     summary = summarize(runs, args.replicas)
     config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     stem = f"cluster-{args.replicas}x" + (f"-{args.tenants}tenants" if args.tenants else "")
+    stem += f"-{args.tag}" if args.tag else ""
     plot(
         summary["medians"],
         args.out_dir / f"{stem}.png",

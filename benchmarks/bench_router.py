@@ -19,7 +19,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.report import emit
 from blockserve.cluster.index import PrefixIndex
-from blockserve.cluster.policies import KVAwarePolicy, ReplicaLoad, route_request
+from blockserve.cluster.policies import KVAwarePolicy
+from blockserve.cluster.routing import ReplicaLoad, route_request
 from blockserve.core.events import BlockStored, KVEventBatch
 from blockserve.core.hashing import BlockHasher
 from blockserve.engine.request import RequestSpec

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from blockserve import __version__
 from blockserve.cluster.config import ClusterConfig
+from blockserve.cluster.policies import DEFAULT_PREFIX_WEIGHT
 from blockserve.cluster.policies import POLICIES as ROUTERS
 from blockserve.config import ServerConfig
 from blockserve.core.eviction import EVICTION_POLICIES
@@ -126,6 +127,12 @@ def _add_replay_parser(subparsers: argparse._SubParsersAction) -> None:
         default=",".join(ROUTERS),
         help=f"with --replicas: comma-separated routers (default: {','.join(ROUTERS)})",
     )
+    replay.add_argument(
+        "--router-prefix-weight",
+        type=float,
+        default=DEFAULT_PREFIX_WEIGHT,
+        help="with --replicas: the kv router's weight, as `serve --router-prefix-weight`",
+    )
     replay.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -191,8 +198,12 @@ def _run_cluster_replay(args: argparse.Namespace, trace: list, capacity: int, ou
         raise InvalidConfigError(
             f"--replicas takes counts >= 1 and --router names from {', '.join(ROUTERS)}"
         )
+    if args.router_prefix_weight < 0:
+        raise InvalidConfigError("--router-prefix-weight must be >= 0")
     service = ServiceModel()
-    results = run_cluster_lab(trace, counts, routers, capacity, args.trace_block_size, service)
+    results = run_cluster_lab(
+        trace, counts, routers, capacity, args.trace_block_size, service, args.router_prefix_weight
+    )
     print(format_cluster_table(results, args.trace_block_size))
     print(f"wrote {write_cluster_report(results, out_dir, args.trace, service)}")
     return 0

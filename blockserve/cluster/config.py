@@ -26,13 +26,13 @@ class ClusterConfig:
     router: str = option(
         "kv",
         "how requests pick a replica: kv (exact prefix overlap from the replicas' KV events, "
-        "minus load), pow2 (Ray Serve's default), round-robin, text-prefix (Ray Serve LLM's "
-        "approximate prefix router)",
+        "against the work queued on each), pow2 (Ray Serve's default), round-robin, "
+        "text-prefix (Ray Serve LLM's approximate prefix router)",
         choices=POLICIES,
     )
     router_prefix_weight: float = option(
         DEFAULT_PREFIX_WEIGHT,
-        "kv router: how many queued requests a full prefix hit is worth",
+        "kv router: how many blocks of work queued on a replica one prompt block it holds is worth",
         check=_non_negative,
     )
     ray_address: str | None = option(

@@ -2,10 +2,10 @@
 
 `PolicyRouter` runs any policy on Ray Serve's `RequestRouter` API: it counts each replica's
 requests in flight from this router (its load), asks the policy for a ranking, and tells the
-policy where requests went. `KVCacheAwareRouter` adds the replicas' KV events: for every
-replica that advertises an event endpoint (its routing stats), a subscriber on one background
-thread keeps that replica's `PrefixIndex` current — gaps replayed, a replica that died dropped
-at once, a restarted one followed from an empty index.
+policy where requests went and when they ended. `KVCacheAwareRouter` adds the replicas' KV
+events: for every replica that advertises an event endpoint (its routing stats), a subscriber
+on one background thread keeps that replica's `PrefixIndex` current — gaps replayed, a replica
+that died dropped at once, a restarted one followed from an empty index.
 """
 
 from __future__ import annotations
@@ -24,15 +24,8 @@ from ray.serve.request_router import (
 )
 
 from blockserve.cluster import registry
-from blockserve.cluster.policies import (
-    DEFAULT_PREFIX_WEIGHT,
-    KVAwarePolicy,
-    ReplicaLoad,
-    RouteRequest,
-    RoutingPolicy,
-    make_policy,
-    route_request,
-)
+from blockserve.cluster.policies import DEFAULT_PREFIX_WEIGHT, KVAwarePolicy, make_policy
+from blockserve.cluster.routing import ReplicaLoad, RouteRequest, RoutingPolicy, route_request
 from blockserve.core.hashing import BlockHasher
 from blockserve.events.subscriber import KVEventSubscriber, ReplayUnavailableError
 
@@ -90,10 +83,12 @@ class PolicyRouter(FIFOMixin, RequestRouter):
         route = self._routes.pop(request_id, None)
         if route is not None:
             with self.lock:
-                self.policy.on_routed(route, replica_id.unique_id, time.monotonic())
+                self.policy.on_routed(route, replica_id.unique_id, time.monotonic(), request_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self._in_flight.get(replica_id.unique_id, set()).discard(internal_request_id)
+        with self.lock:
+            self.policy.on_finished(internal_request_id)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
@@ -126,7 +121,8 @@ class PolicyRouter(FIFOMixin, RequestRouter):
 
 
 class KVCacheAwareRouter(PolicyRouter):
-    """Exact prefix overlap (from every replica's KV events) minus load; see KVAwarePolicy."""
+    """Exact prefix overlap (from every replica's KV events) against the work queued on each
+    replica; see KVAwarePolicy."""
 
     def initialize_state(self, **kwargs: Any) -> None:
         super().initialize_state(**{**kwargs, "policy": "kv"})
@@ -153,7 +149,8 @@ class KVCacheAwareRouter(PolicyRouter):
         self._subscribe(replicas)
 
     def report(self) -> dict[str, dict[str, Any]]:
-        """Adds, per replica: whether its KV events are followed, and its index's size."""
+        """Adds, per replica: whether its KV events are followed, its index's size, and the
+        blocks of work queued on it."""
         report = super().report()
         with self.lock:
             for replica_id, entry in report.items():
@@ -161,6 +158,7 @@ class KVCacheAwareRouter(PolicyRouter):
                 entry["kv_events"] = replica_id in self._subscribers
                 entry["indexed_blocks"] = index.num_blocks
                 entry["credited_blocks"] = index.num_credits
+                entry["queued_blocks"] = self.kv_policy.queued.get(replica_id, 0)
         return report
 
     def _subscribe(self, replicas: list[RunningReplica]) -> None:

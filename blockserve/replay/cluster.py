@@ -20,7 +20,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from blockserve.cluster.policies import KVAwarePolicy, ReplicaLoad, RouteRequest, RoutingPolicy
+from blockserve.cluster.policies import KVAwarePolicy
+from blockserve.cluster.routing import ReplicaLoad, RouteRequest, RoutingPolicy
 from blockserve.core.events import KVEventBatch, KVEventRecorder
 from blockserve.core.kv_cache_manager import KVCacheManager
 from blockserve.errors import InvalidConfigError
@@ -85,15 +86,17 @@ class _Replica:
     replica_id: str
     manager: KVCacheManager
     recorder: KVEventRecorder
-    finishes: list[float] = field(default_factory=list)  # heap: in-flight requests' ends
+    finishes: list[tuple[float, str]] = field(default_factory=list)  # heap: (end, request id)
     prefill_free_at: float = 0.0
     num_requests: int = 0
     computed_tokens: int = 0
 
-    def load_at(self, now: float) -> int:
-        while self.finishes and self.finishes[0] <= now:
-            heapq.heappop(self.finishes)
-        return len(self.finishes)
+    def finish_until(self, now: float) -> list[str]:
+        """The requests that ended by `now`, taken off the replica."""
+        ended = []
+        while self.finishes and self.finishes[0][0] <= now:
+            ended.append(heapq.heappop(self.finishes)[1])
+        return ended
 
 
 def replay_cluster(
@@ -127,11 +130,11 @@ def replay_cluster(
             request.hash_ids,
         )
         tick = time.perf_counter()
-        chosen = by_id[_choose(policy, route, replicas, now)]
+        chosen = by_id[_choose(policy, route, replicas, now, str(index))]
         route_seconds += time.perf_counter() - tick
         num_hits = _run(chosen, request, layout, str(index))
         _feed_events(policy, chosen, now)
-        ttfts.append(_advance_clock(chosen, request, num_hits, now, service))
+        ttfts.append(_advance_clock(chosen, request, str(index), num_hits, now, service))
         hit_tokens += num_hits
         query_tokens += request.input_length
     ttfts.sort()
@@ -153,12 +156,20 @@ def replay_cluster(
 
 
 def _choose(
-    policy: RoutingPolicy, route: RouteRequest, replicas: Sequence[_Replica], now: float
+    policy: RoutingPolicy,
+    route: RouteRequest,
+    replicas: Sequence[_Replica],
+    now: float,
+    request_id: str,
 ) -> str:
-    """The policy's choice for `route`, told back to it: the chosen replica's id."""
-    loads = [ReplicaLoad(r.replica_id, r.load_at(now)) for r in replicas]
+    """The policy's choice for `route`, told back to it (and which requests ended before
+    it): the chosen replica's id."""
+    for replica in replicas:
+        for ended in replica.finish_until(now):
+            policy.on_finished(ended)
+    loads = [ReplicaLoad(r.replica_id, len(r.finishes)) for r in replicas]
     chosen = policy.rank(route, loads, now)[0]
-    policy.on_routed(route, chosen, now)
+    policy.on_routed(route, chosen, now, request_id)
     return chosen
 
 
@@ -184,16 +195,20 @@ def _run(replica: _Replica, request: TraceRequest, layout: BlockLayout, request_
 
 
 def _advance_clock(
-    replica: _Replica, request: TraceRequest, num_hits: int, now: float, service: ServiceModel
+    replica: _Replica,
+    request: TraceRequest,
+    request_id: str,
+    num_hits: int,
+    now: float,
+    service: ServiceModel,
 ) -> float:
     """Queue the request's prefill on the replica; its TTFT."""
     computed = request.input_length - num_hits
     start = max(now, replica.prefill_free_at)
     first_token = start + computed / service.prefill_tokens_per_s
     replica.prefill_free_at = first_token
-    heapq.heappush(
-        replica.finishes, first_token + request.output_length / service.decode_tokens_per_s
-    )
+    end = first_token + request.output_length / service.decode_tokens_per_s
+    heapq.heappush(replica.finishes, (end, request_id))
     replica.num_requests += 1
     replica.computed_tokens += computed
     return first_token - now

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-from blockserve.cluster.policies import make_policy
+from blockserve.cluster.policies import DEFAULT_PREFIX_WEIGHT, make_policy
 from blockserve.replay.cluster import (
     DEFAULT_SERVICE,
     ClusterReplayResult,
@@ -25,13 +25,14 @@ def run_cluster_lab(
     capacity: int,
     block_size: int,
     service: ServiceModel = DEFAULT_SERVICE,
+    prefix_weight: float = DEFAULT_PREFIX_WEIGHT,
 ) -> list[ClusterReplayResult]:
     """Every router at every replica count (at one replica the routers agree: one run)."""
     layouts = block_layouts(trace, block_size)
     results = []
     for num_replicas in replica_counts:
         for router in routers if num_replicas > 1 else routers[:1]:
-            policy = make_policy(router, capacity, seed=0)
+            policy = make_policy(router, capacity, prefix_weight, seed=0)
             shape = ClusterShape(num_replicas, capacity, block_size)
             results.append(replay_cluster(trace, layouts, policy, shape, service))
     return results

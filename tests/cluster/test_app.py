@@ -35,7 +35,7 @@ def test_router_config_passes_the_engines_hashing_to_the_kv_router() -> None:
             "policy": "kv",
             "block_size": 32,
             "hash_algo": "sha256_cbor",
-            "prefix_weight": 8.0,
+            "prefix_weight": 2.0,
         },
         "request_routing_stats_period_s": 1.0,
     }

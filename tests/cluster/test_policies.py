@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from blockserve.cluster.policies import (
-    KVAwarePolicy,
+from blockserve.cluster.baselines import (
     PowerOfTwoPolicy,
-    ReplicaLoad,
     RoundRobinPolicy,
-    RouteRequest,
     TextPrefixPolicy,
     TextTree,
-    make_policy,
-    route_request,
 )
+from blockserve.cluster.policies import KVAwarePolicy, make_policy
+from blockserve.cluster.routing import ReplicaLoad, RouteRequest, route_request
 from blockserve.core.events import BlockStored, KVEventBatch
 from blockserve.core.hashing import BlockHasher
 from blockserve.engine.request import RequestSpec
@@ -28,7 +25,7 @@ def stored(*hashes: int) -> KVEventBatch:
     return KVEventBatch(ts=0.0, events=[event])
 
 
-def kv_policy(weight: float = 4.0, holdings: dict[str, tuple[int, ...]] | None = None):
+def kv_policy(weight: float = 1.0, holdings: dict[str, tuple[int, ...]] | None = None):
     policy = KVAwarePolicy(max_blocks_per_replica=16, prefix_weight=weight, credit_ttl_s=10.0)
     for replica_id, hashes in (holdings or {}).items():
         policy.index(replica_id).apply([stored(*hashes)])
@@ -39,45 +36,87 @@ def loads(**num_requests: int) -> list[ReplicaLoad]:
     return [ReplicaLoad(replica_id, n) for replica_id, n in num_requests.items()]
 
 
+def queue(policy: KVAwarePolicy, replica_id: str, blocks: int, request_id: str) -> None:
+    """Route to `replica_id` a request of `blocks` blocks that nobody holds."""
+    hashes = tuple(range(1000 + 100 * len(policy.queued), 1000 + 100 * len(policy.queued) + blocks))
+    policy.on_routed(RouteRequest(hashes), replica_id, 0.0, request_id)
+
+
 @pytest.mark.parametrize(
-    ("load_gap", "expected"),
-    [(0, "a"), (3, "a"), (4, "b"), (5, "b")],
+    ("weight", "queued", "expected"),
+    [(1.0, 3, "a"), (1.0, 4, "b"), (1.0, 5, "b"), (2.0, 7, "a"), (2.0, 8, "b"), (0.0, 1, "b")],
 )
-def test_overlap_beats_load_until_the_gap_reaches_the_weight(load_gap: int, expected: str) -> None:
-    """Full overlap on a is worth 4 queued requests: a wins below a gap of 4; at 4 the
-    scores tie and the less loaded b wins; above it b wins outright."""
-    policy = kv_policy(4.0, {"a": HASHES})
-    ranked = policy.rank(RouteRequest(HASHES), loads(a=load_gap, b=0), now=0.0)
-    assert ranked[0] == expected
+def test_overlap_beats_queued_work_until_the_gap_reaches_the_weighted_overlap(
+    weight: float, queued: int, expected: str
+) -> None:
+    """a holds the request's 4 blocks: worth 4 x weight blocks of queued work. Below that
+    queue a wins; at it the scores tie and b, with fewer requests in flight, wins; above it b
+    wins outright. Weight 0: load alone."""
+    policy = kv_policy(weight, {"a": HASHES})
+    queue(policy, "a", queued, "earlier")
+    scores = policy.scores(RouteRequest(HASHES), loads(a=1, b=0), now=0.0)
+    assert [(s.overlap, s.queued, s.value) for s in scores] == [
+        (4, queued, weight * 4 - queued),
+        (0, 0, 0.0),
+    ]
+    assert policy.rank(RouteRequest(HASHES), loads(a=1, b=0), now=0.0)[0] == expected
+
+
+def test_a_request_queues_what_it_missed_until_it_finishes() -> None:
+    """A request routed to a replica adds the blocks that replica lacked (at least 1: a full
+    hit still decodes) to its queue; its end, or a forgotten replica, takes them off."""
+    policy = kv_policy(1.0, {"a": HASHES[:3]})
+    policy.on_routed(RouteRequest(HASHES), "a", 0.0, "r1")  # misses 1 of 4
+    policy.on_routed(RouteRequest(HASHES), "a", 0.0, "r2")  # all 4 credited now: counts 1
+    policy.on_routed(RouteRequest(HASHES), "b", 0.0, "r3")  # misses all 4
+    assert policy.queued == {"a": 2, "b": 4}
+    policy.on_finished("r1")
+    policy.on_finished("r1")  # reported twice: taken off once
+    policy.on_finished("unknown")
+    assert policy.queued == {"a": 1, "b": 4}
+    policy.on_routed(RouteRequest(HASHES), "a", 0.0, "r3")  # the same id again: moves
+    assert policy.queued == {"a": 2, "b": 0}
+    policy.forget("a")
+    policy.on_finished("r2")
+    assert policy.queued == {"b": 0}
 
 
 def test_scores_count_leading_blocks_only() -> None:
     """Overlap stops at the first block a replica lacks: holding blocks 1, 3, 4 is 1 block."""
     policy = kv_policy(4.0, {"a": (11, 13, 14), "b": (11, 12)})
     scores = policy.scores(RouteRequest(HASHES), loads(a=0, b=0), now=0.0)
-    assert [(s.replica_id, s.overlap, s.value) for s in scores] == [("a", 1, 1.0), ("b", 2, 2.0)]
+    assert [(s.replica_id, s.overlap, s.value) for s in scores] == [("a", 1, 4.0), ("b", 2, 8.0)]
 
 
-def test_zero_overlap_goes_to_the_least_loaded_then_the_emptier_cache() -> None:
-    """No replica holds the prompt: the least loaded wins; at equal load, fewer cached blocks."""
-    policy = kv_policy(4.0, {"a": (1, 2, 3), "b": (4,), "c": ()})
+def test_zero_overlap_goes_to_the_shortest_queue_then_the_least_loaded_then_the_emptier_cache() -> (
+    None
+):
+    """No replica holds the prompt: the shortest queue wins; at equal queues, fewer requests
+    in flight; at equal load, fewer cached blocks."""
+    policy = kv_policy(1.0, {"a": (1, 2, 3), "b": (4,), "c": ()})
     assert policy.rank(RouteRequest(HASHES), loads(a=0, b=1, c=2), 0.0) == ["a", "b", "c"]
     assert policy.rank(RouteRequest(HASHES), loads(a=1, b=1, c=1), 0.0) == ["c", "b", "a"]
+    queue(policy, "c", 2, "r1")
+    queue(policy, "b", 1, "r2")
+    assert policy.rank(RouteRequest(HASHES), loads(a=1, b=1, c=1), 0.0) == ["a", "b", "c"]
 
 
-def test_a_request_shorter_than_a_block_goes_to_the_least_loaded() -> None:
+def test_a_request_shorter_than_a_block_goes_to_the_shortest_queue() -> None:
     """No full block, no overlap: load alone decides."""
-    policy = kv_policy(4.0, {"a": HASHES})
-    assert policy.rank(RouteRequest(()), loads(a=2, b=1), 0.0)[0] == "b"
+    policy = kv_policy(1.0, {"a": HASHES})
+    queue(policy, "a", 2, "r1")
+    queue(policy, "b", 1, "r2")
+    assert policy.rank(RouteRequest(()), loads(a=1, b=1), 0.0)[0] == "b"
 
 
 def test_credit_keeps_a_burst_together_until_it_expires() -> None:
     """A routed request credits its blocks at once: the next of its prefix follows it even
-    before any event; after the TTL the credit is gone."""
-    policy = kv_policy(4.0)
+    before any event (with the default weight, a held block outweighs the block it queues);
+    after the TTL the credit is gone."""
+    policy = KVAwarePolicy(max_blocks_per_replica=16, credit_ttl_s=10.0)
     request = RouteRequest(HASHES)
     first = policy.rank(request, loads(a=0, b=0), now=0.0)[0]
-    policy.on_routed(request, first, now=0.0)
+    policy.on_routed(request, first, 0.0, "r1")
     assert policy.rank(request, loads(a=1, b=0), now=1.0)[0] == first == "a"
     assert policy.index("a").num_credits == 4
     assert policy.rank(request, loads(a=1, b=0), now=10.5)[0] == "b"
@@ -87,7 +126,7 @@ def test_credit_keeps_a_burst_together_until_it_expires() -> None:
 def test_credits_are_bounded_by_the_replica_capacity() -> None:
     """Oldest credits go first once a replica's credits exceed its block count."""
     policy = KVAwarePolicy(max_blocks_per_replica=3, credit_ttl_s=10.0)
-    policy.on_routed(RouteRequest(HASHES), "a", now=0.0)
+    policy.on_routed(RouteRequest(HASHES), "a", 0.0, "r1")
     assert policy.index("a").num_credits == 3
     assert policy.index("a").overlap(HASHES, now=0.0) == 0  # block 11, the first, was dropped
     assert policy.index("a").overlap(HASHES[1:], now=0.0) == 3
@@ -102,9 +141,9 @@ def test_salted_and_unsalted_prompts_never_share_credit() -> None:
     plain = route_request(RequestSpec("r1", tokens), hasher, 4)
     salted = route_request(RequestSpec("r2", tokens, cache_salt="tenant-1"), hasher, 4)
     other = route_request(RequestSpec("r3", tokens, cache_salt="tenant-2"), hasher, 4)
-    policy = kv_policy(4.0)
-    policy.on_routed(plain, "a", now=0.0)
-    policy.on_routed(salted, "b", now=0.0)
+    policy = kv_policy(2.0)
+    policy.on_routed(plain, "a", 0.0, "r1")
+    policy.on_routed(salted, "b", 0.0, "r2")
     assert len(plain.block_hashes) == 4
     assert set(plain.block_hashes).isdisjoint(salted.block_hashes)
     assert policy.index("a").overlap(salted.block_hashes, 0.0) == 0
@@ -126,7 +165,7 @@ def test_router_hashes_equal_the_engines_hashes() -> None:
 def test_a_forgotten_replica_is_never_chosen_and_loses_its_index() -> None:
     """A dead replica leaves the candidates, and its mirror is dropped: when a replica of the
     same id returns, it starts empty."""
-    policy = kv_policy(4.0, {"a": HASHES})
+    policy = kv_policy(1.0, {"a": HASHES})
     policy.forget("a")
     assert policy.rank(RouteRequest(HASHES), loads(b=3), 0.0) == ["b"]
     assert policy.index("a").num_blocks == 0
@@ -165,7 +204,7 @@ def test_text_prefix_follows_matches_and_fills_small_trees() -> None:
     the replica with the smallest tree; over the imbalance threshold, power of two."""
     policy = TextPrefixPolicy(imbalanced_threshold=2, seed=0)
     system = RouteRequest((), "system prompt: be brief. question one")
-    policy.on_routed(system, "a", 0.0)
+    policy.on_routed(system, "a", 0.0, "r1")
     follow_up = RouteRequest((), "system prompt: be brief. question two")
     assert policy.rank(follow_up, loads(a=1, b=0), 0.0) == ["a"]
     unrelated = RouteRequest((), "zzz")

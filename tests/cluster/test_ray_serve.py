@@ -106,7 +106,7 @@ def test_each_prefix_group_returns_to_the_replica_that_computed_it(
     assert sorted(r["num_requests"] for r in report.values()) == [4, 4], routed
     # The router follows each replica's KV events: its index of the replica that served a
     # group holds that group's full prompt blocks, plus at most one block per request that
-    # the first generated token completed.
+    # the first generated token completed. It heard every request end: nothing is queued.
     holder = {
         group: next(rid for rid, r in report.items() if r["prompt_tokens"] == sum(map(len, p)))
         for group, p in sent.items()
@@ -116,10 +116,12 @@ def test_each_prefix_group_returns_to_the_replica_that_computed_it(
     while time.monotonic() < deadline:
         router = httpx.get(f"{cluster.url}/cluster/replicas").json()["router"]
         indexed = {group: router[rid]["indexed_blocks"] for group, rid in holder.items()}
-        if all(indexed[g] >= expected[g] for g in sent):
+        queued = [entry["queued_blocks"] for entry in router.values()]
+        if all(indexed[g] >= expected[g] for g in sent) and queued == [0, 0]:
             break
         time.sleep(0.2)
     assert all(router[rid]["kv_events"] for rid in holder.values())
+    assert queued == [0, 0], router
     assert all(expected[g] <= indexed[g] <= expected[g] + 4 for g in sent), (indexed, expected)
 
 

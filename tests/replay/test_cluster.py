@@ -74,8 +74,7 @@ def test_shape_is_checked() -> None:
         ClusterShape(0, 8, B)
 
 
-def test_cli_cluster_replay_writes_a_row_per_router(tmp_path: Path, capsys) -> None:
-    """`replay --replicas 1,2 --router kv,pow2`: one row for 1 replica, one per router at 2."""
+def write_trace(tmp_path: Path) -> Path:
     trace_path = tmp_path / "trace.jsonl"
     trace_path.write_text(
         "\n".join(
@@ -90,9 +89,14 @@ def test_cli_cluster_replay_writes_a_row_per_router(tmp_path: Path, capsys) -> N
             for r in GROUPS
         )
     )
+    return trace_path
+
+
+def test_cli_cluster_replay_writes_a_row_per_router(tmp_path: Path, capsys) -> None:
+    """`replay --replicas 1,2 --router kv,pow2`: one row for 1 replica, one per router at 2."""
     argv = [
         "replay",
-        str(trace_path),
+        str(write_trace(tmp_path)),
         "--replicas",
         "1,2",
         "--router",
@@ -110,3 +114,23 @@ def test_cli_cluster_replay_writes_a_row_per_router(tmp_path: Path, capsys) -> N
     assert rows == [(1, "kv"), (2, "kv"), (2, "pow2")]
     assert report["results"][1]["hit_tokens"] == 6 * 2 * B
     assert "hit rate" in capsys.readouterr().out
+
+
+def test_cli_cluster_replay_takes_the_kv_routers_weight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--router-prefix-weight` reaches the kv policy, as `serve`'s flag does; below 0 it is
+    refused before anything runs."""
+    made: list[tuple[str, float]] = []
+
+    def recording(name: str, capacity: int, prefix_weight: float, seed: int | None = None):
+        made.append((name, prefix_weight))
+        return make_policy(name, capacity, prefix_weight, seed)
+
+    monkeypatch.setattr("blockserve.replay.cluster_report.make_policy", recording)
+    argv = ["replay", str(write_trace(tmp_path)), "--replicas", "2", "--router", "kv"]
+    argv += ["--capacities", "8", "--trace-block-size", str(B), "--out-dir", str(tmp_path)]
+    assert main([*argv, "--router-prefix-weight", "0.5"]) == 0
+    assert made == [("kv", 0.5)]
+    assert main([*argv, "--router-prefix-weight", "-1"]) == 2
+    assert made == [("kv", 0.5)]
