@@ -58,7 +58,7 @@ _products_enabled = True
 _tile_ops: Any = None  # the bf16 operators, once loaded where the CPU has AMX-BF16
 _callbacks_lock = threading.Lock()
 _when_loaded: dict[torch.dtype, list[Callable[[Any], None]]] = {}
-_native = threading.Lock()  # held while a load runs torch's C++: the library, its callbacks
+_native = threading.RLock()  # held while a load runs torch's C++: the library, its callbacks
 _exiting = False  # the interpreter is shutting down: no load starts its C++ any more
 
 

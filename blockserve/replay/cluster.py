@@ -129,12 +129,13 @@ def replay_cluster(
             tuple(to_external(h) for h in layout.block_hashes[: layout.num_prompt_blocks]),
             request.hash_ids,
         )
+        request_id = str(index)
         tick = time.perf_counter()
-        chosen = by_id[_choose(policy, route, replicas, now, str(index))]
+        chosen = by_id[_choose(policy, route, replicas, now, request_id)]
         route_seconds += time.perf_counter() - tick
-        num_hits = _run(chosen, request, layout, str(index))
+        num_hits = _run(chosen, request, layout, request_id)
         _feed_events(policy, chosen, now)
-        ttfts.append(_advance_clock(chosen, request, str(index), num_hits, now, service))
+        ttfts.append(_advance_clock(chosen, request, request_id, num_hits, now, service))
         hit_tokens += num_hits
         query_tokens += request.input_length
     ttfts.sort()
