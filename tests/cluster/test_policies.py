@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from blockserve.cluster.baselines import (
@@ -36,9 +38,12 @@ def loads(**num_requests: int) -> list[ReplicaLoad]:
     return [ReplicaLoad(replica_id, n) for replica_id, n in num_requests.items()]
 
 
+_FRESH = itertools.count(1000)  # block hashes no test holds
+
+
 def queue(policy: KVAwarePolicy, replica_id: str, blocks: int, request_id: str) -> None:
     """Route to `replica_id` a request of `blocks` blocks that nobody holds."""
-    hashes = tuple(range(1000 + 100 * len(policy.queued), 1000 + 100 * len(policy.queued) + blocks))
+    hashes = tuple(next(_FRESH) for _ in range(blocks))
     policy.on_routed(RouteRequest(hashes), replica_id, 0.0, request_id)
 
 
@@ -79,6 +84,22 @@ def test_a_request_queues_what_it_missed_until_it_finishes() -> None:
     policy.forget("a")
     policy.on_finished("r2")
     assert policy.queued == {"b": 0}
+
+
+def test_requests_whose_end_never_comes_are_dropped_oldest_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What the router tracks is bounded: past the bound, the oldest request's blocks leave
+    its replica's queue as if it had ended."""
+    monkeypatch.setattr("blockserve.cluster.policies._MAX_TRACKED", 2)
+    policy = kv_policy(1.0)
+    queue(policy, "a", 3, "r1")
+    queue(policy, "b", 2, "r2")
+    assert policy.queued == {"a": 3, "b": 2}
+    queue(policy, "b", 1, "r3")
+    assert policy.queued == {"a": 0, "b": 3}
+    policy.on_finished("r1")  # already dropped: nothing taken off twice
+    assert policy.queued == {"a": 0, "b": 3}
 
 
 def test_scores_count_leading_blocks_only() -> None:
