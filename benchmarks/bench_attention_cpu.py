@@ -33,6 +33,7 @@ GFLOP/s count QK^T and PV of the attended (unmasked) pairs; medians of --repeats
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -45,7 +46,7 @@ import torch.nn.functional as F
 from report import emit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from blockserve.attention import cpu_kernels
+from blockserve.attention import cpu_build, cpu_kernels
 from blockserve.attention.prefill import attend_causal
 from blockserve.attention.shared_prefix import attend, merge
 from blockserve.attention.torch_backend import DecodePlan, TorchAttentionBackend
@@ -156,23 +157,44 @@ def variant_sets(dtype: torch.dtype, seen: torch.Tensor) -> dict[str, dict[str, 
         },
     }
     sets["dense"]["compiled"] = compiled
-    ops = cpu_kernels.load(default_cache_dir(), dtype) if cpu_kernels.supported(dtype) else None
-    if ops is not None:
+    if not cpu_kernels.supported(dtype):
+        return sets
+    builds = [target.isa for target in cpu_build.runnable(dtype)]
+    for isa in reversed(builds):  # the widest last: it stays loaded, as in the engine
+        ops = cpu_kernels.load(default_cache_dir(), dtype, isa)
+        if ops is None:
+            return sets
+        # "ours" is the build this host runs; a narrower one it can run too is "ours-<isa>".
+        name = "ours" if isa == builds[0] else f"ours-{isa}"
         kernel, scale = ops.dense_attention, DIM**-0.5
-        sets["dense"]["ours"] = lambda q, k, v: kernel(q, k, v, None, scale)[0]
-        sets["own"]["ours"] = lambda q, k, v, m: kernel(q, k, v, seen, scale)[0]
-        sets["alone"]["ours"] = lambda q, k, v, m: kernel(q, k, v, None, scale)[0]
+        sets["dense"][name] = functools.partial(dense_ours, kernel, scale)
+        sets["own"][name] = functools.partial(own_ours, kernel, scale, seen)
+        sets["alone"][name] = functools.partial(alone_ours, kernel, scale)
         paged = paged_variant(ops.paged_decode)
-        sets["own"]["ours-paged"] = paged
-        sets["alone"]["ours-paged"] = paged
-        sets["alone"]["gather+products"] = paged_variant(ops.paged_decode, through_backend=True)
-        sets["causal"]["ours"] = lambda q, k, v: attend_causal(
-            kernel, *(x[0].transpose(0, 1) for x in (q, k, v))
-        ).transpose(0, 1)[None]
-        if cpu_kernels.use_amx(True):  # an AMX host: "ours" ran on the tiles
-            for kind in ("dense", "own", "causal"):
-                sets[kind]["ours-vectors"] = vectors_only(sets[kind]["ours"])
+        sets["own"][f"{name}-paged"] = paged
+        sets["alone"][f"{name}-paged"] = paged
+        sets["causal"][name] = functools.partial(causal_ours, kernel)
+    sets["alone"]["gather+products"] = paged_variant(ops.paged_decode, through_backend=True)
+    if cpu_kernels.use_amx(True):  # an AMX host: "ours" ran on the tiles
+        for kind in ("dense", "own", "causal"):
+            sets[kind]["ours-vectors"] = vectors_only(sets[kind]["ours"])
     return sets
+
+
+def dense_ours(kernel: Callable, scale: float, q, k, v) -> torch.Tensor:
+    return kernel(q, k, v, None, scale)[0]
+
+
+def own_ours(kernel: Callable, scale: float, seen: torch.Tensor, q, k, v, mask) -> torch.Tensor:
+    return kernel(q, k, v, seen, scale)[0]
+
+
+def alone_ours(kernel: Callable, scale: float, q, k, v, mask) -> torch.Tensor:
+    return kernel(q, k, v, None, scale)[0]
+
+
+def causal_ours(kernel: Callable, q, k, v) -> torch.Tensor:
+    return attend_causal(kernel, *(x[0].transpose(0, 1) for x in (q, k, v))).transpose(0, 1)[None]
 
 
 def vectors_only(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -208,6 +230,7 @@ def paged_variant(kernel: Callable, through_backend: bool = False) -> Callable[.
         plan = DecodePlan(
             token_indices=torch.arange(decodes),
             common_block_ids=None,
+            common_set=(),
             own_tables=tables,
             own_lengths=lengths,
             mask=mask,

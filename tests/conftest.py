@@ -23,11 +23,11 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def cpu_kernels_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A cache dir every CPU kernel library the host can run was built into (once a session:
-    ~20 s each). Before the builds it held, for each, an older source's library for this torch
-    install, which its build replaces, and another install's, which they leave
-    (tests/attention/test_cpu_kernel.py checks both)."""
-    from blockserve.attention import cpu_kernels
+    """A cache dir every build of a CPU kernel library the host can run was built into (once
+    a session: ~20 s each). Before the builds it held, for each, an older source's library
+    for this torch install, which its build replaces, and another install's, which they
+    leave (tests/attention/test_cpu_kernel.py checks both)."""
+    from blockserve.attention import cpu_build, cpu_kernels
 
     directory = tmp_path_factory.mktemp("kernel-cache")
     (directory / "cpu_kernels").mkdir()
@@ -35,9 +35,10 @@ def cpu_kernels_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for dtype in cpu_kernels.LIBRARIES:
         if not cpu_kernels.supported(dtype):
             continue
-        target = cpu_kernels.library_path(directory, dtype)
-        install_prefix = target.name.rsplit("-", 1)[0]
-        (target.parent / f"{install_prefix}-000000000000.so").touch()
-        cpu_kernels.build(target, dtype)
-        assert target.is_file()
+        for build in cpu_build.runnable(dtype):  # f32: AVX2's too, on an AVX-512 host
+            target = cpu_kernels.library_path(directory, dtype, build.isa)
+            install_prefix = target.name.rsplit("-", 1)[0]
+            (target.parent / f"{install_prefix}-000000000000.so").touch()
+            cpu_kernels.build(target, dtype, build.isa)
+            assert target.is_file()
     return directory

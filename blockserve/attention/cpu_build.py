@@ -2,9 +2,10 @@
 each is built from and for, whether this host can run it, and the g++ build itself.
 
 A build (~25 s, once per host, torch and sources) writes the library under
-`<cache dir>/cpu_kernels`, named by its dtype, the torch install and a hash of its sources and
-flags, whole (another process may be loading it), and removes the install's older build of
-it. A process that exits mid-build leaves neither a compiler nor a scratch directory behind.
+`<cache dir>/cpu_kernels`, named by its build (dtype and instruction set), the torch install
+and a hash of its sources and flags, whole (another process may be loading it), and removes
+the install's older library of that build. A process that exits mid-build leaves neither a
+compiler nor a scratch directory behind.
 """
 
 from __future__ import annotations
@@ -25,37 +26,52 @@ COMMON_FLAGS = ("-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-w")
 
 
 @dataclass(frozen=True, slots=True)
-class Library:
-    """One of our kernel libraries: what it serves, what it is built from, what it needs."""
+class Target:
+    """An instruction set one of our libraries is built for."""
 
-    name: str  # the file's prefix
-    dtype: torch.dtype
-    namespace: str  # of its operators under torch.ops
-    sources: tuple[str, ...]  # files next to this module; .cpp ones are compiled
-    flags: tuple[str, ...]  # the instruction set it is built for
+    name: str  # the built file's prefix
+    isa: str  # its name in logs and tests
+    flags: tuple[str, ...]  # g++'s, for it
     needs: tuple[str, ...]  # torch.cpu.get_capabilities() flags the host must have
+    namespace: str  # of the build's operators under torch.ops
+
+
+@dataclass(frozen=True, slots=True)
+class Library:
+    """One of our kernel libraries: what it serves, what it is built from, what for."""
+
+    name: str
+    dtype: torch.dtype
+    sources: tuple[str, ...]  # files next to this module; .cpp ones are compiled
+    targets: tuple[Target, ...]  # the widest first: a host runs the first it can
 
     def paths(self) -> tuple[Path, ...]:
         return tuple(Path(__file__).with_name(name) for name in self.sources)
 
 
+F32_FLAGS = ("-mavx2", "-mfma", "-ffp-contract=off")
 LIBRARIES = {
     library.dtype: library
     for library in (
         Library(
-            "bf16", torch.bfloat16, "blockserve_cpu",
+            "bf16", torch.bfloat16,
             ("cpu_dense_bf16.cpp", "cpu_layer_bf16.cpp", "cpu_linear_bf16.cpp",
              "cpu_bf16_common.h", "cpu_exp2.h", "cpu_amx.h", "cpu_attention.h", "cpu_layer.h"),
-            ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma",
-             "-mamx-tile", "-mamx-bf16"),  # AMX used only where the CPU has it
-            ("avx512_bf16",),
+            (Target("bf16", "avx512-bf16",
+                    ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
+                     "-mfma", "-mamx-tile", "-mamx-bf16"),  # AMX used only where the CPU has it
+                    ("avx512_bf16",), "blockserve_cpu"),),
         ),
         Library(
-            "f32", torch.float32, "blockserve_cpu_f32",
+            "f32", torch.float32,
             ("cpu_dense_f32.cpp", "cpu_layer_f32.cpp", "cpu_f32_common.h", "cpu_exp2.h",
              "cpu_attention.h", "cpu_layer.h"),
-            ("-mavx2", "-mfma", "-ffp-contract=off"),
-            ("avx2", "fma3"),
+            # The attention kernels compute on sixteen lanes where the CPU has AVX-512F.
+            (Target("f32_avx512", "avx512",
+                    (*F32_FLAGS, "-mavx512f", "-DBLOCKSERVE_F32_OPS=blockserve_cpu_f32_avx512"),
+                    ("avx2", "fma3", "avx512_f"), "blockserve_cpu_f32_avx512"),
+             Target("f32", "avx2", (*F32_FLAGS, "-DBLOCKSERVE_F32_OPS=blockserve_cpu_f32"),
+                    ("avx2", "fma3"), "blockserve_cpu_f32")),
         ),
     )
 }  # fmt: skip
@@ -63,26 +79,48 @@ LIBRARIES = {
 _builds: dict[subprocess.Popen, Path] = {}  # running compiles → their scratch directories
 
 
-def supported(dtype: torch.dtype) -> bool:
-    """Whether `dtype`'s library can run here: an x86 CPU with the instructions it is built
-    for, a g++ to build with, and not switched off by `BLOCKSERVE_CPU_ATTENTION_KERNEL=0` (to
-    compare against torch's kernels)."""
-    if os.environ.get("BLOCKSERVE_CPU_ATTENTION_KERNEL", "1") == "0" or dtype not in LIBRARIES:
-        return False
+def runnable(dtype: torch.dtype) -> tuple[Target, ...]:
+    """`dtype`'s builds this CPU can run, the widest first (none on other machines)."""
+    if dtype not in LIBRARIES:
+        return ()
     flags = torch.cpu.get_capabilities()
-    has = all(flags.get(flag) for flag in LIBRARIES[dtype].needs)
-    return has and shutil.which("g++") is not None
+    return tuple(
+        target
+        for target in LIBRARIES[dtype].targets
+        if all(flags.get(flag) for flag in target.needs)
+    )
 
 
-def library_path(cache_dir: Path, dtype: torch.dtype) -> Path:
-    """`<bf16|f32>-<torch install>-<sources and flags>.so`: each torch install (several venvs
-    may share a cache dir) keeps its own build, and a new source replaces only its own."""
-    library = LIBRARIES[dtype]
+def target_for(dtype: torch.dtype, isa: str | None = None) -> Target:
+    """The build of `dtype`'s library to run here: the widest the CPU can run, or the one
+    named `isa` (tests and benchmarks compare them); ValueError if the CPU cannot run it."""
+    for target in runnable(dtype):
+        if isa is None or target.isa == isa:
+            return target
+    raise ValueError(
+        f"no {isa + ' ' if isa else ''}build of the {dtype} CPU kernels runs on this CPU"
+    )
+
+
+def supported(dtype: torch.dtype) -> bool:
+    """Whether `dtype`'s library can run here: an x86 CPU with the instructions of one of its
+    builds, a g++ to build with, and not switched off by `BLOCKSERVE_CPU_ATTENTION_KERNEL=0`
+    (to compare against torch's kernels)."""
+    if os.environ.get("BLOCKSERVE_CPU_ATTENTION_KERNEL", "1") == "0":
+        return False
+    return bool(runnable(dtype)) and shutil.which("g++") is not None
+
+
+def library_path(cache_dir: Path, dtype: torch.dtype, isa: str | None = None) -> Path:
+    """`<build>-<torch install>-<sources and flags>.so` (`build`: bf16, f32_avx512, f32):
+    each torch install (several venvs may share a cache dir) keeps its own build, and a new
+    source replaces only its own."""
+    library, target = LIBRARIES[dtype], target_for(dtype, isa)
     torch_lib = Path(torch.__file__).parent / "lib"
     install = digest(torch.__version__, str(torch_lib))
-    flags = " ".join(COMMON_FLAGS + library.flags)
+    flags = " ".join(COMMON_FLAGS + target.flags)
     source = digest(*(path.read_bytes() for path in library.paths()), flags)
-    return cache_dir / "cpu_kernels" / f"{library.name}-{install}-{source}.so"
+    return cache_dir / "cpu_kernels" / f"{target.name}-{install}-{source}.so"
 
 
 def digest(*parts: str | bytes) -> str:
@@ -93,12 +131,12 @@ def digest(*parts: str | bytes) -> str:
     return hasher.hexdigest()[:12]
 
 
-def build(target: Path, dtype: torch.dtype) -> None:
-    """Compile `dtype`'s library into `target` (written whole: another process may be loading
-    it)."""
+def build(target: Path, dtype: torch.dtype, isa: str | None = None) -> None:
+    """Compile `dtype`'s library, the build `target_for(dtype, isa)`, into `target` (written
+    whole: another process may be loading it)."""
     from torch.utils.cpp_extension import include_paths
 
-    library = LIBRARIES[dtype]
+    library, instructions = LIBRARIES[dtype], target_for(dtype, isa)
     torch_lib = Path(torch.__file__).parent / "lib"
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -106,7 +144,7 @@ def build(target: Path, dtype: torch.dtype) -> None:
     # At the lowest priority: it runs while the engine starts and serves.
     nice = ["nice", "-n", "19"] if shutil.which("nice") else []
     command = [
-        *nice, "g++", *COMMON_FLAGS, *library.flags, f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        *nice, "g++", *COMMON_FLAGS, *instructions.flags, f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         *(f"-I{path}" for path in include_paths()),
         *(str(path) for path in library.paths() if path.suffix == ".cpp"),
         f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lc10", "-ltorch_cpu",
@@ -122,7 +160,7 @@ def build(target: Path, dtype: torch.dtype) -> None:
             raise subprocess.CalledProcessError(process.returncode, command, stderr=errors)
         os.replace(scratch / target.name, target)
         install = target.name.split("-")[1]
-        for stale in target.parent.glob(f"{library.name}-{install}-*.so"):  # an older source's
+        for stale in target.parent.glob(f"{instructions.name}-{install}-*.so"):  # older source
             if stale != target:
                 stale.unlink(missing_ok=True)
     finally:

@@ -1,5 +1,6 @@
-// Vector helpers shared by our float32 kernels for AVX2 and FMA (cpu_dense_f32.cpp,
-// cpu_layer_f32.cpp): eight float32 lanes to a register.
+// Vector helpers shared by our float32 kernels (cpu_dense_f32.cpp, cpu_layer_f32.cpp): eight
+// float32 lanes to a register with AVX2 and FMA, and `Vec`, the widest vector the library is
+// built for: sixteen lanes in its AVX-512F build (hosts that have it), else those eight.
 #pragma once
 
 #include <immintrin.h>
@@ -7,6 +8,11 @@
 #include <cstdint>
 
 #include "cpu_exp2.h"
+
+// The torch.ops namespace of the build's operators (cpu_build.py names each build's).
+#ifndef BLOCKSERVE_F32_OPS
+#define BLOCKSERVE_F32_OPS blockserve_cpu_f32
+#endif
 
 namespace blockserve_cpu {
 
@@ -39,5 +45,40 @@ inline float max_lanes(__m256 v) {
   s = _mm_max_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
 }
+
+// What the attention kernels compute on, whatever its width.
+struct Vec {
+#ifdef __AVX512F__
+  using T = __m512;
+  static constexpr int64_t kLanes = 16;
+  static T zero() { return _mm512_setzero_ps(); }
+  static T set1(float x) { return _mm512_set1_ps(x); }
+  static T load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, T v) { _mm512_storeu_ps(p, v); }
+  static T fmadd(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+  static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
+  static T add(T a, T b) { return _mm512_add_ps(a, b); }
+  static T sub(T a, T b) { return _mm512_sub_ps(a, b); }
+  static T max(T a, T b) { return _mm512_max_ps(a, b); }
+  static T exp(T x) { return exp_nonpositive(x); }  // x <= 0
+  static float sum(T v) { return _mm512_reduce_add_ps(v); }
+  static float max_of(T v) { return _mm512_reduce_max_ps(v); }
+#else
+  using T = __m256;
+  static constexpr int64_t kLanes = blockserve_cpu::kLanes;
+  static T zero() { return _mm256_setzero_ps(); }
+  static T set1(float x) { return _mm256_set1_ps(x); }
+  static T load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, T v) { _mm256_storeu_ps(p, v); }
+  static T fmadd(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+  static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
+  static T add(T a, T b) { return _mm256_add_ps(a, b); }
+  static T sub(T a, T b) { return _mm256_sub_ps(a, b); }
+  static T max(T a, T b) { return _mm256_max_ps(a, b); }
+  static T exp(T x) { return exp_nonpositive(x); }  // x <= 0
+  static float sum(T v) { return sum_lanes(v); }
+  static float max_of(T v) { return max_lanes(v); }
+#endif
+};
 
 }  // namespace blockserve_cpu

@@ -5,8 +5,10 @@ libraries, one per dtype a model is served in on a CPU.
   cpu_linear_bf16.cpp), as the `blockserve_cpu` operators; where the CPU also has AMX-BF16,
   dense and prefix attention run their products on its tiles, and so do linear layers' products
   of few rows (`tile_linear`, model/packed.py) (`use_amx`).
-- `f32`, for x86 CPUs with AVX2 and FMA (cpu_dense_f32.cpp, cpu_layer_f32.cpp), as
-  `blockserve_cpu_f32`: float32, what `auto` picks where bf16 is not native.
+- `f32`, for x86 CPUs with AVX2 and FMA (cpu_dense_f32.cpp, cpu_layer_f32.cpp): float32, what
+  `auto` picks where bf16 is not native. Two builds: `blockserve_cpu_f32` for AVX2, and
+  `blockserve_cpu_f32_avx512`, whose attention computes on sixteen lanes, for CPUs with
+  AVX-512F; a host loads the widest it can run.
 
 Both have the same attention and layer operators, for head dimension 64. The attention ones
 (cpu_attention.h) serve the torch backend: `dense_attention` for prefills one by one and each
@@ -39,7 +41,13 @@ from typing import Any
 
 import torch
 
-from blockserve.attention.cpu_build import LIBRARIES, build, library_path, supported
+from blockserve.attention.cpu_build import (
+    LIBRARIES,
+    build,
+    library_path,
+    supported,
+    target_for,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +57,7 @@ MAX_DECODE_GROUP = 8  # query heads per KV head that paged_decode takes
 _lock = threading.Lock()  # one load (and build) at a time
 _start_lock = threading.Lock()
 _loaded: dict[torch.dtype, Any] = {}  # dtype → its operators (the torch.ops namespace)
+_isas: dict[torch.dtype, str] = {}  # dtype → the instruction set of its loaded build
 _loaders: dict[torch.dtype, threading.Thread] = {}
 _enabled = True
 _paged_enabled = True
@@ -67,18 +76,22 @@ def serves(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     return device.type == "cpu" and dtype in LIBRARIES and head_dim == HEAD_DIM
 
 
-def load(cache_dir: Path, dtype: torch.dtype) -> Any:
+def load(cache_dir: Path, dtype: torch.dtype, isa: str | None = None) -> Any:
     """Build if needed and load `dtype`'s library: its operators (a torch.ops namespace), or
-    None (logged) where that fails or the interpreter is exiting. Blocking."""
+    None (logged) where that fails or the interpreter is exiting. Blocking. The build loaded
+    is the widest this CPU runs, or the one named `isa`, which then serves in place of the
+    one loaded before (tests and benchmarks compare them; ValueError if the CPU cannot run
+    it)."""
     global _tile_ops
     with _lock:
-        if dtype in _loaded:
+        if dtype in _loaded and (isa is None or _isas[dtype] == isa):
             return _loaded[dtype]
-        target = library_path(cache_dir, dtype)
+        wanted = target_for(dtype, isa)
+        target = library_path(cache_dir, dtype, isa)
         started = time.perf_counter()
         try:
             if not target.exists():
-                build(target, dtype)
+                build(target, dtype, isa)
             with _native:
                 if _exiting:
                     return None
@@ -89,10 +102,10 @@ def load(cache_dir: Path, dtype: torch.dtype) -> Any:
             with _callbacks_lock:
                 _when_loaded.pop(dtype, None)
             return None
-        ops = getattr(torch.ops, LIBRARIES[dtype].namespace)
+        ops = getattr(torch.ops, wanted.namespace)
         if dtype == torch.bfloat16 and ops.has_amx():
             _tile_ops = ops
-        _loaded[dtype] = ops
+        _loaded[dtype], _isas[dtype] = ops, wanted.isa
         seconds = time.perf_counter() - started
         logger.info("CPU kernels ready in %.1f s (%s)", seconds, target)
     with _callbacks_lock:
@@ -159,13 +172,20 @@ def main() -> None:
         if supported(dtype):
             load(default_cache_dir(), dtype)
         else:
-            logger.info("CPU kernels %s: not for this host (needs %s and g++)",
-                        library.name, " ".join(library.needs))  # fmt: skip
+            needs = " or ".join(" ".join(target.needs) for target in library.targets)
+            logger.info(
+                "CPU kernels %s: not for this host (needs %s, and g++)", library.name, needs
+            )
 
 
 def loaded(dtype: torch.dtype) -> bool:
     """Whether `dtype`'s library is loaded (switched in or not)."""
     return dtype in _loaded
+
+
+def loaded_isa(dtype: torch.dtype) -> str | None:
+    """The instruction set of `dtype`'s loaded build (`avx512`, `avx2`, ...), or None."""
+    return _isas.get(dtype)
 
 
 def _ops_for(x: torch.Tensor) -> Any:

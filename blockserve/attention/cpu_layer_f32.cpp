@@ -108,6 +108,6 @@ struct F32Layer {
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(blockserve_cpu_f32, m) { define_layer(m); }
+TORCH_LIBRARY_FRAGMENT(BLOCKSERVE_F32_OPS, m) { define_layer(m); }
 
-TORCH_LIBRARY_IMPL(blockserve_cpu_f32, CPU, m) { implement_layer<F32Layer>(m); }
+TORCH_LIBRARY_IMPL(BLOCKSERVE_F32_OPS, CPU, m) { implement_layer<F32Layer>(m); }

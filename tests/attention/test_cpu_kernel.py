@@ -1,5 +1,6 @@
 """Our CPU attention kernels (attention/cpu_attention.h), in both libraries (bf16 for
-AVX512-BF16, on AMX tiles too where the CPU has them; f32 for AVX2): built by g++ into the
+AVX512-BF16, on AMX tiles too where the CPU has them; f32 in its AVX2 build, and its AVX-512
+build where the CPU has AVX-512F): built by g++ into the
 cache dir, equal to a float64 reference within their dtype's rounding, refusing what they do
 not handle, and used by the torch backend once loaded: the dense kernel for shared prefixes
 and prefills, the paged one for decodes."""
@@ -40,18 +41,29 @@ DTYPES = [
     for dtype, name in ((torch.bfloat16, "bf16"), (torch.float32, "f32"))
 ]
 AMX = cpu_kernels.supported(torch.bfloat16) and torch.cpu.get_capabilities().get("amx_bf16")
+AVX512_F32 = cpu_kernels.supported(torch.float32) and any(
+    build.isa == "avx512" for build in cpu_build.runnable(torch.float32)
+)
 # The bf16 library's dense and prefix attention take two paths: AMX tiles where the CPU has
-# them, AVX512-BF16 vectors alone otherwise. Each variant runs the module's tests.
+# them, AVX512-BF16 vectors alone otherwise. The f32 library has two builds: AVX-512F where
+# the CPU has it, AVX2 (which such a CPU runs too). Each variant runs the module's tests.
 VARIANTS = [
-    pytest.param((torch.bfloat16, False), id="bf16", marks=NEEDS[torch.bfloat16]),
+    pytest.param((torch.bfloat16, "vectors"), id="bf16", marks=NEEDS[torch.bfloat16]),
     pytest.param(
-        (torch.bfloat16, True),
+        (torch.bfloat16, "tiles"),
         id="bf16-amx",
         marks=pytest.mark.skipif(
             not AMX, reason="needs an x86 CPU with AMX-BF16 (elsewhere bf16 uses vectors alone)"
         ),
     ),
-    pytest.param((torch.float32, False), id="f32", marks=NEEDS[torch.float32]),
+    pytest.param((torch.float32, "avx2"), id="f32", marks=NEEDS[torch.float32]),
+    pytest.param(
+        (torch.float32, "avx512"),
+        id="f32-avx512",
+        marks=pytest.mark.skipif(
+            not AVX512_F32, reason="needs an x86 CPU with AVX-512F (elsewhere f32 runs on AVX2)"
+        ),
+    ),
 ]
 NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 # What the dense and prefix kernels' outputs may be off by, in units of the largest value:
@@ -62,12 +74,12 @@ Kernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 @pytest.fixture(scope="module", params=VARIANTS)
-def variant(request: pytest.FixtureRequest) -> tuple[torch.dtype, bool]:
+def variant(request: pytest.FixtureRequest) -> tuple[torch.dtype, str]:
     return request.param
 
 
 @pytest.fixture(scope="module")
-def dtype(variant: tuple[torch.dtype, bool]) -> torch.dtype:
+def dtype(variant: tuple[torch.dtype, str]) -> torch.dtype:
     return variant[0]
 
 
@@ -84,22 +96,25 @@ def test_a_build_replaces_its_installs_older_library_only(cache_dir: Path) -> No
     # conftest.py's cpu_kernels_dir left an older build of each library and another install's
     # before building: each build replaced its own older one alone.
     built = [
-        cpu_kernels.library_path(cache_dir, dtype).name
+        cpu_kernels.library_path(cache_dir, dtype, build.isa).name
         for dtype in cpu_kernels.LIBRARIES
         if cpu_kernels.supported(dtype)
+        for build in cpu_build.runnable(dtype)
     ]
     assert built and names == sorted([*built, OTHER_INSTALL_KERNELS])
 
 
 @pytest.fixture(scope="module")
-def ops(cache_dir: Path, variant: tuple[torch.dtype, bool]) -> Iterator[Any]:
-    dtype, tiles = variant
-    loaded = cpu_kernels.load(cache_dir, dtype)
+def ops(cache_dir: Path, variant: tuple[torch.dtype, str]) -> Iterator[Any]:
+    dtype, path = variant
+    isa = path if dtype == torch.float32 else None
+    loaded = cpu_kernels.load(cache_dir, dtype, isa)
     assert loaded is not None
     if dtype == torch.bfloat16:
-        assert cpu_kernels.use_amx(tiles) == tiles
+        assert cpu_kernels.use_amx(path == "tiles") == (path == "tiles")
     yield loaded
-    cpu_kernels.use_amx(True)  # the default
+    cpu_kernels.use_amx(True)  # the defaults: tiles, the widest build
+    cpu_kernels.load(cache_dir, dtype, cpu_build.target_for(dtype).isa)
 
 
 def test_tiles_are_used_exactly_where_the_cpu_has_amx(cache_dir: Path) -> None:
@@ -110,6 +125,72 @@ def test_tiles_are_used_exactly_where_the_cpu_has_amx(cache_dir: Path) -> None:
     assert cpu_kernels.use_amx(True) == bool(AMX)
     assert not cpu_kernels.use_amx(False)
     assert cpu_kernels.use_amx(True) == bool(AMX)
+
+
+AVX2_HOST = {"avx": True, "avx2": True, "fma3": True}
+AVX512_HOST = {**AVX2_HOST, "avx512_f": True, "avx512_bw": True, "avx512_vl": True}
+
+
+@pytest.mark.parametrize(
+    ("flags", "f32_builds", "bf16_builds"),
+    [
+        (AVX2_HOST, ["avx2"], []),
+        (AVX512_HOST, ["avx512", "avx2"], []),
+        ({**AVX512_HOST, "avx512_bf16": True}, ["avx512", "avx2"], ["avx512-bf16"]),
+        ({"avx": True, "avx512_f": True}, [], []),  # no AVX2 and FMA: neither build
+        ({}, [], []),  # not an x86 CPU
+    ],
+)
+def test_a_host_runs_the_widest_build_it_has_the_instructions_for(
+    flags: dict[str, bool],
+    f32_builds: list[str],
+    bf16_builds: list[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: flags)
+    assert [build.isa for build in cpu_build.runnable(torch.float32)] == f32_builds
+    assert [build.isa for build in cpu_build.runnable(torch.bfloat16)] == bf16_builds
+    assert cpu_build.runnable(torch.float16) == ()
+    if not f32_builds:
+        with pytest.raises(ValueError, match=r"no build of the torch\.float32 CPU kernels"):
+            cpu_build.target_for(torch.float32)
+        return
+    assert cpu_build.target_for(torch.float32).isa == f32_builds[0]
+    names = {cpu_build.library_path(tmp_path, torch.float32, isa).name for isa in f32_builds}
+    assert {name.split("-")[0] for name in names} == {
+        {"avx512": "f32_avx512", "avx2": "f32"}[isa] for isa in f32_builds
+    }
+    if "avx512" not in f32_builds:
+        with pytest.raises(ValueError, match=r"no avx512 build of the torch\.float32 CPU kernels"):
+            cpu_build.target_for(torch.float32, "avx512")
+
+
+@pytest.mark.skipif(not AVX512_F32, reason="needs an x86 CPU with AVX-512F: one f32 build only")
+def test_both_float32_builds_pack_common_blocks_alike_and_agree(cache_dir: Path) -> None:
+    """A packing kept across steps serves either build (the layout is the same); the two
+    compute the same attention up to float32 rounding (their sums run in other orders)."""
+    narrow = cpu_kernels.load(cache_dir, torch.float32, "avx2")
+    wide = cpu_kernels.load(cache_dir, torch.float32, "avx512")
+    assert narrow is not None and wide is not None and narrow is not wide
+    assert cpu_kernels.loaded_isa(torch.float32) == "avx512"
+    generator = torch.Generator().manual_seed(12)
+    kv = torch.randn(2, 90, 16, 3, 64, generator=generator)
+    ids = torch.tensor([5, 80, 17, 3, 44, 61, 29])  # 112 keys: a partial group of 16 padded
+    q = torch.randn(7, 3, 3, 64, generator=generator)
+    packed = narrow.pack_common(kv[0], kv[1], ids)
+    assert torch.equal(packed, wide.pack_common(kv[0], kv[1], ids))
+    results = [ops.prefix_attention(q, kv[0], kv[1], ids, 0.125, packed) for ops in (narrow, wide)]
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=0, atol=2e-6)
+    torch.testing.assert_close(results[0][1], results[1][1], rtol=0, atol=2e-6)
+    tables = torch.tensor([[9, 70, 31], [2, 88, 0]])
+    lengths = torch.tensor([37, 17])
+    queries = torch.randn(2, 9, 64, generator=generator)
+    decodes = [
+        ops.paged_decode(queries, kv[0], kv[1], tables, lengths, 0.125) for ops in (narrow, wide)
+    ]
+    torch.testing.assert_close(decodes[0][0], decodes[1][0], rtol=0, atol=2e-6)
+    torch.testing.assert_close(decodes[0][1], decodes[1][1], rtol=0, atol=2e-6)
 
 
 @pytest.fixture(scope="module")
@@ -603,10 +684,11 @@ def test_a_later_load_uses_the_built_library(
 ) -> None:
     """Named by what it was built from, the library is found again, not rebuilt."""
 
-    def no_build(target: Path, dtype: torch.dtype) -> None:
+    def no_build(target: Path, dtype: torch.dtype, isa: str | None = None) -> None:
         raise AssertionError(f"rebuilt {target}")
 
     monkeypatch.setattr(cpu_kernels, "_loaded", {})
+    monkeypatch.setattr(cpu_kernels, "_isas", {})
     monkeypatch.setattr(cpu_kernels, "build", no_build)
     assert cpu_kernels.load(cache_dir, dtype) is not None
 
@@ -618,6 +700,7 @@ def test_no_load_enters_torch_once_exit_began(
     takes the GIL, and inside torch's C++ that aborts the process. Once the exit hook ran, a
     load neither loads the library nor runs the callbacks waiting for it."""
     monkeypatch.setattr(cpu_kernels, "_loaded", {})
+    monkeypatch.setattr(cpu_kernels, "_isas", {})
     monkeypatch.setattr(cpu_kernels, "_when_loaded", {})
     monkeypatch.setattr(cpu_kernels, "_exiting", False)
     called: list[Any] = []
