@@ -13,7 +13,12 @@ is timed alone): milliseconds per step, GB/s of weights read and GFLOP/s, for 1,
 sequences. At small batches a step is bound by reading the weights, not by the FLOPs; what
 reading memory alone reaches (a sum over 512 MB, more than any cache) is reported beside it.
 Where the CPU has AMX-BF16, the bf16 step is timed both ways, oneDNN's products and our tile
-kernel's (`decode_step_tiles`, the engine's path for up to 128 rows), at 1 to 256 rows.
+kernel's (`decode_step_tiles`, the engine's path for up to 128 rows), at 1 to 256 rows; and
+the float32 step likewise, oneDNN's products against our vector kernel in each build of the
+f32 library the CPU runs (`decode_step_vectors`; the engine's path for up to
+`cpu_kernels.VECTOR_MAX_ROWS` rows). `--decode-only` times the comparison of --dtype alone
+(with `ONEDNN_MAX_CPU_ISA=AVX2` in the environment, oneDNN's float32 side is what an AVX2 host
+runs).
 In --dtype, each projection of a layer through `PackedLinear` at prefill-chunk row counts
 (`packed_gflops_by_rows`, 160 to 2,048 rows).
 
@@ -27,7 +32,7 @@ attend to, each step) at the measured read speed, taking for each step the slowe
 reads and its FLOPs. With --wall S (a measured run of that workload) it reports the run as a
 fraction of both.
 
-    .venv/bin/python benchmarks/bench_matmul.py [--wall 17.7 --dtype float32]
+    .venv/bin/python benchmarks/bench_matmul.py [--wall 17.7 --dtype float32] [--decode-only]
 """
 
 from __future__ import annotations
@@ -42,11 +47,11 @@ from typing import Any
 import torch
 from report import emit
 
-from blockserve.attention import cpu_kernels
+from blockserve.attention import cpu_build, cpu_kernels
 from blockserve.model import packed
 from blockserve.model.arch import LlamaArchConfig
 from blockserve.model.loader import default_cache_dir, resolve_model_dir
-from blockserve.model.packed import PackedLinear, pack_for_tiles
+from blockserve.model.packed import PackedLinear, pack_for_tiles, pack_for_vectors
 
 PREFIX, SUFFIX, OUTPUT, REQUESTS = 1024, 32, 32, 64
 
@@ -116,6 +121,7 @@ def decode_step(
     rows: tuple[int, ...],
     repeats: int,
     tile_ops: Any = None,  # our loaded bf16 operators: time our tile kernel, not oneDNN
+    vector_isa: str | None = None,  # the f32 build loaded: time our vector kernel, not oneDNN
 ) -> dict[str, dict[str, float]]:
     """Median ms of one decode step's products over distinct weights; GB/s of weights read."""
     hidden, inter = arch.hidden_size, arch.intermediate_size
@@ -128,6 +134,9 @@ def decode_step(
     weight_bytes = sum(k * n for k, n in shapes) * torch.finfo(dtype).bits // 8
     if tile_ops is not None:
         pack_for_tiles(torch.nn.ModuleList(linears), tile_ops)
+    if vector_isa is not None:
+        ops = cpu_kernels.load(default_cache_dir(), torch.float32, vector_isa)
+        pack_for_vectors(torch.nn.ModuleList(linears), ops, vector_isa)
     results = {}
     for m in rows:
         inputs = [torch.randn(m, k).to(dtype) for k, _ in shapes]
@@ -145,6 +154,45 @@ def decode_step(
             "gflops": round(2 * m * sum(k * n for k, n in shapes) / seconds / 1e9, 1),
         }
     return results
+
+
+DECODE_ROWS = (1, 8, 16, 32, 64, 128, 256)
+
+
+def decode_tiles(arch: LlamaArchConfig, repeats: int) -> dict[str, Any] | None:
+    """A bf16 decode step's products, oneDNN's and our tile kernel's: None without AMX."""
+    if not cpu_kernels.supported(torch.bfloat16):
+        return None
+    ops = cpu_kernels.load(default_cache_dir(), torch.bfloat16)
+    if ops is None or not ops.has_amx():
+        return None
+    cpu_kernels.use_amx(False)
+    tiles = {"onednn": decode_step(arch, torch.bfloat16, DECODE_ROWS, repeats)}
+    cpu_kernels.use_amx(True)
+    limit, packed.TILE_MAX_ROWS = packed.TILE_MAX_ROWS, max(DECODE_ROWS)  # past the engine's
+    tiles["tiles"] = decode_step(arch, torch.bfloat16, DECODE_ROWS, repeats, ops)
+    packed.TILE_MAX_ROWS = limit
+    print("decode step, oneDNN vs tiles", tiles, flush=True)
+    return tiles
+
+
+def decode_vectors(arch: LlamaArchConfig, repeats: int) -> dict[str, Any] | None:
+    """A float32 decode step's products, oneDNN's and our vector kernel's in each build of
+    the f32 library the CPU runs: None where there is none."""
+    if not cpu_kernels.supported(torch.float32):
+        return None
+    vectors = {"onednn": decode_step(arch, torch.float32, DECODE_ROWS, repeats)}
+    limits = dict(cpu_kernels.VECTOR_MAX_ROWS)
+    cpu_kernels.VECTOR_MAX_ROWS.update(dict.fromkeys(limits, max(DECODE_ROWS)))  # past those
+    try:
+        for build in reversed(cpu_build.runnable(torch.float32)):  # the widest left loaded
+            vectors[build.isa] = decode_step(
+                arch, torch.float32, DECODE_ROWS, repeats, vector_isa=build.isa
+            )
+    finally:
+        cpu_kernels.VECTOR_MAX_ROWS.update(limits)
+    print("decode step, oneDNN vs vectors", vectors, flush=True)
+    return vectors
 
 
 def memory_read_gb_per_s(repeats: int) -> float:
@@ -213,9 +261,18 @@ def main() -> None:
     parser.add_argument("--wall", type=float, help="a measured shared-prefix run, seconds")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/matmul.json"))
+    parser.add_argument("--decode-only", action="store_true")
     args = parser.parse_args()
     config = json.loads((resolve_model_dir(None) / "config.json").read_text())
     arch = LlamaArchConfig.from_hf(config)
+    if args.decode_only:
+        decodes = (
+            {"decode_step_tiles": decode_tiles(arch, args.repeats)}
+            if args.dtype == "bfloat16"
+            else {"decode_step_vectors": decode_vectors(arch, args.repeats)}
+        )
+        emit({"torch": torch.__version__, **decodes}, args.out)
+        return
     peaks: dict[str, dict[str, float]] = {}
     linears: dict[str, dict[str, dict[str, float]]] = {}
     decode: dict[str, dict[str, dict[str, float]]] = {}
@@ -234,18 +291,7 @@ def main() -> None:
         cpu_kernels.use_amx(False)  # oneDNN's products
         decode[name] = decode_step(arch, dtype, (1, 8, 64), args.repeats)
         print(name, peaks[name], linears[name], decode[name], flush=True)
-    tiles = None
-    if cpu_kernels.supported(torch.bfloat16):
-        ops = cpu_kernels.load(default_cache_dir(), torch.bfloat16)
-        if ops is not None and ops.has_amx():
-            rows = (1, 8, 16, 32, 64, 128, 256)
-            cpu_kernels.use_amx(False)
-            tiles = {"onednn": decode_step(arch, torch.bfloat16, rows, args.repeats)}
-            cpu_kernels.use_amx(True)
-            limit, packed.TILE_MAX_ROWS = packed.TILE_MAX_ROWS, max(rows)  # past the engine's
-            tiles["tiles"] = decode_step(arch, torch.bfloat16, rows, args.repeats, ops)
-            packed.TILE_MAX_ROWS = limit
-            print("decode step, oneDNN vs tiles", tiles, flush=True)
+    tiles, vectors = decode_tiles(arch, args.repeats), decode_vectors(arch, args.repeats)
     by_rows = packed_by_rows(arch, getattr(torch, args.dtype), args.repeats)
     print("packed products by rows", by_rows, flush=True)
     work = workload_gflop(arch)
@@ -262,6 +308,7 @@ def main() -> None:
         "linear_vs_packed_gflops": linears,
         "decode_step": decode,
         "decode_step_tiles": tiles,
+        "decode_step_vectors": vectors,
         "packed_gflops_by_rows": by_rows,
         "memory_read_gb_per_s": read_speed,
         "workload_gflop": {k: round(v, 1) for k, v in work.items()},

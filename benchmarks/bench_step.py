@@ -11,12 +11,13 @@ it writes is the same each time). The two steps:
   decode   a step of 64 decodes, each over 1,024 shared and 33 own tokens
 
 Each step runs with our fused layer operators (attention/cpu_kernels.py) and without,
-alternating, `--repeats` times each way per round; medians. Where the CPU has AMX-BF16 a
-third way runs too: fused, but with oneDNN's products where our tile kernel would serve
-(`onednn_products`; `tiles_speedup` is it over `fused`). And fused, but with the shared
-prefix's common blocks packed for our prefix kernel on every call instead of kept from the
-step before (`packing_each_step`; `kept_packing_speedup`). `--profile N` then runs each step
-under torch.profiler and keeps its top N operators by self time (per step, milliseconds).
+alternating, `--repeats` times each way per round; medians. Where our products of few rows
+serve (bf16 on a CPU with AMX-BF16, float32 on our vector kernel) a third way runs too: fused,
+but with oneDNN's products where ours would serve (`onednn_products`; `tiles_speedup`, or
+`vectors_speedup` in float32, is it over `fused`). And fused, but with the shared prefix's
+common blocks packed for our prefix kernel on every call instead of kept from the step before
+(`packing_each_step`; `kept_packing_speedup`). `--profile N` then runs each step under
+torch.profiler and keeps its top N operators by self time (per step, milliseconds).
 `--breakdown` times each fused step's parts by wall clock instead (the profiler stretches short
 parallel operators several-fold): the linear layers' products (LM head included), attention
 (the backend's forward: KV writes, our kernels, the glue between them), the fused layer
@@ -198,7 +199,12 @@ def main() -> None:
         repeats = args.repeats if kind == "decode" else max(2, args.repeats // 10)
         run_step(runner, inputs)  # warm
         modes = ["fused", "unfused", "packing_each_step"]
-        if cpu_kernels.tile_linear(inputs.input_ids.new_empty(0, dtype=torch.bfloat16)):
+        if cpu_kernels.tile_linear(
+            inputs.input_ids.new_empty(0, dtype=torch.bfloat16)
+        ) or cpu_kernels.vector_linear(
+            inputs.input_ids.new_empty(0, dtype=torch.float32),
+            cpu_kernels.loaded_isa(torch.float32),
+        ):
             modes.append("onednn_products")
         walls: dict[str, list[float]] = {mode: [] for mode in modes}
         kept = runner.backend.common_blocks
@@ -223,7 +229,8 @@ def main() -> None:
             medians["packing_each_step"] / medians["fused"], 3
         )
         if "onednn_products" in medians:
-            results[kind]["tiles_speedup"] = round(medians["onednn_products"] / medians["fused"], 3)
+            name = "vectors_speedup" if llm.engine.core.info.dtype == "float32" else "tiles_speedup"
+            results[kind][name] = round(medians["onednn_products"] / medians["fused"], 3)
         if kind == "decode":
             logits = run_step(runner, inputs)
             results[kind]["greedy_sampling_ms"] = greedy_sampling(logits, 5 * repeats)

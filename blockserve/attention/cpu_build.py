@@ -64,9 +64,10 @@ LIBRARIES = {
         ),
         Library(
             "f32", torch.float32,
-            ("cpu_dense_f32.cpp", "cpu_layer_f32.cpp", "cpu_f32_common.h", "cpu_exp2.h",
-             "cpu_attention.h", "cpu_layer.h"),
-            # The attention kernels compute on sixteen lanes where the CPU has AVX-512F.
+            ("cpu_dense_f32.cpp", "cpu_layer_f32.cpp", "cpu_linear_f32.cpp", "cpu_f32_common.h",
+             "cpu_exp2.h", "cpu_attention.h", "cpu_layer.h"),
+            # The attention and product kernels compute on sixteen lanes where the CPU has
+            # AVX-512F.
             (Target("f32_avx512", "avx512",
                     (*F32_FLAGS, "-mavx512f", "-DBLOCKSERVE_F32_OPS=blockserve_cpu_f32_avx512"),
                     ("avx2", "fma3", "avx512_f"), "blockserve_cpu_f32_avx512"),

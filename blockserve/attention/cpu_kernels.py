@@ -5,10 +5,11 @@ libraries, one per dtype a model is served in on a CPU.
   cpu_linear_bf16.cpp), as the `blockserve_cpu` operators; where the CPU also has AMX-BF16,
   dense and prefix attention run their products on its tiles, and so do linear layers' products
   of few rows (`tile_linear`, model/packed.py) (`use_amx`).
-- `f32`, for x86 CPUs with AVX2 and FMA (cpu_dense_f32.cpp, cpu_layer_f32.cpp): float32, what
-  `auto` picks where bf16 is not native. Two builds: `blockserve_cpu_f32` for AVX2, and
-  `blockserve_cpu_f32_avx512`, whose attention computes on sixteen lanes, for CPUs with
-  AVX-512F; a host loads the widest it can run.
+- `f32`, for x86 CPUs with AVX2 and FMA (cpu_dense_f32.cpp, cpu_layer_f32.cpp,
+  cpu_linear_f32.cpp): float32, what `auto` picks where bf16 is not native; its linear layers'
+  products of few rows run on our vector kernel (`vector_linear`, model/packed.py). Two
+  builds: `blockserve_cpu_f32` for AVX2, and `blockserve_cpu_f32_avx512`, computing on sixteen
+  lanes, for CPUs with AVX-512F; a host loads the widest it can run.
 
 Both have the same attention and layer operators, for head dimension 64. The attention ones
 (cpu_attention.h) serve the torch backend: `dense_attention` for prefills one by one and each
@@ -52,6 +53,9 @@ from blockserve.attention.cpu_build import (
 logger = logging.getLogger(__name__)
 
 HEAD_DIM = 64
+# The most rows a float32 product takes our vector kernel for, per build: oneDNN's products
+# are faster past them (docs/benchmarks.md, "Decode products in float32").
+VECTOR_MAX_ROWS = {"avx512": 128, "avx2": 32}
 MAX_DECODE_GROUP = 8  # query heads per KV head that paged_decode takes
 
 _lock = threading.Lock()  # one load (and build) at a time
@@ -282,6 +286,25 @@ def tile_linear(x: torch.Tensor) -> Callable[..., torch.Tensor] | None:
     return _tile_ops.tile_linear if x.device.type == "cpu" else None
 
 
+def vector_linear(x: torch.Tensor, isa: str | None) -> Callable[..., torch.Tensor] | None:
+    """Our float32 product of few rows (cpu_linear_f32.cpp) for rows like `x` over a weight
+    packed by the `isa` build (`vector_pack`: each build packs for its own vector width), or
+    None: the float32 library's `isa` build loaded, at most `VECTOR_MAX_ROWS` rows, and not
+    switched off (`enable(products=False)`)."""
+    ops = _loaded.get(torch.float32)
+    if (
+        ops is None
+        or not _products_enabled
+        or x.dtype != torch.float32
+        or x.device.type != "cpu"
+        or isa is None
+        or _isas[torch.float32] != isa
+        or x.shape[0] > VECTOR_MAX_ROWS[isa]
+    ):
+        return None
+    return ops.vector_linear
+
+
 def use_amx(on: bool) -> bool:
     """Run bf16 attention and few-row products on AMX tiles (the default where the CPU has
     AMX-BF16) or not (AVX512-BF16 vectors for attention, oneDNN's products): tests and
@@ -302,8 +325,8 @@ def enable(
 ) -> None:
     """Switch the loaded kernels out (torch serves) and back in: benchmarks compare the two.
     `paged` switches the decodes' path alone (`decode_attention`), `layer` the fused layer
-    operators, `products` the few-row products on AMX tiles (oneDNN's serve) (default: as
-    `on`)."""
+    operators, `products` the few-row products (bf16 on AMX tiles, float32 on vectors;
+    oneDNN's serve) (default: as `on`)."""
     global _enabled, _paged_enabled, _layer_enabled, _products_enabled
     _enabled = on
     _paged_enabled = on if paged is None else paged

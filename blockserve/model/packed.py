@@ -14,6 +14,12 @@ products on AMX tiles"). Its sums are float32 too, in another order: its results
 bf16 rounding of oneDNN's, not equal to them. The copy doubles the linear weights' memory, so
 it is made only for models whose linear weights fit in `MAX_TILE_COPY_BYTES`.
 
+A float32 model's products of up to `cpu_kernels.VECTOR_MAX_ROWS` rows run likewise on our
+vector kernel (attention/cpu_linear_f32.cpp) over a copy of each weight in panel order
+(`pack_for_vectors`), made by the f32 build that runs it: oneDNN's float32 products of few
+rows read the weights well below the memory's speed (docs/benchmarks.md, "Decode products in
+float32"). Its sums run in another order: within float32 rounding of oneDNN's.
+
 Under `torch.compile` the product goes through `blockserve::packed_linear`, an operator of our
 own that inductor calls as an opaque kernel: inductor lowers oneDNN's linear only over weights
 it has frozen into the graph itself (its `freezing` mode), while ours are packed at load and
@@ -69,6 +75,8 @@ class PackedLinear(nn.Module):
     packed: torch.Tensor
     bias: torch.Tensor | None
     tiles: torch.Tensor | None  # the weight in tile order (pack_for_tiles), or None
+    vectors: torch.Tensor | None  # the weight in panel order (pack_for_vectors), or None
+    vectors_isa: str | None  # the f32 build that packed `vectors`
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -80,6 +88,8 @@ class PackedLinear(nn.Module):
         bias = None if linear.bias is None else linear.bias.detach()
         self.register_buffer("bias", bias, persistent=False)
         self.register_buffer("tiles", None, persistent=False)
+        self.register_buffer("vectors", None, persistent=False)
+        self.vectors_isa = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
@@ -91,6 +101,11 @@ class PackedLinear(nn.Module):
             and (tile_linear := cpu_kernels.tile_linear(rows)) is not None
         ):
             out = tile_linear(rows, self.tiles, self.bias)
+        elif (
+            self.vectors is not None
+            and (vector_linear := cpu_kernels.vector_linear(rows, self.vectors_isa)) is not None
+        ):
+            out = vector_linear(rows, self.vectors, self.bias)
         else:
             out = _packed_linear(rows, self.packed, self.bias)
         return out.view(*x.shape[:-1], self.out_features)
@@ -102,6 +117,10 @@ class PackedLinear(nn.Module):
             and self.in_features % 32 == 0
             and self.out_features % 32 == 0
         )
+
+    def vectorizable(self) -> bool:
+        """Whether our float32 vector kernel takes this layer: out_features a multiple of 32."""
+        return self.packed.dtype == torch.float32 and self.out_features % 32 == 0
 
 
 def prepack_linears(model: nn.Module) -> int:
@@ -132,4 +151,20 @@ def pack_for_tiles(model: nn.Module, ops: Any) -> int:
     for linear in linears:
         weight = linear.packed.to_dense() if linear.packed.is_mkldnn else linear.packed
         linear.tiles = ops.tile_pack(weight)
+    return len(linears)
+
+
+def pack_for_vectors(model: nn.Module, ops: Any, isa: str) -> int:
+    """Give each `PackedLinear` under `model` that our float32 vector kernel takes a copy of
+    its weight in panel order (`ops`: the loaded f32 build, named `isa`), unless the copies
+    would pass `MAX_TILE_COPY_BYTES`; returns how many got one."""
+    linears = [m for m in model.modules() if isinstance(m, PackedLinear) and m.vectorizable()]
+    size = sum(m.in_features * m.out_features * 4 for m in linears)
+    if size > MAX_TILE_COPY_BYTES:
+        logger.info("linear weights of %.1f GiB: no vector copies (at most %.1f GiB)",
+                    size / 2**30, MAX_TILE_COPY_BYTES / 2**30)  # fmt: skip
+        return 0
+    for linear in linears:
+        weight = linear.packed.to_dense() if linear.packed.is_mkldnn else linear.packed
+        linear.vectors, linear.vectors_isa = ops.vector_pack(weight), isa
     return len(linears)

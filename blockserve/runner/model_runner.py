@@ -25,7 +25,7 @@ from blockserve.grammar import GrammarCompiler, apply_token_masks
 from blockserve.model.compile import CompileReport, compile_forward, mark_token_dim_dynamic
 from blockserve.model.dtype import probe_host, warn_if_slow
 from blockserve.model.loader import LoadedModel, default_cache_dir, load_model, resolve_dtype
-from blockserve.model.packed import pack_for_tiles
+from blockserve.model.packed import pack_for_tiles, pack_for_vectors
 from blockserve.model.sampler import Sampler, SamplerOutput, SamplingBatch, SamplingRow
 from blockserve.runner.inputs import ModelInputs, prepare_inputs
 from blockserve.runner.kv_cache import allocate_kv_caches, num_blocks_for
@@ -43,6 +43,14 @@ def _pack_for_tiles(model: weakref.ref[torch.nn.Module], ops: Any) -> None:
     weights, unless the model is gone by then."""
     if (alive := model()) is not None:
         pack_for_tiles(alive, ops)
+
+
+def _pack_for_vectors(model: weakref.ref[torch.nn.Module], ops: Any) -> None:
+    """Once our float32 kernels are loaded (a thread of theirs): the panel copies of a model's
+    weights for the build loaded, unless the model is gone by then."""
+    isa = cpu_kernels.loaded_isa(torch.float32)
+    if (alive := model()) is not None and isa is not None:
+        pack_for_vectors(alive, ops, isa)
 
 
 @dataclass
@@ -73,8 +81,9 @@ class ModelRunner:
         self.arch = self.loaded.arch
         if cpu_kernels.serves(self.device, dtype, self.arch.head_dim):
             cpu_kernels.start_loading(default_cache_dir(), dtype)  # torch's kernel serves meanwhile
-            if dtype == torch.bfloat16 and cpu_kernels.supported(dtype):
-                cpu_kernels.when_loaded(dtype, partial(_pack_for_tiles, weakref.ref(self.model)))
+            if cpu_kernels.supported(dtype):
+                pack = _pack_for_tiles if dtype == torch.bfloat16 else _pack_for_vectors
+                cpu_kernels.when_loaded(dtype, partial(pack, weakref.ref(self.model)))
         self.block_size = cache_config.block_size
         self.num_blocks = num_blocks_for(
             self.arch,
