@@ -182,15 +182,14 @@ def decode_vectors(arch: LlamaArchConfig, repeats: int) -> dict[str, Any] | None
     if not cpu_kernels.supported(torch.float32):
         return None
     vectors = {"onednn": decode_step(arch, torch.float32, DECODE_ROWS, repeats)}
-    limits = dict(cpu_kernels.VECTOR_MAX_ROWS)
-    cpu_kernels.VECTOR_MAX_ROWS.update(dict.fromkeys(limits, max(DECODE_ROWS)))  # past those
-    try:
+    limit, cpu_kernels.VECTOR_MAX_ROWS = cpu_kernels.VECTOR_MAX_ROWS, max(DECODE_ROWS)
+    try:  # past the engine's limit too
         for build in reversed(cpu_build.runnable(torch.float32)):  # the widest left loaded
             vectors[build.isa] = decode_step(
                 arch, torch.float32, DECODE_ROWS, repeats, vector_isa=build.isa
             )
     finally:
-        cpu_kernels.VECTOR_MAX_ROWS.update(limits)
+        cpu_kernels.VECTOR_MAX_ROWS = limit
     print("decode step, oneDNN vs vectors", vectors, flush=True)
     return vectors
 

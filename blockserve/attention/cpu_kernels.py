@@ -53,9 +53,9 @@ from blockserve.attention.cpu_build import (
 logger = logging.getLogger(__name__)
 
 HEAD_DIM = 64
-# The most rows a float32 product takes our vector kernel for, per build: oneDNN's products
-# are faster past them (docs/benchmarks.md, "Decode products in float32").
-VECTOR_MAX_ROWS = {"avx512": 128, "avx2": 32}
+# The most rows a float32 product takes our vector kernel for, in either build: oneDNN's
+# products are as fast past them (docs/benchmarks.md, "Float32 on AVX-512F").
+VECTOR_MAX_ROWS = 128
 MAX_DECODE_GROUP = 8  # query heads per KV head that paged_decode takes
 
 _lock = threading.Lock()  # one load (and build) at a time
@@ -299,7 +299,7 @@ def vector_linear(x: torch.Tensor, isa: str | None) -> Callable[..., torch.Tenso
         or x.device.type != "cpu"
         or isa is None
         or _isas[torch.float32] != isa
-        or x.shape[0] > VECTOR_MAX_ROWS[isa]
+        or x.shape[0] > VECTOR_MAX_ROWS
     ):
         return None
     return ops.vector_linear

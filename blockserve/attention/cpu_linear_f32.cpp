@@ -3,7 +3,7 @@
 //
 // A decode step's products read every weight of the model once for a few dozen rows. On the
 // host measured, oneDNN's float32 products of a whole decode step read the weights at 13-18
-// GB/s where a plain read reaches ~24 (docs/benchmarks.md, "Decode products in float32").
+// GB/s where a plain read reaches ~25 (docs/benchmarks.md, "Float32 on AVX-512F").
 // Here the weight is repacked once into panels of 2 vectors of columns, [N / panel][K][panel],
 // so that a thread's share of the weight is one sequential stream. Each thread takes a run of
 // panels; a panel's rows of x go through it kRows at a time (a register tile of kRows × 2
@@ -64,12 +64,15 @@ template <int R>
 void pass_rows(const Pass& at, const float* bias, float* y, int64_t y_stride) {
   Vec::T acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = Vec::zero();
+  // This pass fetches the next panel's rows pass, pass + passes, ...: a countdown to each.
+  int64_t until_fetch = at.next != nullptr ? at.pass : at.k;
   for (int64_t i = 0; i < at.k; ++i) {
     const float* row = at.panel + i * kPanel;
     const Vec::T b0 = Vec::load(row), b1 = Vec::load(row + kWidth);
-    if (at.next != nullptr && i % at.passes == at.pass) {  // the next panel's row i
+    if (until_fetch-- == 0) {  // the next panel's row i
       for (int64_t line = 0; line < kPanel; line += kLine)
         _mm_prefetch(reinterpret_cast<const char*>(at.next + i * kPanel + line), _MM_HINT_T1);
+      until_fetch = at.passes - 1;
     }
     for (int r = 0; r < R; ++r) {
       const Vec::T x = Vec::set1(at.x[r * at.k + i]);

@@ -17,8 +17,8 @@ it is made only for models whose linear weights fit in `MAX_TILE_COPY_BYTES`.
 A float32 model's products of up to `cpu_kernels.VECTOR_MAX_ROWS` rows run likewise on our
 vector kernel (attention/cpu_linear_f32.cpp) over a copy of each weight in panel order
 (`pack_for_vectors`), made by the f32 build that runs it: oneDNN's float32 products of few
-rows read the weights well below the memory's speed (docs/benchmarks.md, "Decode products in
-float32"). Its sums run in another order: within float32 rounding of oneDNN's.
+rows read the weights well below the memory's speed (docs/benchmarks.md, "Float32 on
+AVX-512F"). Its sums run in another order: within float32 rounding of oneDNN's.
 
 Under `torch.compile` the product goes through `blockserve::packed_linear`, an operator of our
 own that inductor calls as an opaque kernel: inductor lowers oneDNN's linear only over weights

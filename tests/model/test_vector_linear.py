@@ -139,7 +139,7 @@ def test_a_packed_linear_takes_the_vectors_for_few_rows_of_its_build_only(
     weight, bias = linear.weight.detach().clone(), linear.bias.detach().clone()
     layer = PackedLinear(linear)
     assert layer.vectors is None
-    most = cpu_kernels.VECTOR_MAX_ROWS[isa]
+    most = cpu_kernels.VECTOR_MAX_ROWS
     x = small_ints(most + 1, 160, seed=4)
     assert torch.equal(layer(x[:3]), exact(x[:3], weight, bias)) and vector_calls == []
 
