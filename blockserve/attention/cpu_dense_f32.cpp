@@ -120,7 +120,8 @@ struct F32Kernel {
         Vec::store(scores[r] + c, Vec::exp(Vec::sub(Vec::load(scores[r] + c), m)));
       for (int64_t n = valid[r]; n < kKeyBlock; ++n) scores[r][n] = 0.0f;  // masked keys
       Vec::T total = Vec::zero();
-      for (int64_t c = 0; c < kKeyBlock; c += kWidth) total = Vec::add(total, Vec::load(scores[r] + c));
+      for (int64_t c = 0; c < kKeyBlock; c += kWidth)
+        total = Vec::add(total, Vec::load(scores[r] + c));
       state.max[row0 + r] = new_max;
       state.sum[row0 + r] = state.sum[row0 + r] * rescale + Vec::sum(total);
       factor[r] = rescale;
@@ -167,7 +168,8 @@ struct F32Kernel {
         Vec::store(probs[r] + c, Vec::exp(Vec::sub(Vec::load(probs[r] + c), m)));
       for (int64_t t = count; t < kChunk; ++t) probs[r][t] = 0.0f;
       Vec::T total = Vec::load(probs[r]);
-      for (int64_t c = kWidth; c < kChunk; c += kWidth) total = Vec::add(total, Vec::load(probs[r] + c));
+      for (int64_t c = kWidth; c < kChunk; c += kWidth)
+        total = Vec::add(total, Vec::load(probs[r] + c));
       state.sum[r] = state.sum[r] * rescale + Vec::sum(total);
       state.max[r] = new_max;
       const Vec::T factor = Vec::set1(rescale);
