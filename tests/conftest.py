@@ -36,9 +36,9 @@ def cpu_kernels_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         if not cpu_kernels.supported(dtype):
             continue
         for build in cpu_build.runnable(dtype):  # f32: AVX2's too, on an AVX-512 host
-            target = cpu_kernels.library_path(directory, dtype, build.isa)
+            target = cpu_build.library_path(directory, dtype, build.isa)
             install_prefix = target.name.rsplit("-", 1)[0]
             (target.parent / f"{install_prefix}-000000000000.so").touch()
-            cpu_kernels.build(target, dtype, build.isa)
+            cpu_build.build(target, dtype, build.isa)
             assert target.is_file()
     return directory

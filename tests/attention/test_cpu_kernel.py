@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from blockserve.attention import cpu_build, cpu_kernels
+from blockserve.attention import cpu_build, cpu_kernels, cpu_loader
 from blockserve.attention.torch_backend import TorchAttentionBackend
 from tests.attention.cases import make_case, reference_attention
 from tests.attention.test_torch_backend import TOLERANCE
@@ -96,7 +96,7 @@ def test_a_build_replaces_its_installs_older_library_only(cache_dir: Path) -> No
     # conftest.py's cpu_kernels_dir left an older build of each library and another install's
     # before building: each build replaced its own older one alone.
     built = [
-        cpu_kernels.library_path(cache_dir, dtype, build.isa).name
+        cpu_build.library_path(cache_dir, dtype, build.isa).name
         for dtype in cpu_kernels.LIBRARIES
         if cpu_kernels.supported(dtype)
         for build in cpu_build.runnable(dtype)
@@ -687,9 +687,9 @@ def test_a_later_load_uses_the_built_library(
     def no_build(target: Path, dtype: torch.dtype, isa: str | None = None) -> None:
         raise AssertionError(f"rebuilt {target}")
 
-    monkeypatch.setattr(cpu_kernels, "_loaded", {})
-    monkeypatch.setattr(cpu_kernels, "_isas", {})
-    monkeypatch.setattr(cpu_kernels, "build", no_build)
+    monkeypatch.setattr(cpu_loader, "_loaded", {})
+    monkeypatch.setattr(cpu_loader, "_isas", {})
+    monkeypatch.setattr(cpu_loader, "build", no_build)
     assert cpu_kernels.load(cache_dir, dtype) is not None
 
 
@@ -699,13 +699,13 @@ def test_no_load_enters_torch_once_exit_began(
     """A loader is a daemon thread; interpreter shutdown stops such a thread when it next
     takes the GIL, and inside torch's C++ that aborts the process. Once the exit hook ran, a
     load neither loads the library nor runs the callbacks waiting for it."""
-    monkeypatch.setattr(cpu_kernels, "_loaded", {})
-    monkeypatch.setattr(cpu_kernels, "_isas", {})
-    monkeypatch.setattr(cpu_kernels, "_when_loaded", {})
-    monkeypatch.setattr(cpu_kernels, "_exiting", False)
+    monkeypatch.setattr(cpu_loader, "_loaded", {})
+    monkeypatch.setattr(cpu_loader, "_isas", {})
+    monkeypatch.setattr(cpu_loader, "_when_loaded", {})
+    monkeypatch.setattr(cpu_loader, "_exiting", False)
     called: list[Any] = []
     cpu_kernels.when_loaded(dtype, called.append)
-    cpu_kernels._at_exit()
+    cpu_loader._at_exit()
     assert cpu_kernels.load(cache_dir, dtype) is None
     assert called == [] and not cpu_kernels.loaded(dtype)
 

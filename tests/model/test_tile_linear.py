@@ -19,6 +19,8 @@ from blockserve.model import packed
 from blockserve.model.packed import PackedLinear, pack_for_tiles
 from blockserve.runner.model_runner import ModelRunner
 from tests.attention.test_cpu_kernel import AMX
+from tests.model import products
+from tests.model.products import exact
 from tests.tiny_models import save_tiny_model
 
 pytestmark = pytest.mark.skipif(
@@ -36,16 +38,7 @@ def ops(cpu_kernels_dir: Path) -> Iterator[Any]:
 
 
 def small_ints(*shape: int, seed: int) -> torch.Tensor:
-    """Integers in [-2, 2] as bf16: every product and sum of them is exact in float32."""
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(-2, 3, shape, generator=generator).to(torch.bfloat16)
-
-
-def exact(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    out = x.double() @ weight.double().T
-    if bias is not None:
-        out += bias.double()
-    return out.to(torch.bfloat16)
+    return products.small_ints(*shape, seed=seed, dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("rows", [0, 1, 5, 16, 17, 32, 33, 64, 100])
@@ -94,32 +87,13 @@ def test_refuses_what_it_does_not_handle(ops: Any, call: Callable[[Any], Any], m
 
 
 def int_linear(in_features: int, out_features: int, seed: int) -> nn.Linear:
-    linear = nn.Linear(in_features, out_features).to(torch.bfloat16)
-    with torch.no_grad():
-        linear.weight.copy_(small_ints(out_features, in_features, seed=seed))
-        linear.bias.copy_(small_ints(out_features, seed=seed + 1))
-    return linear
+    return products.int_linear(in_features, out_features, seed, torch.bfloat16)
 
 
 @pytest.fixture
 def tile_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The rows of each product the tile kernel was handed."""
-    calls: list[int] = []
-    find = cpu_kernels.tile_linear
-
-    def spying(x: torch.Tensor) -> Any:
-        op = find(x)
-        if op is None:
-            return None
-
-        def call(rows: torch.Tensor, *args: Any) -> torch.Tensor:
-            calls.append(rows.shape[0])
-            return op(rows, *args)
-
-        return call
-
-    monkeypatch.setattr(cpu_kernels, "tile_linear", spying)
-    return calls
+    return products.spy_on_rows(monkeypatch, "tile_linear")
 
 
 def test_a_packed_linear_takes_the_tiles_for_few_rows_only(ops: Any, tile_calls: list[int]):

@@ -19,6 +19,8 @@ from blockserve.config import CacheConfig, ModelConfig
 from blockserve.model import packed
 from blockserve.model.packed import PackedLinear, pack_for_vectors
 from blockserve.runner.model_runner import ModelRunner
+from tests.model import products
+from tests.model.products import exact
 from tests.tiny_models import save_tiny_model
 
 BUILDS = [target.isa for target in cpu_build.runnable(torch.float32)]
@@ -42,16 +44,7 @@ def ops(cpu_kernels_dir: Path, isa: str) -> Iterator[Any]:
 
 
 def small_ints(*shape: int, seed: int) -> torch.Tensor:
-    """Integers in [-2, 2]: every product and sum of them is exact in float32."""
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(-2, 3, shape, generator=generator).to(torch.float32)
-
-
-def exact(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    out = x.double() @ weight.double().T
-    if bias is not None:
-        out += bias.double()
-    return out.float()
+    return products.small_ints(*shape, seed=seed, dtype=torch.float32)
 
 
 @pytest.mark.parametrize("rows", [0, 1, 5, 6, 7, 12, 13, 25, 64, 100])
@@ -104,32 +97,13 @@ def test_refuses_what_it_does_not_handle(ops: Any, call: Callable[[Any], Any], m
 
 
 def int_linear(in_features: int, out_features: int, seed: int) -> nn.Linear:
-    linear = nn.Linear(in_features, out_features)
-    with torch.no_grad():
-        linear.weight.copy_(small_ints(out_features, in_features, seed=seed))
-        linear.bias.copy_(small_ints(out_features, seed=seed + 1))
-    return linear
+    return products.int_linear(in_features, out_features, seed, torch.float32)
 
 
 @pytest.fixture
 def vector_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The rows of each product the vector kernel was handed."""
-    calls: list[int] = []
-    find = cpu_kernels.vector_linear
-
-    def spying(x: torch.Tensor, isa: str | None) -> Any:
-        op = find(x, isa)
-        if op is None:
-            return None
-
-        def call(rows: torch.Tensor, *args: Any) -> torch.Tensor:
-            calls.append(rows.shape[0])
-            return op(rows, *args)
-
-        return call
-
-    monkeypatch.setattr(cpu_kernels, "vector_linear", spying)
-    return calls
+    return products.spy_on_rows(monkeypatch, "vector_linear")
 
 
 def test_a_packed_linear_takes_the_vectors_for_few_rows_of_its_build_only(

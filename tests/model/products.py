@@ -1,0 +1,55 @@
+"""What the tests of our few-row products share: integer operands whose products and sums are
+exact in float32, and a spy on the accessor that hands a product kernel out."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from blockserve.attention import cpu_kernels
+
+
+def small_ints(*shape: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    """Integers in [-2, 2] in `dtype`: every product and sum of them is exact in float32."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(-2, 3, shape, generator=generator).to(dtype)
+
+
+def exact(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x · weightᵀ + bias in float64, in x's dtype."""
+    out = x.double() @ weight.double().T
+    if bias is not None:
+        out += bias.double()
+    return out.to(x.dtype)
+
+
+def int_linear(in_features: int, out_features: int, seed: int, dtype: torch.dtype) -> nn.Linear:
+    linear = nn.Linear(in_features, out_features).to(dtype)
+    with torch.no_grad():
+        linear.weight.copy_(small_ints(out_features, in_features, seed=seed, dtype=dtype))
+        linear.bias.copy_(small_ints(out_features, seed=seed + 1, dtype=dtype))
+    return linear
+
+
+def spy_on_rows(monkeypatch: pytest.MonkeyPatch, accessor: str) -> list[int]:
+    """Wrap `cpu_kernels.<accessor>` (tile_linear, vector_linear) so that each product the
+    kernel it hands out is given records its rows in the list returned."""
+    calls: list[int] = []
+    find = getattr(cpu_kernels, accessor)
+
+    def spying(*args: Any) -> Any:
+        op = find(*args)
+        if op is None:
+            return None
+
+        def call(rows: torch.Tensor, *rest: Any) -> torch.Tensor:
+            calls.append(rows.shape[0])
+            return op(rows, *rest)
+
+        return call
+
+    monkeypatch.setattr(cpu_kernels, accessor, spying)
+    return calls
