@@ -2,8 +2,9 @@
 // (cpu_f32_common.h): eight lanes in the AVX2 build, sixteen in the AVX-512F one.
 //
 // A decode step's products read every weight of the model once for a few dozen rows. On the
-// host measured, oneDNN's float32 products of a whole decode step read the weights at 13-18
-// GB/s where a plain read reaches ~25 (docs/benchmarks.md, "Float32 on AVX-512F").
+// host measured, oneDNN's float32 products of a whole decode step of 1 to 64 rows read the
+// weights at 7-19 GB/s where a plain read reaches ~25 (docs/benchmarks.md, "Float32 on
+// AVX-512F").
 // Here the weight is repacked once into panels of 2 vectors of columns, [N / panel][K][panel],
 // so that a thread's share of the weight is one sequential stream. Each thread takes a run of
 // panels; a panel's rows of x go through it kRows at a time (a register tile of kRows × 2
@@ -136,15 +137,11 @@ at::Tensor vector_linear(const at::Tensor& x, const at::Tensor& packed,
   return out;
 }
 
-// Rows of a pass: what a caller may take as the kernel's unit of work.
-int64_t vector_rows() { return kRows; }
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(BLOCKSERVE_F32_OPS, m) {
   m.def("vector_pack(Tensor weight) -> Tensor");
   m.def("vector_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
-  m.def("vector_rows() -> int", &vector_rows);
 }
 
 TORCH_LIBRARY_IMPL(BLOCKSERVE_F32_OPS, CPU, m) {

@@ -12,7 +12,7 @@ each weight in tile order made once our kernels are loaded (`pack_for_tiles`): t
 read every weight for a few rows, and ours read them faster (docs/benchmarks.md, "Decode
 products on AMX tiles"). Its sums are float32 too, in another order: its results are within
 bf16 rounding of oneDNN's, not equal to them. The copy doubles the linear weights' memory, so
-it is made only for models whose linear weights fit in `MAX_TILE_COPY_BYTES`.
+it is made only for models whose linear weights fit in `MAX_COPY_BYTES`.
 
 A float32 model's products of up to `cpu_kernels.VECTOR_MAX_ROWS` rows run likewise on our
 vector kernel (attention/cpu_linear_f32.cpp) over a copy of each weight in panel order
@@ -29,6 +29,7 @@ stay inputs of the graph (model/compile.py). Compiled graphs use oneDNN's produc
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,7 +40,7 @@ from blockserve.attention import cpu_kernels
 logger = logging.getLogger(__name__)
 
 TILE_MAX_ROWS = 128
-MAX_TILE_COPY_BYTES = 2 << 30
+MAX_COPY_BYTES = 2 << 30  # of all tile (or vector) copies of a model
 
 _LIBRARY = torch.library.Library("blockserve", "FRAGMENT")
 _LIBRARY.define("packed_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor")
@@ -118,6 +119,10 @@ class PackedLinear(nn.Module):
             and self.out_features % 32 == 0
         )
 
+    def dense_weight(self) -> torch.Tensor:
+        """The weight as a plain row-major [out, in] tensor (what the copies are made from)."""
+        return self.packed.to_dense() if self.packed.is_mkldnn else self.packed
+
     def vectorizable(self) -> bool:
         """Whether our float32 vector kernel takes this layer: out_features a multiple of 32."""
         return self.packed.dtype == torch.float32 and self.out_features % 32 == 0
@@ -139,32 +144,34 @@ def prepack_linears(model: nn.Module) -> int:
 def pack_for_tiles(model: nn.Module, ops: Any) -> int:
     """Give each `PackedLinear` under `model` that our tile kernel takes a copy of its weight
     in tile order (`ops`: our loaded bf16 operators), unless the CPU has no AMX-BF16 or the
-    copies would pass `MAX_TILE_COPY_BYTES`; returns how many got one."""
+    copies would pass `MAX_COPY_BYTES`; returns how many got one."""
     if not ops.has_amx():
         return 0
-    linears = [m for m in model.modules() if isinstance(m, PackedLinear) and m.tileable()]
-    size = sum(m.in_features * m.out_features * 2 for m in linears)
-    if size > MAX_TILE_COPY_BYTES:
-        logger.info("linear weights of %.1f GiB: no tile copies (at most %.1f GiB)",
-                    size / 2**30, MAX_TILE_COPY_BYTES / 2**30)  # fmt: skip
-        return 0
+    linears = _to_copy(model, PackedLinear.tileable, "tile")
     for linear in linears:
-        weight = linear.packed.to_dense() if linear.packed.is_mkldnn else linear.packed
-        linear.tiles = ops.tile_pack(weight)
+        linear.tiles = ops.tile_pack(linear.dense_weight())
     return len(linears)
 
 
 def pack_for_vectors(model: nn.Module, ops: Any, isa: str) -> int:
     """Give each `PackedLinear` under `model` that our float32 vector kernel takes a copy of
     its weight in panel order (`ops`: the loaded f32 build, named `isa`), unless the copies
-    would pass `MAX_TILE_COPY_BYTES`; returns how many got one."""
-    linears = [m for m in model.modules() if isinstance(m, PackedLinear) and m.vectorizable()]
-    size = sum(m.in_features * m.out_features * 4 for m in linears)
-    if size > MAX_TILE_COPY_BYTES:
-        logger.info("linear weights of %.1f GiB: no vector copies (at most %.1f GiB)",
-                    size / 2**30, MAX_TILE_COPY_BYTES / 2**30)  # fmt: skip
-        return 0
+    would pass `MAX_COPY_BYTES`; returns how many got one."""
+    linears = _to_copy(model, PackedLinear.vectorizable, "vector")
     for linear in linears:
-        weight = linear.packed.to_dense() if linear.packed.is_mkldnn else linear.packed
-        linear.vectors, linear.vectors_isa = ops.vector_pack(weight), isa
+        linear.vectors, linear.vectors_isa = ops.vector_pack(linear.dense_weight()), isa
     return len(linears)
+
+
+def _to_copy(
+    model: nn.Module, takes: Callable[[PackedLinear], bool], kind: str
+) -> list[PackedLinear]:
+    """The `PackedLinear`s under `model` a kernel `takes`; none (logged) if copies of their
+    weights would pass `MAX_COPY_BYTES`."""
+    linears = [m for m in model.modules() if isinstance(m, PackedLinear) and takes(m)]
+    size = sum(m.packed.numel() * m.packed.element_size() for m in linears)
+    if size > MAX_COPY_BYTES:
+        logger.info("linear weights of %.1f GiB: no %s copies (at most %.1f GiB)",
+                    size / 2**30, kind, MAX_COPY_BYTES / 2**30)  # fmt: skip
+        return []
+    return linears

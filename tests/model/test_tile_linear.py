@@ -129,9 +129,9 @@ def test_copies_only_layers_it_takes_within_the_memory_limit(
     first, second = int_linear(160, 96, seed=5), int_linear(96, 100, seed=6)
     weights = [(m.weight.detach().clone(), m.bias.detach().clone()) for m in (first, second)]
     model = nn.Sequential(PackedLinear(first), PackedLinear(second))
-    monkeypatch.setattr(packed, "MAX_TILE_COPY_BYTES", 160 * 96 * 2 - 1)
+    monkeypatch.setattr(packed, "MAX_COPY_BYTES", 160 * 96 * 2 - 1)
     assert pack_for_tiles(model, ops) == 0 and model[0].tiles is None
-    monkeypatch.setattr(packed, "MAX_TILE_COPY_BYTES", 160 * 96 * 2)
+    monkeypatch.setattr(packed, "MAX_COPY_BYTES", 160 * 96 * 2)
     assert pack_for_tiles(model, ops) == 1  # 100 columns: not a multiple of 32
     assert model[0].tiles is not None and model[1].tiles is None
     x = small_ints(4, 160, seed=7)

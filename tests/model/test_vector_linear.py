@@ -52,7 +52,6 @@ def small_ints(*shape: int, seed: int) -> torch.Tensor:
 def test_the_product_is_the_exact_one(ops: Any, rows: int, bias: bool) -> None:
     """No rows, passes of 6 or 12 rows and every kind of last pass (a pass is 6 rows in the
     AVX2 build, 12 in the AVX-512F one); 3 or 6 panels shared by 2 threads."""
-    assert ops.vector_rows() in (6, 12)
     weight = small_ints(96, 160, seed=1)
     bias_value = small_ints(96, seed=2) if bias else None
     x = small_ints(rows, 2 * 160, seed=rows)[:, 160:]  # rows of a wider tensor: a view
@@ -61,10 +60,10 @@ def test_the_product_is_the_exact_one(ops: Any, rows: int, bias: bool) -> None:
     assert torch.equal(got, exact(x, weight, bias_value))
 
 
-def test_packing_lays_each_panel_out_row_after_row_of_k(ops: Any) -> None:
+def test_packing_lays_each_panel_out_row_after_row_of_k(ops: Any, isa: str) -> None:
     """Column c of panel p, row i of k at (p * K + i) * panel + c: a panel is 2 vectors of
     columns (16 in the AVX2 build, 32 in the AVX-512F one)."""
-    width = 32 if ops.vector_rows() == 12 else 16
+    width = {"avx2": 16, "avx512": 32}[isa]
     weight = torch.arange(64 * 48, dtype=torch.float32).view(64, 48)
     panels = ops.vector_pack(weight).view(64 // width, 48, width)
     for p, i, c in ((0, 0, 0), (1, 47, width - 1), (64 // width - 1, 5, 3)):
@@ -144,9 +143,9 @@ def test_copies_only_layers_it_takes_within_the_memory_limit(
     first, second = int_linear(160, 96, seed=5), int_linear(96, 100, seed=6)
     weights = [(m.weight.detach().clone(), m.bias.detach().clone()) for m in (first, second)]
     model = nn.Sequential(PackedLinear(first), PackedLinear(second))
-    monkeypatch.setattr(packed, "MAX_TILE_COPY_BYTES", 160 * 96 * 4 - 1)
+    monkeypatch.setattr(packed, "MAX_COPY_BYTES", 160 * 96 * 4 - 1)
     assert pack_for_vectors(model, ops, isa) == 0 and model[0].vectors is None
-    monkeypatch.setattr(packed, "MAX_TILE_COPY_BYTES", 160 * 96 * 4)
+    monkeypatch.setattr(packed, "MAX_COPY_BYTES", 160 * 96 * 4)
     assert pack_for_vectors(model, ops, isa) == 1  # 100 columns: not a multiple of 32
     assert model[0].vectors is not None and model[1].vectors is None
     x = small_ints(4, 160, seed=7)
