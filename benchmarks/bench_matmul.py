@@ -1,6 +1,7 @@
 """This host's matmul peak, and the compute floor of the offline shared-prefix workload.
 
-Peak: GFLOP/s of `torch.mm` in float32 and bfloat16 on a large square product and on the
+Peak: GFLOP/s of `torch.mm` in float32 and, where the host computes it natively (model/dtype.py),
+bfloat16, on a large square product and on the
 default model's own GEMM shapes (a 2,048-token prefill chunk and a 64-sequence decode step
 through the attention and MLP projections and the LM head, and the QKV and down projections
 of a 1,056-token step); the best of --repeats runs each.
@@ -50,6 +51,7 @@ from report import emit
 from blockserve.attention import cpu_build, cpu_kernels
 from blockserve.model import packed
 from blockserve.model.arch import LlamaArchConfig
+from blockserve.model.dtype import probe_host
 from blockserve.model.loader import default_cache_dir, resolve_model_dir
 from blockserve.model.packed import PackedLinear, pack_for_tiles, pack_for_vectors
 
@@ -275,7 +277,13 @@ def main() -> None:
     peaks: dict[str, dict[str, float]] = {}
     linears: dict[str, dict[str, dict[str, float]]] = {}
     decode: dict[str, dict[str, dict[str, float]]] = {}
-    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+    # bf16 where the host computes it natively; elsewhere its generic path would take minutes
+    # to say it is ~100x slower (model/dtype.py), and oneDNN cannot prepack it.
+    native = probe_host(torch.device("cpu")).native_bf16
+    dtypes = (("float32", torch.float32), ("bfloat16", torch.bfloat16))[: 2 if native else 1]
+    if getattr(torch, args.dtype) == torch.bfloat16 and not native:
+        parser.error("--dtype bfloat16: this host has no native bf16 (model/dtype.py)")
+    for name, dtype in dtypes:
         shapes = {"square 2048": (2048, 2048, 2048), **model_shapes(arch)}
         peaks[name] = {
             label: round(gflops(*shape, dtype, args.repeats), 1) for label, shape in shapes.items()

@@ -186,7 +186,7 @@ def load_model(
     llama = llama.to(dtype=torch_dtype).eval()
     # RoPE tables stay float32: positions must be exact at long contexts.
     llama.rotary.float()
-    if can_prepack(device):
+    if can_prepack(device, torch_dtype):
         prepack_linears(llama)
     tokenizer = load_tokenizer(model_dir)
     name = DEFAULT_MODEL_NAME if model is None else Path(model).name.removesuffix(".gguf")

@@ -66,8 +66,28 @@ def _packed_linear_fake(
     return x.new_empty(x.shape[0], packed.shape[0])
 
 
-def can_prepack(device: torch.device | str) -> bool:
-    return torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available()
+# The CPU features oneDNN needs to reorder (and compute) a bf16 weight, any one set of them.
+ONEDNN_BF16_NEEDS = (("avx512_bw", "avx512_vl", "avx512_dq"), ("avx_ne_convert",))
+
+
+def can_prepack(
+    device: torch.device | str,
+    dtype: torch.dtype = torch.float32,
+    cpu_flags: frozenset[str] | None = None,
+) -> bool:
+    """Whether a `dtype` model's linears on `device` can be reordered for oneDNN: float32 on
+    any CPU build with oneDNN, bfloat16 only where oneDNN takes it (`ONEDNN_BF16_NEEDS`; an
+    AVX2-only CPU does not, and keeps `nn.Linear`'s generic path). `cpu_flags`: torch's names
+    of the CPU's features, this CPU's by default."""
+    if torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.float32:
+        return True
+    if dtype != torch.bfloat16:
+        return False
+    if cpu_flags is None:
+        cpu_flags = frozenset(k for k, v in torch.cpu.get_capabilities().items() if v is True)
+    return any(cpu_flags.issuperset(needs) for needs in ONEDNN_BF16_NEEDS)
 
 
 class PackedLinear(nn.Module):

@@ -15,6 +15,7 @@ from blockserve.attention.torch_backend import TorchAttentionBackend
 from blockserve.config import CacheConfig, ModelConfig
 from blockserve.errors import ModelNotFoundError
 from blockserve.model import loader
+from blockserve.model.packed import PackedLinear, can_prepack
 from blockserve.runner.model_runner import ModelRunner
 from tests.runner.test_model_runner import greedy_generate
 
@@ -50,6 +51,11 @@ def test_bfloat16_load_keeps_rope_in_float32(tiny_llama_dir: Path) -> None:
     assert loaded.dtype == torch.bfloat16
     assert loaded.model.model.embed_tokens.weight.dtype == torch.bfloat16
     assert loaded.model.rotary.cos_cache.dtype == torch.float32
+    # Prepacked for oneDNN only where it takes bf16 weights; an AVX2-only CPU keeps nn.Linear.
+    mlp = loaded.model.model.layers[0].mlp
+    assert isinstance(mlp.down_proj, PackedLinear) is can_prepack("cpu", torch.bfloat16)
+    x = torch.ones(2, mlp.intermediate_size, dtype=torch.bfloat16)
+    assert mlp.down_proj(x).dtype == torch.bfloat16
 
 
 @pytest.mark.slow

@@ -17,6 +17,8 @@ pytestmark = pytest.mark.skipif(
 @pytest.mark.parametrize(("dtype", "tolerance"), [(torch.bfloat16, 0.0), (torch.float32, 1e-5)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_a_packed_linear_equals_f_linear(dtype: torch.dtype, tolerance: float, bias: bool) -> None:
+    if not can_prepack("cpu", dtype):
+        pytest.skip(f"oneDNN does not reorder {dtype} weights on this CPU (no AVX-512BW/VL/DQ)")
     torch.manual_seed(0)
     linear = nn.Linear(96, 160, bias=bias).to(dtype)
     weight = linear.weight.detach().clone()
@@ -39,3 +41,21 @@ def test_prepack_replaces_every_linear_and_keeps_the_rest() -> None:
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
     assert isinstance(model[1], nn.ReLU)
     torch.testing.assert_close(model(x), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("device", "dtype", "flags", "expected"),
+    [
+        ("cpu", torch.float32, frozenset({"avx2"}), True),
+        ("cpu", torch.bfloat16, frozenset({"avx2", "fma3"}), False),  # AVX2-only: no reorder
+        ("cpu", torch.bfloat16, frozenset({"avx2", "avx512_bw", "avx512_vl"}), False),
+        ("cpu", torch.bfloat16, frozenset({"avx512_bw", "avx512_vl", "avx512_dq"}), True),
+        ("cpu", torch.bfloat16, frozenset({"avx2", "avx_ne_convert"}), True),
+        ("cpu", torch.float16, frozenset({"avx512_bw", "avx512_vl", "avx512_dq"}), False),
+        ("cuda", torch.float32, frozenset({"avx512_bw", "avx512_vl", "avx512_dq"}), False),
+    ],
+)
+def test_prepacking_is_chosen_by_device_dtype_and_cpu_features(
+    device: str, dtype: torch.dtype, flags: frozenset[str], expected: bool
+) -> None:
+    assert can_prepack(device, dtype, flags) is expected
