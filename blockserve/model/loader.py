@@ -137,6 +137,11 @@ def resolve_model_dir(model: str | None, cache_dir: Path | None = None) -> Path:
     )
 
 
+def read_arch(model_dir: Path) -> LlamaArchConfig:
+    """The architecture a model directory's config.json describes."""
+    return LlamaArchConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
+
+
 def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
@@ -171,11 +176,13 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     device: str = "cpu",
     cache_dir: Path | None = None,
+    model_dir: Path | None = None,
 ) -> LoadedModel:
     """Load weights, config and tokenizer; every parameter must be present in the files.
-    `dtype` is a `--dtype` name or an already resolved torch dtype."""
-    model_dir = resolve_model_dir(model, cache_dir)
-    arch = LlamaArchConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
+    `dtype` is a `--dtype` name or an already resolved torch dtype; `model_dir`, `model`'s
+    directory where the caller has resolved it already (`resolve_model_dir`)."""
+    model_dir = model_dir or resolve_model_dir(model, cache_dir)
+    arch = read_arch(model_dir)
     torch_dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype)
     with torch.device(device):
         llama = LlamaForCausalLM(arch, backend)

@@ -24,7 +24,14 @@ from blockserve.core.kv_cache_manager import RequestId
 from blockserve.grammar import GrammarCompiler, apply_token_masks
 from blockserve.model.compile import CompileReport, compile_forward, mark_token_dim_dynamic
 from blockserve.model.dtype import probe_host, warn_if_slow
-from blockserve.model.loader import LoadedModel, default_cache_dir, load_model, resolve_dtype
+from blockserve.model.loader import (
+    LoadedModel,
+    default_cache_dir,
+    load_model,
+    read_arch,
+    resolve_dtype,
+    resolve_model_dir,
+)
 from blockserve.model.packed import pack_for_tiles, pack_for_vectors
 from blockserve.model.sampler import Sampler, SamplerOutput, SamplingBatch, SamplingRow
 from blockserve.runner.inputs import ModelInputs, prepare_inputs
@@ -76,14 +83,8 @@ class ModelRunner:
         self.host = probe_host(self.device)
         dtype = resolve_dtype(model_config.dtype, self.host)
         warn_if_slow(dtype, self.host)
-        self.loaded: LoadedModel = load_model(model_config.model, self.backend, dtype, device)
-        self.model = self.loaded.model
-        self.arch = self.loaded.arch
-        if cpu_kernels.serves(self.device, dtype, self.arch.head_dim):
-            cpu_kernels.start_loading(default_cache_dir(), dtype)  # torch's kernel serves meanwhile
-            if cpu_kernels.supported(dtype):
-                pack = _pack_for_tiles if dtype == torch.bfloat16 else _pack_for_vectors
-                cpu_kernels.when_loaded(dtype, partial(pack, weakref.ref(self.model)))
+        model_dir = resolve_model_dir(model_config.model)
+        self.arch = read_arch(model_dir)
         self.block_size = cache_config.block_size
         self.num_blocks = num_blocks_for(
             self.arch,
@@ -92,9 +93,19 @@ class ModelRunner:
             cache_config.num_gpu_blocks_override,
             cache_config.kv_cache_memory_bytes,
         )
+        # Before the weights: on a CPU its pages are mapped in while they load (kv_cache.py).
         self.kv_caches = allocate_kv_caches(
             self.arch, self.num_blocks, self.block_size, dtype, self.device
         )
+        self.loaded: LoadedModel = load_model(
+            model_config.model, self.backend, dtype, device, model_dir=model_dir
+        )
+        self.model = self.loaded.model
+        if cpu_kernels.serves(self.device, dtype, self.arch.head_dim):
+            cpu_kernels.start_loading(default_cache_dir(), dtype)  # torch's kernel serves meanwhile
+            if cpu_kernels.supported(dtype):
+                pack = _pack_for_tiles if dtype == torch.bfloat16 else _pack_for_vectors
+                cpu_kernels.when_loaded(dtype, partial(pack, weakref.ref(self.model)))
         # Unseeded requests draw from one generator seeded by --seed: a run is reproducible.
         generator = torch.Generator(device=self.device)
         generator.manual_seed(model_config.seed)

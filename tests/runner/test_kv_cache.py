@@ -7,7 +7,13 @@ import torch
 
 from blockserve.errors import InvalidConfigError
 from blockserve.model.arch import LlamaArchConfig
-from blockserve.runner.kv_cache import allocate_kv_caches, bytes_per_block, num_blocks_for
+from blockserve.runner.kv_cache import (
+    allocate_kv_caches,
+    bytes_per_block,
+    num_blocks_for,
+    populate_in_background,
+    zeroed_on_demand,
+)
 from tests.model.test_arch import BASE
 
 # 2 layers, 2 KV heads of 16: one 16-token block is 2 * 2 * 16 * 2 * 16 elements.
@@ -38,3 +44,23 @@ def test_one_zeroed_tensor_per_layer() -> None:
     caches = allocate_kv_caches(ARCH, 5, 16, torch.float32, torch.device("cpu"))
     assert [tuple(c.shape) for c in caches] == [(2, 5, 16, 2, 16)] * 2
     assert all(not c.any() for c in caches)
+
+
+def test_layers_are_separate_tensors_of_one_mapping() -> None:
+    """A write into one layer's cache leaves every other layer's as it was (zero)."""
+    caches = allocate_kv_caches(ARCH, 5, 16, torch.float32, torch.device("cpu"))
+    caches[0][1, 4].fill_(3.0)
+    assert caches[0][1, 4].eq(3.0).all() and caches[0].count_nonzero().item() == 16 * 2 * 16
+    assert not caches[1].any()
+
+
+def test_populating_pages_keeps_what_they_hold() -> None:
+    """The background mapping-in never changes a value, even one written before it ran."""
+    tensor = zeroed_on_demand((4, 1024, 1024), torch.float32)  # 16 MiB: 4,096 pages
+    tensor[2, 7].fill_(1.5)
+    thread = populate_in_background(tensor)
+    assert thread is not None and thread.daemon
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert tensor.count_nonzero().item() == 1024
+    assert tensor[2, 7].eq(1.5).all()
