@@ -77,7 +77,7 @@ def zeroed_on_demand(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor
     """A zeroed CPU tensor over an anonymous mapping: nothing is written (or committed) until
     a page is first touched. The tensor keeps the mapping alive; it is unmapped with it."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    mapping = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(mapping, dtype=dtype, count=math.prod(shape)).view(shape)
 
 
