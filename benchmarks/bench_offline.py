@@ -10,10 +10,13 @@ bookkeeping against the model runner, to show what the control plane costs per s
 
     .venv/bin/python benchmarks/bench_offline.py [--workload shared-prefix random]
         [--caching on off] [--requests 64] [--dtype auto|float32] [--compile] [--profile N]
-        [--max-tokens 32] [--paged-decode on|off] [--out FILE]
+        [--max-tokens 32] [--paged-decode on|off] [--precached N] [--out FILE]
 
 `--paged-decode off` keeps our paged-decode kernel out (attention/cpu_kernels.py; torch's
-decode path serves), to profile the step without it.
+decode path serves), to profile the step without it. `--precached N` caches the first N
+tokens of the first prompt before the run (a system prompt partly seen before): the first
+request then computes the rest of the prefix on top of them in the same step as the others
+find it cached.
 """
 
 from __future__ import annotations
@@ -88,6 +91,7 @@ def run(
     compile_layers: bool = False,
     max_tokens: int = OUTPUT_LEN,
     paged_decode: bool = True,
+    precached: int = 0,
 ) -> dict:
     llm = LLM(
         enable_prefix_caching=caching,
@@ -102,6 +106,8 @@ def run(
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(prompts[0][:64], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     llm.reset_prefix_cache()
+    if precached:
+        llm.generate(prompts[0][:precached], SamplingParams(max_tokens=1), use_tqdm=False)
     before = llm.get_stats()
     steps = Timer(engine, "step")
     execute = Timer(engine.core.runner, "execute")
@@ -126,6 +132,7 @@ def run(
         "dtype": engine.core.info.dtype,
         "compiled": compile_layers,
         "max_tokens": max_tokens,
+        "precached_tokens": precached,
         "paged_decode": paged_decode and cpu_kernels.loaded(getattr(torch, engine.core.info.dtype)),
         "wall_s": round(wall, 2),
         "output_tokens_per_s": round(num_output / wall, 1),
@@ -182,6 +189,7 @@ def main() -> None:
     )
     parser.add_argument("--max-tokens", type=int, default=OUTPUT_LEN)
     parser.add_argument("--paged-decode", choices=("on", "off"), default="on")
+    parser.add_argument("--precached", type=int, default=0, metavar="N")
     args = parser.parse_args()
     runs = [
         run(
@@ -193,6 +201,7 @@ def main() -> None:
             args.compile,
             args.max_tokens,
             args.paged_decode == "on",
+            args.precached,
         )
         for workload in args.workload
         for caching in args.caching

@@ -30,6 +30,7 @@ from blockserve.attention.shared_prefix import (
     attend_shared_prefix,
     num_common_blocks,
     plan_shared_prefix,
+    rows_to_share,
 )
 
 
@@ -124,12 +125,19 @@ class TorchAttentionBackend:
         decode = None
         if split.decode_rows:
             decode = self._plan_decodes(metadata, split.decode_rows, split.decode_tokens)
-        shared = plan_shared_prefix(metadata, split.prefix_rows, split.prefix_token_starts)
+        together, starts = rows_to_share(metadata, split.prefix_rows, split.prefix_token_starts)
+        shared = plan_shared_prefix(metadata, together, starts)
         used = [plan.common_set for plan in (decode, shared) if plan is not None]
         self.common_blocks.begin_step(metadata.slot_mapping, metadata.block_size, used)
         if shared is not None:  # prefill chunks on one shared prefix: read it once
+            shared_rows = set(together)
+            alone = (
+                prefix_prefill_plan(metadata, row, start)
+                for row, start in zip(split.prefix_rows, split.prefix_token_starts, strict=True)
+                if row not in shared_rows
+            )
             return TorchAttentionPlan(
-                metadata.slot_mapping, decode, tuple(split.fresh_prefills), shared
+                metadata.slot_mapping, decode, (*split.fresh_prefills, *alone), shared
             )
         return TorchAttentionPlan(
             metadata.slot_mapping, decode, all_prefill_plans(metadata, split), None

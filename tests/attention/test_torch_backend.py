@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blockserve.attention.shared_prefix import plan_shared_prefix, prefix_lengths
+from blockserve.attention.shared_prefix import plan_shared_prefix, prefix_lengths, rows_to_share
 from blockserve.attention.torch_backend import TorchAttentionBackend, split_batch
 from tests.attention.cases import make_case, reference_attention
 
@@ -69,3 +69,30 @@ def test_a_shared_prefix_plan_counts_each_querys_own_keys() -> None:
     # Query j of a sequence with c cached tokens sees its own keys up to position c + j.
     expected = [[c - 48 + j + 1 if j < n else 0 for j in range(queries)] for c, n in specs[:3]]
     assert plan.own_counts.tolist() == expected
+
+
+def test_a_long_chunk_on_a_short_cache_is_attended_alone() -> None:
+    """The request computing a prefix that the others already share (a long chunk on a short
+    cache) stays out of the shared-prefix plan, which would pad every row to its chunk; the
+    rows sharing blocks go together, and the output is still exact."""
+    specs = [(16, 100), (64, 8), (70, 5), (80, 8), (40, 1)]  # the last is a decode
+    case = make_case(specs, 6, 2, head_dim=64, shared_blocks=4)
+    backend = TorchAttentionBackend()
+    plan = backend.prepare(case.metadata)
+    assert plan.shared_prefix is not None
+    assert plan.shared_prefix.valid.shape == (3, 8)  # rows 1-3, padded to 8 queries, not 100
+    assert [(p.token_start, p.token_end) for p in plan.prefills] == [(0, 100)]
+    out = backend.forward(case.query, case.key, case.value, case.kv_cache, plan)
+    assert (out.double() - reference_attention(case)).abs().max().item() < 1e-5
+
+
+def test_rows_that_would_pad_or_cut_the_others_are_left_out() -> None:
+    """Chunks above twice the median, or cached prefixes below half the median, stay out."""
+    specs = [(64, 8), (64, 40), (64, 16), (16, 8), (64, 17), (48, 8)]  # (cached, chunk)
+    case = make_case(specs, 2, 1, head_dim=16)
+    rows = list(range(len(specs)))
+    starts = case.metadata.query_start_loc[:-1].tolist()
+    # median chunk 8 → limit 16 (row 1's 40 and row 4's 17 out); median cached 64 → 32
+    # (row 3's 16 out; row 5's 48 stays).
+    assert rows_to_share(case.metadata, rows, starts) == ([0, 2, 5], [0, 48, 89])
+    assert rows_to_share(case.metadata, rows[:2], starts[:2]) == ([0, 1], [0, 8])
