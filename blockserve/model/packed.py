@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from blockserve.attention import cpu_kernels
+from blockserve.model.dtype import probe_host
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ def can_prepack(
     if dtype != torch.bfloat16:
         return False
     if cpu_flags is None:
-        cpu_flags = frozenset(k for k, v in torch.cpu.get_capabilities().items() if v is True)
+        cpu_flags = probe_host(torch.device("cpu")).cpu_flags
     return any(cpu_flags.issuperset(needs) for needs in ONEDNN_BF16_NEEDS)
 
 
