@@ -1,10 +1,10 @@
 """This host's matmul peak, and the compute floor of the offline shared-prefix workload.
 
 Peak: GFLOP/s of `torch.mm` in float32 and, where the host computes it natively (model/dtype.py),
-bfloat16, on a large square product and on the
-default model's own GEMM shapes (a 2,048-token prefill chunk and a 64-sequence decode step
-through the attention and MLP projections and the LM head, and the QKV and down projections
-of a 1,056-token step); the best of --repeats runs each.
+bfloat16, on a large square product and on the default model's own GEMM shapes (a 2,048-token
+prefill chunk and a 64-sequence decode step through the attention and MLP projections and the
+LM head, and the QKV and down projections of a 1,056-token step); the best of --repeats runs
+each.
 On the model's shapes also `F.linear` over a row-major weight (an nn.Linear) against the
 engine's `PackedLinear` (weights reordered once for oneDNN, model/packed.py).
 
@@ -264,6 +264,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/matmul.json"))
     parser.add_argument("--decode-only", action="store_true")
     args = parser.parse_args()
+    # bf16 where the host computes it natively; elsewhere its generic path would take minutes
+    # to say it is ~100x slower (model/dtype.py), and oneDNN cannot prepack it.
+    native = probe_host(torch.device("cpu")).native_bf16
+    if args.dtype == "bfloat16" and not native:
+        parser.error("--dtype bfloat16: this host has no native bf16 (model/dtype.py)")
     config = json.loads((resolve_model_dir(None) / "config.json").read_text())
     arch = LlamaArchConfig.from_hf(config)
     if args.decode_only:
@@ -277,12 +282,7 @@ def main() -> None:
     peaks: dict[str, dict[str, float]] = {}
     linears: dict[str, dict[str, dict[str, float]]] = {}
     decode: dict[str, dict[str, dict[str, float]]] = {}
-    # bf16 where the host computes it natively; elsewhere its generic path would take minutes
-    # to say it is ~100x slower (model/dtype.py), and oneDNN cannot prepack it.
-    native = probe_host(torch.device("cpu")).native_bf16
-    dtypes = (("float32", torch.float32), ("bfloat16", torch.bfloat16))[: 2 if native else 1]
-    if getattr(torch, args.dtype) == torch.bfloat16 and not native:
-        parser.error("--dtype bfloat16: this host has no native bf16 (model/dtype.py)")
+    dtypes = [("float32", torch.float32)] + ([("bfloat16", torch.bfloat16)] if native else [])
     for name, dtype in dtypes:
         shapes = {"square 2048": (2048, 2048, 2048), **model_shapes(arch)}
         peaks[name] = {

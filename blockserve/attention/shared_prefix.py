@@ -146,7 +146,8 @@ def rows_to_share(
     share to its cache: the request computing, in this very step, the prefix the others find
     cached (they share its blocks as they are hashed) is such a row when part of that prefix
     was cached before (a 992-token chunk on 64 cached tokens beside 33 rows of 32 on 1,024
-    padded all 34 to 992 queries: 20 s for a 4.8 s step). It is attended on its own."""
+    padded all 34 to 992 queries; docs/benchmarks.md, "On an AVX2-only host"). It is attended
+    on its own."""
     if len(rows) < 3:  # no median to stand apart from
         return rows, token_starts
     chunks = [metadata.query_lens_cpu[r] for r in rows]

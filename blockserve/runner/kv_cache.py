@@ -4,8 +4,8 @@ Layout per layer (see attention/metadata.py): [2, num_blocks, block_size, num_kv
 
 On a CPU the caches are one anonymous memory mapping, which the OS hands out zeroed, page by
 page on first touch, instead of a `torch.zeros` that writes every byte before the engine can
-start: on a 2-vCPU VM, zeroing the default 2 GiB took 0.7-4.6 s of a start-up (the more, the
-more it competed with the weights' repacking), most of it the first touch of each page. A
+start: on a 2-vCPU VM, zeroing the default 2 GiB was most of the engine's build, the first
+touch of each page being dear there (docs/benchmarks.md, "On an AVX2-only host"). A
 background thread then asks the kernel to map every page in (`MADV_POPULATE_WRITE`, Linux 5.14+:
 it maps, and never changes what a page holds, so it may race the engine's own writes), so that
 the first steps do not pay for the faults; where the kernel lacks it, pages are mapped as they

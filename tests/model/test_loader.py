@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from blockserve.attention.torch_backend import TorchAttentionBackend
@@ -52,10 +53,13 @@ def test_bfloat16_load_keeps_rope_in_float32(tiny_llama_dir: Path) -> None:
     assert loaded.model.model.embed_tokens.weight.dtype == torch.bfloat16
     assert loaded.model.rotary.cos_cache.dtype == torch.float32
     # Prepacked for oneDNN only where it takes bf16 weights; an AVX2-only CPU keeps nn.Linear.
-    mlp = loaded.model.model.layers[0].mlp
-    assert isinstance(mlp.down_proj, PackedLinear) is can_prepack("cpu", torch.bfloat16)
-    x = torch.ones(2, mlp.intermediate_size, dtype=torch.bfloat16)
-    assert mlp.down_proj(x).dtype == torch.bfloat16
+    down = loaded.model.model.layers[0].mlp.down_proj
+    packed = can_prepack("cpu", torch.bfloat16)
+    assert isinstance(down, PackedLinear) is packed
+    weight = down.dense_weight() if packed else down.weight
+    x = torch.randn(2, weight.shape[1], generator=torch.Generator().manual_seed(0))
+    x = x.to(torch.bfloat16)
+    assert torch.equal(down(x), F.linear(x, weight))  # bit for bit, prepacked or not
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(
 @pytest.mark.parametrize("bias", [False, True])
 def test_a_packed_linear_equals_f_linear(dtype: torch.dtype, tolerance: float, bias: bool) -> None:
     if not can_prepack("cpu", dtype):
-        pytest.skip(f"oneDNN does not reorder {dtype} weights on this CPU (no AVX-512BW/VL/DQ)")
+        pytest.skip(f"oneDNN reorders {dtype} weights only with AVX-512BW/VL/DQ or AVX-NE-CONVERT")
     torch.manual_seed(0)
     linear = nn.Linear(96, 160, bias=bias).to(dtype)
     weight = linear.weight.detach().clone()
