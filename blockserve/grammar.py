@@ -30,7 +30,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import llguidance
-import llguidance.hf
 import torch
 
 from blockserve.errors import InvalidRequestError
@@ -71,6 +70,8 @@ class GrammarCompiler:
     def tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
             if self._tokenizer is None:
+                import llguidance.hf  # imports transformers: not on every start-up's path
+
                 self._tokenizer = llguidance.hf.from_tokenizer(
                     self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos_token_ids
                 )

@@ -10,11 +10,11 @@ import gguf
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from blockserve.errors import ModelNotFoundError
 from blockserve.model.gguf_llama import convert_llama, read_header
-from blockserve.model.loader import default_model_path
+from blockserve.model.loader import convert_gguf, default_model_path
 
 
 def test_the_default_model_converts_exactly_as_transformers_converts_it(tmp_path: Path) -> None:
@@ -46,6 +46,24 @@ def test_the_default_model_converts_exactly_as_transformers_converts_it(tmp_path
         "pad_token_id",
     ):
         assert config[field] == getattr(reference.config, field), field
+
+
+def test_the_default_models_tokenizer_files_are_what_autotokenizer_writes(tmp_path: Path) -> None:
+    """The generic class built straight from the file writes AutoTokenizer's files, byte for
+    byte (AutoTokenizer reads the model's config out of the file first, and then builds the
+    same class)."""
+    source = default_model_path()
+    converted = convert_gguf(source, tmp_path / "cache")
+    reference = tmp_path / "reference"
+    AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name).save_pretrained(
+        reference
+    )
+    names = sorted(path.name for path in reference.iterdir())
+    assert names == ["chat_template.jinja", "tokenizer.json", "tokenizer_config.json"]
+    differ = [
+        name for name in names if (converted / name).read_bytes() != (reference / name).read_bytes()
+    ]
+    assert differ == []
 
 
 def write_gguf(path: Path, architecture: str, tensor_name: str) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -135,6 +137,28 @@ def test_a_generic_tokenizer_loads_as_autotokenizer_would(which: str, tiny_llama
             ids = ours.encode(text, add_special_tokens=special)
             assert ids == reference.encode(text, add_special_tokens=special)
             assert ours.decode(ids) == reference.decode(ids)
+
+
+LOADS_A_TOKENIZER = """
+import sys
+from pathlib import Path
+from blockserve.model import loader
+tokenizer = loader.load_tokenizer(Path(sys.argv[1]))
+print(type(tokenizer).__name__, "transformers.models.auto" in sys.modules)
+"""
+
+
+def test_a_generic_tokenizer_loads_without_transformers_model_index(tiny_llama_dir: Path) -> None:
+    """In a fresh interpreter, the generic class loads without `transformers.models.auto`,
+    whose import indexes every model transformers ships (a second of every start)."""
+    result = subprocess.run(
+        [sys.executable, "-c", LOADS_A_TOKENIZER, str(tiny_llama_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert result.stdout.split() == [type(loader.load_tokenizer(tiny_llama_dir)).__name__, "False"]
 
 
 def test_a_named_tokenizer_class_goes_through_autotokenizer(
