@@ -5,11 +5,14 @@ Layout per layer (see attention/metadata.py): [2, num_blocks, block_size, num_kv
 On a CPU the caches are one anonymous memory mapping, which the OS hands out zeroed, page by
 page on first touch, instead of a `torch.zeros` that writes every byte before the engine can
 start: on a 2-vCPU VM, zeroing the default 2 GiB was most of the engine's build, the first
-touch of each page being dear there (docs/benchmarks.md, "On an AVX2-only host"). A
-background thread then asks the kernel to map every page in (`MADV_POPULATE_WRITE`, Linux 5.14+:
-it maps, and never changes what a page holds, so it may race the engine's own writes), so that
-the first steps do not pay for the faults; where the kernel lacks it, pages are mapped as they
-are first written.
+touch of each page being dear there (docs/benchmarks.md, "On an AVX2-only host"). Once the
+model is loaded, a background thread asks the kernel to map the pages in (`MADV_POPULATE_WRITE`,
+Linux 5.14+: it maps, and never changes what a page holds, so it may race the engine's own
+writes), the lowest blocks of every layer first, as the block pool hands them out in that
+order, so that the first steps do not pay for the faults. It maps a few MiB a call: one call
+over the whole mapping held the process's memory-map lock for its duration, and every
+allocation of the weights loading beside it waited (the engine's build took 2 s longer). Where
+the kernel lacks it, pages are mapped as they are first written.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import logging
 import math
 import mmap
 import threading
+from collections.abc import Sequence
 
 import torch
 
@@ -68,9 +72,7 @@ def allocate_kv_caches(
     shape = (2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
     if device.type != "cpu" or not hasattr(mmap, "MAP_ANONYMOUS"):
         return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_layers)]
-    caches = zeroed_on_demand((arch.num_layers, *shape), dtype)
-    populate_in_background(caches)
-    return list(caches.unbind(0))
+    return list(zeroed_on_demand((arch.num_layers, *shape), dtype).unbind(0))
 
 
 def zeroed_on_demand(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -82,24 +84,36 @@ def zeroed_on_demand(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor
 
 
 MADV_POPULATE_WRITE = 23  # linux/mman.h
+POPULATE_BLOCKS_PER_CALL = 256  # 3 MiB of one layer's K (or V) for the default model in float32
 
 
-def populate_in_background(tensor: torch.Tensor) -> threading.Thread | None:
-    """Map every page of `tensor` in, on a daemon thread that ends when the kernel has (the
-    call releases the GIL; the thread holds the tensor, so the mapping outlives it). None
-    where the C library cannot be reached."""
+def populate_in_background(
+    caches: Sequence[torch.Tensor], blocks_per_call: int = POPULATE_BLOCKS_PER_CALL
+) -> threading.Thread | None:
+    """Map in the pages of CPU KV caches shaped [2, num_blocks, ...], on a daemon thread that
+    ends when the kernel has: blocks [0, n) of every layer's K and V, then [n, 2n), and so on
+    (each call releases the GIL; the thread holds the tensors, so the mapping outlives it).
+    None where there is nothing to map or the C library cannot be reached."""
     name = ctypes.util.find_library("c")
-    if name is None:
+    if name is None or not caches or any(cache.device.type != "cpu" for cache in caches):
         return None
     madvise = ctypes.CDLL(name, use_errno=True).madvise
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    size = tensor.numel() * tensor.element_size()
+    page = mmap.PAGESIZE
+    num_blocks = caches[0].shape[1]
 
     def populate() -> None:
-        if madvise(tensor.data_ptr(), size, MADV_POPULATE_WRITE) != 0:
-            logger.debug(
-                "KV cache pages map on first write (madvise: errno %d)", ctypes.get_errno()
-            )
+        for first in range(0, num_blocks, blocks_per_call):
+            for cache in caches:
+                for part in cache[:, first : first + blocks_per_call]:  # K, then V
+                    start = part.data_ptr() // page * page  # madvise takes whole pages
+                    end = part.data_ptr() + part.numel() * part.element_size()
+                    if madvise(start, end - start, MADV_POPULATE_WRITE) != 0:
+                        logger.debug(
+                            "KV cache pages map on first write (madvise: errno %d)",
+                            ctypes.get_errno(),
+                        )
+                        return
 
     thread = threading.Thread(target=populate, name="blockserve-kv-populate", daemon=True)
     thread.start()

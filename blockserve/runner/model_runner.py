@@ -35,7 +35,11 @@ from blockserve.model.loader import (
 from blockserve.model.packed import pack_for_tiles, pack_for_vectors
 from blockserve.model.sampler import Sampler, SamplerOutput, SamplingBatch, SamplingRow
 from blockserve.runner.inputs import ModelInputs, prepare_inputs
-from blockserve.runner.kv_cache import allocate_kv_caches, num_blocks_for
+from blockserve.runner.kv_cache import (
+    allocate_kv_caches,
+    num_blocks_for,
+    populate_in_background,
+)
 from blockserve.sampling_params import SamplingParams
 from blockserve.sched.output import (
     ModelRunnerOutput,
@@ -93,13 +97,14 @@ class ModelRunner:
             cache_config.num_gpu_blocks_override,
             cache_config.kv_cache_memory_bytes,
         )
-        # Before the weights: on a CPU its pages are mapped in while they load (kv_cache.py).
         self.kv_caches = allocate_kv_caches(
             self.arch, self.num_blocks, self.block_size, dtype, self.device
         )
         self.loaded: LoadedModel = load_model(
             model_config.model, self.backend, dtype, device, model_dir=model_dir
         )
+        # After the weights: mapping the pages in beside them slowed their loading (kv_cache.py).
+        populate_in_background(self.kv_caches)
         self.model = self.loaded.model
         if cpu_kernels.serves(self.device, dtype, self.arch.head_dim):
             cpu_kernels.start_loading(default_cache_dir(), dtype)  # torch's kernel serves meanwhile

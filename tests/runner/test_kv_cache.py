@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import mmap
+
 import pytest
 import torch
 
@@ -12,7 +16,6 @@ from blockserve.runner.kv_cache import (
     bytes_per_block,
     num_blocks_for,
     populate_in_background,
-    zeroed_on_demand,
 )
 from tests.model.test_arch import BASE
 
@@ -54,13 +57,33 @@ def test_layers_are_separate_tensors_of_one_mapping() -> None:
     assert not caches[1].any()
 
 
-def test_populating_pages_keeps_what_they_hold() -> None:
-    """The background mapping-in never changes a value, even one written before it ran."""
-    tensor = zeroed_on_demand((4, 1024, 1024), torch.float32)  # 16 MiB: 4,096 pages
-    tensor[2, 7].fill_(1.5)
-    thread = populate_in_background(tensor)
+def resident_pages(tensor: torch.Tensor) -> tuple[int, int]:
+    """(pages of `tensor`'s memory that are mapped in, pages in all), by mincore(2)."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    start = tensor.data_ptr() // mmap.PAGESIZE * mmap.PAGESIZE
+    length = tensor.data_ptr() + tensor.numel() * tensor.element_size() - start
+    pages = -(-length // mmap.PAGESIZE)
+    vector = ctypes.create_string_buffer(pages)
+    assert libc.mincore(start, length, vector) == 0, ctypes.get_errno()
+    return sum(byte & 1 for byte in vector.raw), pages
+
+
+def test_populating_maps_every_page_in_and_keeps_what_they_hold() -> None:
+    """The background mapping-in, a few blocks a call, maps every page of every layer and
+    never changes a value, even one written before it ran."""
+    arch = LlamaArchConfig.from_hf({**BASE, "num_key_value_heads": 4, "num_hidden_layers": 3})
+    caches = allocate_kv_caches(arch, 200, 16, torch.float32, torch.device("cpu"))
+    caches[1][1, 150].fill_(1.5)  # 4 KiB: one page of layer 1's V
+    assert resident_pages(caches[0]) == (0, 400)  # 2 x 200 blocks of 4 KiB, none touched yet
+    thread = populate_in_background(caches, blocks_per_call=7)
     assert thread is not None and thread.daemon
     thread.join(timeout=60)
     assert not thread.is_alive()
-    assert tensor.count_nonzero().item() == 1024
-    assert tensor[2, 7].eq(1.5).all()
+    assert [resident_pages(cache) for cache in caches] == [(400, 400)] * 3
+    assert [cache.count_nonzero().item() for cache in caches] == [0, 16 * 4 * 16, 0]
+    assert caches[1][1, 150].eq(1.5).all()
+
+
+def test_nothing_to_populate_starts_no_thread() -> None:
+    assert populate_in_background([]) is None
