@@ -3,34 +3,24 @@
 Layout per layer (see attention/metadata.py): [2, num_blocks, block_size, num_kv_heads, head_dim].
 
 On a CPU the caches are one anonymous memory mapping, which the OS hands out zeroed, page by
-page on first touch, instead of a `torch.zeros` that writes every byte before the engine can
+page on first write, instead of a `torch.zeros` that writes every byte before the engine can
 start: on a 2-vCPU VM, zeroing the default 2 GiB was most of the engine's build, the first
-touch of each page being dear there (docs/benchmarks.md, "On an AVX2-only host"). Once the
-model is loaded, a background thread asks the kernel to map the pages in (`MADV_POPULATE_WRITE`,
-Linux 5.14+: it maps, and never changes what a page holds, so it may race the engine's own
-writes), the lowest blocks of every layer first, as the block pool hands them out in that
-order, so that the first steps do not pay for the faults. It maps a few MiB a call: one call
-over the whole mapping held the process's memory-map lock for its duration, and every
-allocation of the weights loading beside it waited (the engine's build took 2 s longer). Where
-the kernel lacks it, pages are mapped as they are first written.
+touch of each page being dear there (docs/benchmarks.md, "On an AVX2-only host"). Nothing maps
+the pages in ahead of use: a step pays only for the pages of the blocks it is the first to
+write, and a run that never fills the cache never commits all of it. (Mapping every page in on
+a background thread was tried: it slowed the weights' loading beside it, and a run right after
+start-up was no faster for it.)
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import logging
 import math
 import mmap
-import threading
-from collections.abc import Sequence
 
 import torch
 
 from blockserve.errors import InvalidConfigError
 from blockserve.model.arch import LlamaArchConfig
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30  # 2 GiB
 
@@ -81,40 +71,3 @@ def zeroed_on_demand(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(mapping, dtype=dtype, count=math.prod(shape)).view(shape)
-
-
-MADV_POPULATE_WRITE = 23  # linux/mman.h
-POPULATE_BLOCKS_PER_CALL = 256  # 3 MiB of one layer's K (or V) for the default model in float32
-
-
-def populate_in_background(
-    caches: Sequence[torch.Tensor], blocks_per_call: int = POPULATE_BLOCKS_PER_CALL
-) -> threading.Thread | None:
-    """Map in the pages of CPU KV caches shaped [2, num_blocks, ...], on a daemon thread that
-    ends when the kernel has: blocks [0, n) of every layer's K and V, then [n, 2n), and so on
-    (each call releases the GIL; the thread holds the tensors, so the mapping outlives it).
-    None where there is nothing to map or the C library cannot be reached."""
-    name = ctypes.util.find_library("c")
-    if name is None or not caches or any(cache.device.type != "cpu" for cache in caches):
-        return None
-    madvise = ctypes.CDLL(name, use_errno=True).madvise
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    page = mmap.PAGESIZE
-    num_blocks = caches[0].shape[1]
-
-    def populate() -> None:
-        for first in range(0, num_blocks, blocks_per_call):
-            for cache in caches:
-                for part in cache[:, first : first + blocks_per_call]:  # K, then V
-                    start = part.data_ptr() // page * page  # madvise takes whole pages
-                    end = part.data_ptr() + part.numel() * part.element_size()
-                    if madvise(start, end - start, MADV_POPULATE_WRITE) != 0:
-                        logger.debug(
-                            "KV cache pages map on first write (madvise: errno %d)",
-                            ctypes.get_errno(),
-                        )
-                        return
-
-    thread = threading.Thread(target=populate, name="blockserve-kv-populate", daemon=True)
-    thread.start()
-    return thread

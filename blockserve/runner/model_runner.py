@@ -38,7 +38,6 @@ from blockserve.runner.inputs import ModelInputs, prepare_inputs
 from blockserve.runner.kv_cache import (
     allocate_kv_caches,
     num_blocks_for,
-    populate_in_background,
 )
 from blockserve.sampling_params import SamplingParams
 from blockserve.sched.output import (
@@ -103,8 +102,6 @@ class ModelRunner:
         self.loaded: LoadedModel = load_model(
             model_config.model, self.backend, dtype, device, model_dir=model_dir
         )
-        # After the weights: mapping the pages in beside them slowed their loading (kv_cache.py).
-        populate_in_background(self.kv_caches)
         self.model = self.loaded.model
         if cpu_kernels.serves(self.device, dtype, self.arch.head_dim):
             cpu_kernels.start_loading(default_cache_dir(), dtype)  # torch's kernel serves meanwhile

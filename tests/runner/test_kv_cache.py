@@ -15,7 +15,6 @@ from blockserve.runner.kv_cache import (
     allocate_kv_caches,
     bytes_per_block,
     num_blocks_for,
-    populate_in_background,
 )
 from tests.model.test_arch import BASE
 
@@ -69,21 +68,12 @@ def resident_pages(tensor: torch.Tensor) -> tuple[int, int]:
     return sum(byte & 1 for byte in vector.raw), pages
 
 
-def test_populating_maps_every_page_in_and_keeps_what_they_hold() -> None:
-    """The background mapping-in, a few blocks a call, maps every page of every layer and
-    never changes a value, even one written before it ran."""
+def test_allocating_maps_no_page_until_one_is_written() -> None:
+    """The caches commit no memory when allocated; a write maps in its own page alone. (Under
+    2 MiB in all, so that no huge page can back it, whatever the host's THP setting.)"""
     arch = LlamaArchConfig.from_hf({**BASE, "num_key_value_heads": 4, "num_hidden_layers": 3})
-    caches = allocate_kv_caches(arch, 200, 16, torch.float32, torch.device("cpu"))
-    caches[1][1, 150].fill_(1.5)  # 4 KiB: one page of layer 1's V
-    assert resident_pages(caches[0]) == (0, 400)  # 2 x 200 blocks of 4 KiB, none touched yet
-    thread = populate_in_background(caches, blocks_per_call=7)
-    assert thread is not None and thread.daemon
-    thread.join(timeout=60)
-    assert not thread.is_alive()
-    assert [resident_pages(cache) for cache in caches] == [(400, 400)] * 3
+    caches = allocate_kv_caches(arch, 40, 16, torch.float32, torch.device("cpu"))
+    assert [resident_pages(cache) for cache in caches] == [(0, 80)] * 3  # 2 x 40 blocks of 4 KiB
+    caches[1][1, 30].fill_(1.5)  # one block of layer 1's V: one page
+    assert [resident_pages(cache) for cache in caches] == [(0, 80), (1, 80), (0, 80)]
     assert [cache.count_nonzero().item() for cache in caches] == [0, 16 * 4 * 16, 0]
-    assert caches[1][1, 150].eq(1.5).all()
-
-
-def test_nothing_to_populate_starts_no_thread() -> None:
-    assert populate_in_background([]) is None
