@@ -10,13 +10,15 @@ bookkeeping against the model runner, to show what the control plane costs per s
 
     .venv/bin/python benchmarks/bench_offline.py [--workload shared-prefix random]
         [--caching on off] [--requests 64] [--dtype auto|float32] [--compile] [--profile N]
-        [--max-tokens 32] [--paged-decode on|off] [--precached N] [--out FILE]
+        [--max-tokens 32] [--paged-decode on|off] [--precached N] [--kv-written] [--out FILE]
 
 `--paged-decode off` keeps our paged-decode kernel out (attention/cpu_kernels.py; torch's
 decode path serves), to profile the step without it. `--precached N` caches the first N
 tokens of the first prompt before the run (a system prompt partly seen before): the first
 request then computes the rest of the prefix on top of them in the same step as the others
-find it cached.
+find it cached. `--kv-written` writes every page of the KV cache (zeros, so nothing changes)
+before the run: the cache is mapped in page by page as first written (runner/kv_cache.py), and
+this shows what those first writes cost the run.
 """
 
 from __future__ import annotations
@@ -92,6 +94,7 @@ def run(
     max_tokens: int = OUTPUT_LEN,
     paged_decode: bool = True,
     precached: int = 0,
+    kv_written: bool = False,
 ) -> dict:
     llm = LLM(
         enable_prefix_caching=caching,
@@ -105,6 +108,9 @@ def run(
     prompts = make_prompts(workload, num_requests, engine.core.info.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(prompts[0][:64], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+    if kv_written:
+        for cache in engine.core.runner.kv_caches:
+            cache.zero_()
     llm.reset_prefix_cache()
     if precached:
         llm.generate(prompts[0][:precached], SamplingParams(max_tokens=1), use_tqdm=False)
@@ -133,6 +139,7 @@ def run(
         "compiled": compile_layers,
         "max_tokens": max_tokens,
         "precached_tokens": precached,
+        "kv_written_first": kv_written,
         "paged_decode": paged_decode and cpu_kernels.loaded(getattr(torch, engine.core.info.dtype)),
         "wall_s": round(wall, 2),
         "output_tokens_per_s": round(num_output / wall, 1),
@@ -190,6 +197,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=OUTPUT_LEN)
     parser.add_argument("--paged-decode", choices=("on", "off"), default="on")
     parser.add_argument("--precached", type=int, default=0, metavar="N")
+    parser.add_argument(
+        "--kv-written", action="store_true", help="write every KV cache page before the run"
+    )
     args = parser.parse_args()
     runs = [
         run(
@@ -202,6 +212,7 @@ def main() -> None:
             args.max_tokens,
             args.paged_decode == "on",
             args.precached,
+            args.kv_written,
         )
         for workload in args.workload
         for caching in args.caching
