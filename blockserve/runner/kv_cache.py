@@ -9,7 +9,8 @@ touch of each page being dear there (docs/benchmarks.md, "On an AVX2-only host")
 the pages in ahead of use: a step pays only for the pages of the blocks it is the first to
 write, and a run that never fills the cache never commits all of it. (Mapping every page in on
 a background thread was tried: it slowed the weights' loading beside it, and a run right after
-start-up was no faster for it.)
+start-up was no faster for it; `benchmarks/bench_offline.py --kv-written` measures a run whose
+pages were all written first.)
 """
 
 from __future__ import annotations
