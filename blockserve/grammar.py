@@ -23,6 +23,7 @@ leaves only those, and the scheduler stops the sample as for any EOS.
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import threading
@@ -55,7 +56,7 @@ class GrammarCompiler:
         eos_token_ids: Sequence[int],
         max_whitespace: int = 16,
     ) -> None:
-        self._hf_tokenizer = tokenizer
+        self._text_tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._eos_token_ids = list(eos_token_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None
@@ -70,10 +71,10 @@ class GrammarCompiler:
     def tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
             if self._tokenizer is None:
-                import llguidance.hf  # imports transformers: not on every start-up's path
-
-                self._tokenizer = llguidance.hf.from_tokenizer(
-                    self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos_token_ids
+                self._tokenizer = llguidance.LLTokenizer(
+                    _backend_json(self._text_tokenizer),
+                    n_vocab=self.vocab_size,
+                    eos_token=self._eos_token_ids,
                 )
             return self._tokenizer
 
@@ -138,6 +139,17 @@ def _schema(text: str) -> dict[str, Any]:
     if not isinstance(schema, dict):
         raise InvalidRequestError("the JSON schema must be an object", _FIELD)
     return schema
+
+
+def _backend_json(tokenizer: Any) -> str:
+    """The `tokenizers` JSON of a tokenizer with a `backend_tokenizer` (ours or a transformers
+    fast one), without padding or truncation, which would change what the grammar sees."""
+    backend = tokenizer.backend_tokenizer
+    if backend.padding is not None or backend.truncation is not None:
+        backend = copy.copy(backend)  # the caller's stays as it is
+        backend.no_padding()
+        backend.no_truncation()
+    return str(backend.to_str())
 
 
 def _one_line(error: object) -> str:

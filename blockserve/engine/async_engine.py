@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import copy
 import logging
 import queue
 import threading
@@ -103,13 +102,11 @@ class AsyncEngine(PoolTokenizing):
         self.engine = engine
         processor = engine.input_processor
         self._tokenizers = TokenizerPool(processor, tokenizer_workers)
-        # The loop's own tokenizer, for short decodes: a tokenizer must not be used from two
-        # threads at once.
         self._model_info = ModelInfo(
             engine.core.info.model_name,
             processor.max_model_len,
             processor.vocab_size,
-            copy.deepcopy(processor.tokenizer),
+            processor.tokenizer,
             engine.default_sampling,
             engine.core.info.runtime,
         )

@@ -1,7 +1,7 @@
 """`EngineClient`: everything a front end (the HTTP server) may ask of an engine.
 
 The server speaks to the engine through this protocol alone; `AsyncEngine` implements it.
-Every value that crosses it is plain data, or a tokenizer that belongs to the caller's thread.
+Every value that crosses it is plain data, or the model's tokenizer (which any thread may use).
 """
 
 from __future__ import annotations
@@ -13,17 +13,18 @@ from typing import Any, Protocol
 from blockserve.engine.chat import Message
 from blockserve.engine.outputs import EngineStats, KVCacheReport, MissRatioReport, RequestOutput
 from blockserve.engine.request import RequestSpec
+from blockserve.model.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """The served model as a client sees it. `tokenizer` is the client's own copy, for short
-    decodes on the event-loop thread (a token's text); long work goes through `tokenize`."""
+    """The served model as a client sees it. `tokenizer` is for short decodes on the
+    event-loop thread (a token's text); long work goes through `tokenize`."""
 
     name: str
     max_model_len: int
     vocab_size: int
-    tokenizer: Any
+    tokenizer: Tokenizer
     # Defaults from the model's generation config: request field -> value (max_tokens a cap).
     default_sampling: Mapping[str, float | int] = field(default_factory=dict)
     # Where the engine runs (device, ISA level, dtype, threads), for /version.

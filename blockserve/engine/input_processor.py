@@ -3,7 +3,7 @@
 Every rule a request must meet lives here (prompt and token range, context length, priority
 under the policy, salt, unsupported features, duplicate id); the output processor, the engine
 core and the scheduler below trust what passes. A refusal raises InvalidRequestError naming the
-field and changes nothing. Its tokenizer belongs to the thread that calls it.
+field and changes nothing. Any thread may call it: its tokenizer serves many at once.
 """
 
 from __future__ import annotations
@@ -16,13 +16,14 @@ from blockserve.engine.chat import Message, chat_prompt_ids
 from blockserve.engine.request import RequestSpec, ValidatedRequest
 from blockserve.errors import InvalidRequestError
 from blockserve.grammar import GrammarCompiler
+from blockserve.model.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
 class InputProcessor:
     """Checks specs against one engine's limits: its vocabulary, context and policy."""
 
-    tokenizer: Any
+    tokenizer: Tokenizer
     vocab_size: int
     max_model_len: int
     scheduling_policy: str
@@ -30,7 +31,7 @@ class InputProcessor:
     # Characters in the longest token's text: a prompt of c characters has at least
     # ceil(c / max_chars_per_token) tokens, which bounds it before any tokenizing.
     max_chars_per_token: int | None = None
-    # Compiles structured-outputs constraints (shared by every copy: it is thread-safe); a
+    # Compiles structured-outputs constraints (thread-safe, as the tokenizer is); a
     # constraint that does not compile is refused here, before the request is queued.
     grammar: GrammarCompiler | None = None
 

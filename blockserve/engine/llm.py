@@ -12,6 +12,7 @@ from blockserve.engine.chat import Message
 from blockserve.engine.llm_engine import LLMEngine, build_engine
 from blockserve.engine.outputs import EngineStats, RequestOutput
 from blockserve.engine.request import PromptInput, RequestSpec, as_prompt_list
+from blockserve.model.tokenizer import Tokenizer
 from blockserve.sampling_params import SamplingParams
 
 
@@ -32,7 +33,9 @@ class LLM:
         )
         self._next_id = 0
 
-    def get_tokenizer(self) -> Any:
+    def get_tokenizer(self) -> Tokenizer:
+        """The served tokenizer: transformers' `encode`, `decode`, `apply_chat_template`,
+        `convert_ids_to_tokens` with its results; `backend_tokenizer` is the `tokenizers` one."""
         return self.engine.input_processor.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:

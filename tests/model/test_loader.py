@@ -118,56 +118,125 @@ TOKENIZER_TEXTS = (
     "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<eos>",
     "naïve café 😀  two spaces\n\ttab",
 )
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is 2+2? <|im_end|>"},
+    {"role": "assistant", "content": "4"},
+    {"role": "user", "content": "naïve café 😀"},
+]
 
 
 @pytest.mark.parametrize("which", ["default", "tiny"])
-def test_a_generic_tokenizer_loads_as_autotokenizer_would(which: str, tiny_llama_dir: Path) -> None:
-    """The generic fast class, built directly, equals AutoTokenizer's tokenizer."""
+def test_the_served_tokenizer_equals_transformers(
+    which: str, tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """Taken from transformers once, then loaded from its snapshot: the same vocabulary,
+    special tokens, token ids, text and chat prompts as AutoTokenizer's."""
     model_dir = loader.resolve_model_dir(None) if which == "default" else tiny_llama_dir
-    declared = json.loads((model_dir / "tokenizer_config.json").read_text())["tokenizer_class"]
-    assert declared in loader.GENERIC_TOKENIZER_CLASSES  # the direct path is the one taken
-    ours = loader.load_tokenizer(model_dir)
     reference = AutoTokenizer.from_pretrained(str(model_dir))
-    assert type(ours) is type(reference)
+    loader.load_tokenizer(model_dir, tmp_path)  # takes the snapshot
+    ours = loader.load_tokenizer(model_dir, tmp_path)  # loads it
     assert len(ours) == len(reference)
-    assert ours.all_special_tokens == reference.all_special_tokens
+    assert ours.special_tokens_map == reference.special_tokens_map
+    assert ours.eos_token_id == reference.eos_token_id
     assert ours.chat_template == reference.chat_template
     for text in TOKENIZER_TEXTS:
         for special in (True, False):
             ids = ours.encode(text, add_special_tokens=special)
             assert ids == reference.encode(text, add_special_tokens=special)
             assert ours.decode(ids) == reference.decode(ids)
+            assert ours.decode(ids, skip_special_tokens=True) == reference.decode(
+                ids, skip_special_tokens=True
+            )
+        split = reference.encode(text, split_special_tokens=True)
+        assert ours.encode(text, split_special_tokens=True) == split
+    for add in (True, False):
+        text = reference.apply_chat_template(
+            CONVERSATION, add_generation_prompt=add, tokenize=False
+        )
+        assert (
+            ours.apply_chat_template(CONVERSATION, add_generation_prompt=add, tokenize=False)
+            == text
+        )
+        assert ours.apply_chat_template(
+            CONVERSATION, add_generation_prompt=add
+        ) == reference.encode(text, add_special_tokens=False)
 
 
 LOADS_A_TOKENIZER = """
 import sys
 from pathlib import Path
 from blockserve.model import loader
-tokenizer = loader.load_tokenizer(Path(sys.argv[1]))
-print(type(tokenizer).__name__, "transformers.models.auto" in sys.modules)
+tokenizer = loader.load_tokenizer(Path(sys.argv[1]), Path(sys.argv[2]))
+print(tokenizer.encode("hello world"), "transformers" in sys.modules)
 """
 
 
-def test_a_generic_tokenizer_loads_without_transformers_model_index(tiny_llama_dir: Path) -> None:
-    """In a fresh interpreter, the generic class loads without `transformers.models.auto`,
-    whose import indexes every model transformers ships (a second of every start)."""
+def load_in_a_fresh_interpreter(model_dir: Path, cache_dir: Path) -> list[str]:
     result = subprocess.run(
-        [sys.executable, "-c", LOADS_A_TOKENIZER, str(tiny_llama_dir)],
+        [sys.executable, "-c", LOADS_A_TOKENIZER, str(model_dir), str(cache_dir)],
         capture_output=True,
         text=True,
         timeout=120,
         check=True,
     )
-    assert result.stdout.split() == [type(loader.load_tokenizer(tiny_llama_dir)).__name__, "False"]
+    return result.stdout.rsplit(maxsplit=1)
+
+
+def test_a_snapshot_loads_without_transformers(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """The first load imports transformers and takes the snapshot; in a fresh interpreter the
+    next one loads it without importing transformers (over a second of every start)."""
+    expected = str(loader.load_tokenizer(tiny_llama_dir, tmp_path).encode("hello world"))
+    assert load_in_a_fresh_interpreter(tiny_llama_dir, tmp_path) == [expected, "False"]
+    empty = tmp_path / "empty"
+    assert load_in_a_fresh_interpreter(tiny_llama_dir, empty) == [expected, "True"]
+    assert len(list((empty / "tokenizers").iterdir())) == 1
+
+
+def test_a_changed_tokenizer_file_takes_a_new_snapshot(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """The snapshot is keyed by the directory's files: a new chat template in
+    tokenizer_config.json is a new key, and the served template is the new one."""
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, model_dir)
+    before = loader.tokenizer_key(model_dir)
+    old = loader.load_tokenizer(model_dir, tmp_path / "cache")
+    (model_dir / "chat_template.jinja").write_text("{{ messages[0]['content'] }}!")
+    assert loader.tokenizer_key(model_dir) != before
+    new = loader.load_tokenizer(model_dir, tmp_path / "cache")
+    messages = [{"role": "user", "content": "hi"}]
+    assert new.apply_chat_template(messages, tokenize=False) == "hi!"
+    assert old.apply_chat_template(messages, tokenize=False) != "hi!"
+    assert len(list((tmp_path / "cache" / "tokenizers").iterdir())) == 2
+
+
+def test_an_unwritable_cache_still_serves_the_tokenizer(
+    tiny_llama_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Where the snapshot cannot be written, transformers' tokenizer is served as taken."""
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    tokenizer = loader.load_tokenizer(tiny_llama_dir, blocked)
+    assert tokenizer.encode("hello world") == loader.load_tokenizer(
+        tiny_llama_dir, tmp_path
+    ).encode("hello world")
+    assert "no tokenizer snapshot" in caplog.text
 
 
 def test_a_named_tokenizer_class_goes_through_autotokenizer(
     tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
+    """A config naming a model-specific class is built by AutoTokenizer, then served as
+    taken from it."""
     model_dir = tmp_path / "model"
     shutil.copytree(tiny_llama_dir, model_dir)
     config_file = model_dir / "tokenizer_config.json"
     config = json.loads(config_file.read_text())
     config["tokenizer_class"] = "GPT2TokenizerFast"
     config_file.write_text(json.dumps(config))
-    assert type(loader.load_tokenizer(model_dir)).__name__ == "GPT2Tokenizer"
+    reference = AutoTokenizer.from_pretrained(str(model_dir))
+    assert type(reference).__name__ == "GPT2Tokenizer"
+    ours = loader.load_tokenizer(model_dir, tmp_path / "cache")
+    for text in TOKENIZER_TEXTS:
+        assert ours.encode(text) == reference.encode(text)
