@@ -14,7 +14,6 @@ built (the one setting that differs, splitting special-token text, is a second b
 from __future__ import annotations
 
 import json
-import logging
 import threading
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -24,21 +23,9 @@ from typing import Any
 
 import tokenizers
 
-logger = logging.getLogger(__name__)
-
 BACKEND_FILE = "tokenizer.json"
 SNAPSHOT_FILE = "blockserve_tokenizer.json"
 SNAPSHOT_FORMAT = 1
-# The special-token attributes a chat template sees by name, as transformers passes them.
-SPECIAL_TOKEN_NAMES = (
-    "bos_token",
-    "eos_token",
-    "unk_token",
-    "sep_token",
-    "pad_token",
-    "cls_token",
-    "mask_token",
-)
 # Names a message's reasoning may come under; templates read the first (transformers' aliases).
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
