@@ -19,6 +19,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ from blockserve.model.dtype import HostCapabilities, auto_dtype, probe_host
 from blockserve.model.gguf_llama import convert_llama
 from blockserve.model.llama import LlamaForCausalLM
 from blockserve.model.packed import can_prepack, prepack_linears
-from blockserve.model.tokenizer import Tokenizer
+from blockserve.model.tokenizer import SNAPSHOT_FORMAT, Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -100,9 +101,7 @@ def convert_gguf(gguf_path: Path, cache_dir: Path) -> Path:
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         return target
     logger.info("dequantizing %s into %s (once)", gguf_path.name, target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=target.parent))
-    try:
+    with atomic_dir(target) as staging:
         source_dir, name = str(gguf_path.parent), gguf_path.name
         if convert_llama(gguf_path, staging):
             # A plain Llama file's tokenizer is transformers' generic class, built from the
@@ -130,10 +129,26 @@ def convert_gguf(gguf_path: Path, cache_dir: Path) -> Path:
             save_file(state, str(staging / "model.safetensors"))
             tokenizer = AutoTokenizer.from_pretrained(source_dir, gguf_file=name)
         tokenizer.save_pretrained(staging)
-        os.replace(staging, target)  # atomic: a half-written cache is never seen
+    return target
+
+
+@contextmanager
+def atomic_dir(target: Path) -> Iterator[Path]:
+    """A fresh staging directory beside `target`, renamed to it once the block completes, so
+    no reader ever sees a half-written cache entry. Where a concurrent writer published
+    `target` first, its copy (built from the same inputs) stands and this one is dropped; an
+    error inside the block publishes nothing."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=target.parent))
+    try:
+        yield staging
+        try:
+            os.replace(staging, target)
+        except OSError:
+            if not target.is_dir():  # not a lost race: a real failure
+                raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return target
 
 
 def resolve_model_dir(model: str | None, cache_dir: Path | None = None) -> Path:
@@ -184,13 +199,8 @@ def load_tokenizer(model_dir: Path, cache_dir: Path | None = None) -> Tokenizer:
     except ValueError as exc:  # a slow (Python) tokenizer
         raise ModelNotFoundError(f"{model_dir}: {exc}") from None
     try:
-        snapshot_dir.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=snapshot_dir.parent))
-        try:
+        with atomic_dir(snapshot_dir) as staging:
             tokenizer.save(staging)
-            os.replace(staging, snapshot_dir)  # atomic; a concurrent start's copy is as good
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
     except OSError as exc:
         logger.warning("no tokenizer snapshot in %s (%s): transformers loads it each start",
                        snapshot_dir.parent, exc)  # fmt: skip
@@ -199,8 +209,9 @@ def load_tokenizer(model_dir: Path, cache_dir: Path | None = None) -> Tokenizer:
 
 def tokenizer_key(model_dir: Path) -> str:
     """A digest of everything a snapshot was taken from: the directory's small files (names
-    and contents; weights excluded) and the transformers and tokenizers versions."""
-    digest = hashlib.sha256()
+    and contents; weights excluded), the transformers and tokenizers versions and the snapshot
+    format (an entry, once published, is never rewritten: see `atomic_dir`)."""
+    digest = hashlib.sha256(f"snapshot format {SNAPSHOT_FORMAT}\0".encode())
     for name in ("transformers", "tokenizers"):
         digest.update(f"{name}=={importlib.metadata.version(name)}\0".encode())
     files = [*model_dir.iterdir(), *(model_dir / "additional_chat_templates").glob("*")]

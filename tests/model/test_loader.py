@@ -224,6 +224,55 @@ def test_an_unwritable_cache_still_serves_the_tokenizer(
     assert "no tokenizer snapshot" in caplog.text
 
 
+def test_atomic_dir_publishes_only_a_completed_block(tmp_path: Path) -> None:
+    """The target appears, whole, when the block completes; an error inside it publishes
+    nothing; no staging directory is left either way."""
+    target = tmp_path / "cache" / "entry"
+    with pytest.raises(RuntimeError), loader.atomic_dir(target) as staging:
+        (staging / "half").write_text("x")
+        raise RuntimeError("conversion failed")
+    assert list(target.parent.iterdir()) == []
+    with loader.atomic_dir(target) as staging:
+        (staging / "whole").write_text("y")
+    assert [p.name for p in target.parent.iterdir()] == ["entry"]
+    assert (target / "whole").read_text() == "y"
+
+
+def test_atomic_dir_keeps_the_copy_a_concurrent_writer_published(tmp_path: Path) -> None:
+    """Two starts building the same entry: the first to finish publishes it, the second's
+    copy is dropped without an error."""
+    target = tmp_path / "entry"
+    with loader.atomic_dir(target) as slow:
+        (slow / "file").write_text("second")
+        with loader.atomic_dir(target) as fast:
+            (fast / "file").write_text("first")
+    assert [p.name for p in tmp_path.iterdir()] == ["entry"]
+    assert (target / "file").read_text() == "first"
+
+
+def test_a_tokenizer_snapshot_race_is_not_a_warning(
+    tiny_llama_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A start that finds its snapshot published by another one meanwhile serves its own
+    tokenizer and warns about nothing."""
+    snapshot_dir = tmp_path / "tokenizers" / loader.tokenizer_key(tiny_llama_dir)
+    winner = loader.load_tokenizer(tiny_llama_dir, tmp_path / "other")
+    original_load = loader.Tokenizer.load
+
+    def load_then_lose_the_race(path: Path) -> loader.Tokenizer | None:
+        found = original_load(path)
+        snapshot_dir.mkdir(parents=True)  # another start publishes between our check
+        winner.save(snapshot_dir)  # and our write
+        return found
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loader.Tokenizer, "load", staticmethod(load_then_lose_the_race))
+        ours = loader.load_tokenizer(tiny_llama_dir, tmp_path)
+    assert ours.encode("hello world") == winner.encode("hello world")
+    assert "no tokenizer snapshot" not in caplog.text
+    assert [p.name for p in snapshot_dir.parent.iterdir()] == [snapshot_dir.name]
+
+
 def test_a_named_tokenizer_class_goes_through_autotokenizer(
     tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
