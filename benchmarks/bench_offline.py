@@ -6,7 +6,8 @@ Workloads (greedy, ignore_eos):
   random         64 requests of 1,056 random tokens (no sharing), 32 output tokens.
 
 Also times the scheduler (schedule + update_from_output) and the rest of the engine's
-bookkeeping against the model runner, to show what the control plane costs per step.
+bookkeeping against the model runner, to show what the control plane costs per step, and
+records each step's tokens and runner time (`runner_steps`).
 
     .venv/bin/python benchmarks/bench_offline.py [--workload shared-prefix random]
         [--caching on off] [--requests 64] [--dtype auto|float32] [--compile] [--profile N]
@@ -61,11 +62,13 @@ def make_prompts(workload: str, num_requests: int, vocab_size: int) -> list[list
 
 
 class Timer:
-    """Accumulates the wall time of calls to one bound method (installed on the instance)."""
+    """Accumulates the wall time of calls to one bound method (installed on the instance);
+    with `size` (the call's arguments → a number), also each call's (size, seconds)."""
 
-    def __init__(self, owner: Any, name: str) -> None:
+    def __init__(self, owner: Any, name: str, size: Callable[..., int] | None = None) -> None:
         self.total = 0.0
         self.calls = 0
+        self.sized: list[tuple[int, float]] = []
         wrapped: Callable[..., Any] = getattr(owner, name)
 
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -73,8 +76,11 @@ class Timer:
             try:
                 return wrapped(*args, **kwargs)
             finally:
-                self.total += time.perf_counter() - start
+                seconds = time.perf_counter() - start
+                self.total += seconds
                 self.calls += 1
+                if size is not None:
+                    self.sized.append((size(*args, **kwargs), seconds))
 
         setattr(owner, name, timed)
 
@@ -116,7 +122,7 @@ def run(
         llm.generate(prompts[0][:precached], SamplingParams(max_tokens=1), use_tqdm=False)
     before = llm.get_stats()
     steps = Timer(engine, "step")
-    execute = Timer(engine.core.runner, "execute")
+    execute = Timer(engine.core.runner, "execute", size=lambda output: output.num_scheduled_tokens)
     schedule = Timer(engine.core.scheduler, "schedule")
     update = Timer(engine.core.scheduler, "update_from_output")
     profiler = profile(activities=[ProfilerActivity.CPU]) if top_ops else nullcontext()
@@ -155,6 +161,9 @@ def run(
         "scheduler_share_of_runner": round(scheduler_s / execute.total, 4),
         "engine_overhead_share_of_step": round((steps.total - execute.total) / steps.total, 4),
         "engine_overhead_ms_per_step": round((steps.total - execute.total) / steps.calls * 1e3, 3),
+        "runner_steps": [
+            {"tokens": tokens, "ms": round(seconds * 1e3, 1)} for tokens, seconds in execute.sized
+        ],
     }
     if isinstance(profiler, profile):
         result["profile_top_ops"] = top_operators(profiler, top_ops)
