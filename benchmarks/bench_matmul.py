@@ -17,7 +17,9 @@ Where the CPU has AMX-BF16, the bf16 step is timed both ways, oneDNN's products 
 kernel's (`decode_step_tiles`, the engine's path for up to 128 rows), at 1 to 256 rows; and
 the float32 step likewise, oneDNN's products against our vector kernel in each build of the
 f32 library the CPU runs (`decode_step_vectors`; the engine's path for up to
-`cpu_kernels.VECTOR_MAX_ROWS` rows). `--decode-only` times the comparison of --dtype alone
+`cpu_kernels.VECTOR_MAX_ROWS` rows); the model's shapes in float32 are also timed the
+engine's way, our kernel where it takes them (`linear_vs_packed_gflops`, "vectors"), and the
+floor's peak is the fastest of all. `--decode-only` times the comparison of --dtype alone
 (with `ONEDNN_MAX_CPU_ISA=AVX2` in the environment, oneDNN's float32 side is what an AVX2 host
 runs).
 In --dtype, each projection of a layer through `PackedLinear` at prefill-chunk row counts
@@ -60,11 +62,17 @@ PREFIX, SUFFIX, OUTPUT, REQUESTS = 1024, 32, 32, 64
 
 def gflops(m: int, k: int, n: int, dtype: torch.dtype, repeats: int, how: str = "mm") -> float:
     """Best-of-`repeats` GFLOP/s of an [m, k] × [k, n] product: `torch.mm`, `F.linear` over a
-    row-major [n, k] weight (what an nn.Linear does), or the model's `PackedLinear`."""
+    row-major [n, k] weight (what an nn.Linear does), the model's `PackedLinear` over oneDNN's
+    layout ("packed"), or with its copy for our float32 vector kernel too ("vectors": the
+    engine's path, our kernel for up to `VECTOR_MAX_ROWS` rows, oneDNN's past them)."""
     a = torch.randn(m, k).to(dtype)
     b = torch.randn(k, n).to(dtype)
     linear = torch.nn.Linear(k, n, bias=False).to(dtype)
-    layer = PackedLinear(linear) if how == "packed" else linear
+    layer = PackedLinear(linear) if how in ("packed", "vectors") else linear
+    if how == "vectors":
+        isa = cpu_build.target_for(torch.float32).isa
+        ops = cpu_kernels.load(default_cache_dir(), torch.float32, isa)
+        pack_for_vectors(torch.nn.ModuleList([layer]), ops, isa)
 
     def call() -> torch.Tensor:
         return torch.mm(a, b) if how == "mm" else layer(a)
@@ -288,11 +296,11 @@ def main() -> None:
         peaks[name] = {
             label: round(gflops(*shape, dtype, args.repeats), 1) for label, shape in shapes.items()
         }
+        ways = ("linear", "packed")
+        if dtype == torch.float32 and cpu_kernels.supported(torch.float32):
+            ways += ("vectors",)
         linears[name] = {
-            label: {
-                how: round(gflops(*shape, dtype, args.repeats, how), 1)
-                for how in ("linear", "packed")
-            }
+            label: {how: round(gflops(*shape, dtype, args.repeats, how), 1) for how in ways}
             for label, shape in model_shapes(arch).items()
         }
         cpu_kernels.use_amx(False)  # oneDNN's products
@@ -302,8 +310,8 @@ def main() -> None:
     by_rows = packed_by_rows(arch, getattr(torch, args.dtype), args.repeats)
     print("packed products by rows", by_rows, flush=True)
     work = workload_gflop(arch)
-    # The fastest product measured either way: torch.mm or the prepacked linear.
-    packed_peaks = (v["packed"] for v in linears[args.dtype].values())
+    # The fastest product measured any way: torch.mm, the prepacked linear or our kernel.
+    packed_peaks = (v[how] for v in linears[args.dtype].values() for how in v if how != "linear")
     peak = max(*peaks[args.dtype].values(), *packed_peaks)
     floor = work["total"] / peak
     read_speed = memory_read_gb_per_s(args.repeats)
