@@ -19,9 +19,9 @@ the float32 step likewise, oneDNN's products against our vector kernel in each b
 f32 library the CPU runs (`decode_step_vectors`; the engine's path for up to
 `cpu_kernels.VECTOR_MAX_ROWS` rows); the model's shapes in float32 are also timed the
 engine's way, our kernel where it takes them (`linear_vs_packed_gflops`, "vectors"), and the
-floor's peak is the fastest of all. `--decode-only` times the comparison of --dtype alone
-(with `ONEDNN_MAX_CPU_ISA=AVX2` in the environment, oneDNN's float32 side is what an AVX2 host
-runs).
+floor's peak is the fastest of `torch.mm`, the prepacked linear and that. `--decode-only`
+times the comparison of --dtype alone (with `ONEDNN_MAX_CPU_ISA=AVX2` in the environment,
+oneDNN's float32 side is what an AVX2 host runs).
 In --dtype, each projection of a layer through `PackedLinear` at prefill-chunk row counts
 (`packed_gflops_by_rows`, 160 to 2,048 rows).
 
