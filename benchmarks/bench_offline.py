@@ -11,7 +11,8 @@ records each step's tokens and runner time (`runner_steps`).
 
     .venv/bin/python benchmarks/bench_offline.py [--workload shared-prefix random]
         [--caching on off] [--requests 64] [--dtype auto|float32] [--compile] [--profile N]
-        [--max-tokens 32] [--paged-decode on|off] [--precached N] [--kv-written] [--out FILE]
+        [--max-tokens 32] [--paged-decode on|off] [--precached N] [--kv-written]
+        [--lazy-memory] [--out FILE]
 
 `--paged-decode off` keeps our paged-decode kernel out (attention/cpu_kernels.py; torch's
 decode path serves), to profile the step without it. `--precached N` caches the first N
@@ -19,7 +20,10 @@ tokens of the first prompt before the run (a system prompt partly seen before): 
 request then computes the rest of the prefix on top of them in the same step as the others
 find it cached. `--kv-written` writes every page of the KV cache (zeros, so nothing changes)
 before the run: the cache is mapped in page by page as first written (runner/kv_cache.py), and
-this shows what those first writes cost the run.
+this shows what those first writes cost the run. `--lazy-memory` runs the engine as it was
+before runner/first_touch.py: no KV pages mapped in ahead of their first write, glibc's malloc
+limits left as they are; `kv_blocks_mapped_at_start` says how far the engine had mapped ahead
+when the timed run began.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from blockserve import LLM, SamplingParams
 from blockserve.attention import cpu_kernels
+from blockserve.engine import core as engine_core
 
 PREFIX_LEN = 1024
 SUFFIX_LEN = 32
@@ -118,6 +123,8 @@ def run(
         for cache in engine.core.runner.kv_caches:
             cache.zero_()
     llm.reset_prefix_cache()
+    kv_pages = engine.core.runner.kv_pages
+    mapped_at_start = None if kv_pages is None else kv_pages.mapped_blocks
     if precached:
         llm.generate(prompts[0][:precached], SamplingParams(max_tokens=1), use_tqdm=False)
     before = llm.get_stats()
@@ -146,6 +153,7 @@ def run(
         "max_tokens": max_tokens,
         "precached_tokens": precached,
         "kv_written_first": kv_written,
+        "kv_blocks_mapped_at_start": mapped_at_start,
         "paged_decode": paged_decode and cpu_kernels.loaded(getattr(torch, engine.core.info.dtype)),
         "wall_s": round(wall, 2),
         "output_tokens_per_s": round(num_output / wall, 1),
@@ -209,7 +217,14 @@ def main() -> None:
     parser.add_argument(
         "--kv-written", action="store_true", help="write every KV cache page before the run"
     )
+    parser.add_argument(
+        "--lazy-memory",
+        action="store_true",
+        help="no KV pages mapped in ahead, glibc's malloc limits as they are",
+    )
     args = parser.parse_args()
+    if args.lazy_memory:  # the engine's runner then gets no page populator (0 blocks ahead)
+        engine_core.blocks_per_step = lambda *_: 0
     runs = [
         run(
             workload,
@@ -231,6 +246,7 @@ def main() -> None:
         "model": "SmolLM2-135M-Instruct",
         "dtype": args.dtype,
         "machine": platform.machine(),
+        "lazy_memory": args.lazy_memory,
         "runs": runs,
     }
     for workload in args.workload:

@@ -33,6 +33,7 @@ from blockserve.engine.request import EngineCoreRequest, SampleId
 from blockserve.engine.tiers import create_kv_tiers, filled_blocks, tier_stats
 from blockserve.errors import InvalidConfigError
 from blockserve.events.publisher import create_event_publisher
+from blockserve.runner.first_touch import blocks_per_step
 from blockserve.runner.model_runner import ModelRunner
 from blockserve.sched.request import Request, RequestStatus
 from blockserve.sched.scheduler import RequestUpdate, Scheduler
@@ -74,7 +75,14 @@ class EngineCore:
     """Add requests, call `step()` while `has_unfinished_requests()`; abort at any time."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self.runner = ModelRunner(config.model, config.cache)
+        sched = config.scheduler
+        self.runner = ModelRunner(
+            config.model,
+            config.cache,
+            blocks_per_step(
+                sched.max_num_batched_tokens, sched.max_num_seqs, config.cache.block_size
+            ),
+        )
         loaded = self.runner.loaded
         max_model_len = _context_length(config, self.runner.num_blocks, loaded.arch)
         self.scheduler_config = dataclasses.replace(config.scheduler, max_model_len=max_model_len)
@@ -266,13 +274,15 @@ class EngineCore:
             self.event_publisher.publish(batch)
 
     def shutdown(self) -> None:
-        """Finish the tiers' queued writes, then close them and the event publisher."""
+        """Finish the tiers' queued writes, then close them, the event publisher and the
+        runner's page mapping."""
         if self.kv_tiers is not None:
             self.kv_tiers.close()
             self._publish_kv_events()
         if self._kv_dir is not None:
             self._kv_dir.close()
         self.event_publisher.shutdown()
+        self.runner.close()
 
 
 def _context_length(config: EngineConfig, num_blocks: int, arch: Any) -> int:

@@ -111,7 +111,7 @@ class LLM:
         return self.engine.reset_prefix_cache()
 
     def shutdown(self) -> None:
-        """Flush and close the KV event publisher, if any."""
+        """Flush and close the KV event publisher, if any, and stop mapping KV pages ahead."""
         self.engine.shutdown()
 
 

@@ -2,15 +2,12 @@
 
 Layout per layer (see attention/metadata.py): [2, num_blocks, block_size, num_kv_heads, head_dim].
 
-On a CPU the caches are one anonymous memory mapping, which the OS hands out zeroed, page by
+On a CPU the caches are one anonymous mapping, which the OS hands out zeroed, page by
 page on first write, instead of a `torch.zeros` that writes every byte before the engine can
 start: on a 2-vCPU VM, zeroing the default 2 GiB was most of the engine's build, the first
-touch of each page being dear there (docs/benchmarks.md, "On an AVX2-only host"). Nothing maps
-the pages in ahead of use: a step pays only for the pages of the blocks it is the first to
-write, and a run that never fills the cache never commits all of it. (Mapping every page in on
-a background thread was tried: it slowed the weights' loading beside it, and a run right after
-start-up was no faster for it; `benchmarks/bench_offline.py --kv-written` measures a run whose
-pages were all written first.)
+touch of each page being dear there (docs/benchmarks.md, "On an AVX2-only host"). The pages
+the next steps will write are mapped in ahead of them by first_touch.py, a bounded window past
+the highest block written, so a run that never fills the cache never commits all of it.
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from blockserve.model.loader import (
 )
 from blockserve.model.packed import pack_for_tiles, pack_for_vectors
 from blockserve.model.sampler import Sampler, SamplerOutput, SamplingBatch, SamplingRow
+from blockserve.runner.first_touch import KVPagePopulator, keep_freed_memory
 from blockserve.runner.inputs import ModelInputs, prepare_inputs
 from blockserve.runner.kv_cache import (
     allocate_kv_caches,
@@ -77,7 +78,13 @@ class RequestState:
 
 
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig) -> None:
+    def __init__(
+        self, model_config: ModelConfig, cache_config: CacheConfig, kv_blocks_per_step: int = 0
+    ) -> None:
+        """`kv_blocks_per_step`: on a CPU, the most never-used blocks a step can take. The
+        runner is ready once that many blocks' pages are mapped in, and keeps twice as many
+        past the highest written mapped (first_touch.py); 0 leaves every page to its first
+        write."""
         device = model_config.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -99,10 +106,16 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(
             self.arch, self.num_blocks, self.block_size, dtype, self.device
         )
+        self.kv_pages: KVPagePopulator | None = None
+        if self.device.type == "cpu" and kv_blocks_per_step > 0:  # maps while weights load
+            self.kv_pages = KVPagePopulator(self.kv_caches, ahead=2 * kv_blocks_per_step)
         self.loaded: LoadedModel = load_model(
             model_config.model, self.backend, dtype, device, model_dir=model_dir
         )
         self.model = self.loaded.model
+        if self.kv_pages is not None:
+            keep_freed_memory()  # for the steps' temporaries; the loading's are gone
+            self.kv_pages.map_now(kv_blocks_per_step)  # the first step writes mapped memory
         if cpu_kernels.serves(self.device, dtype, self.arch.head_dim):
             cpu_kernels.start_loading(default_cache_dir(), dtype)  # torch's kernel serves meanwhile
             if cpu_kernels.supported(dtype):
@@ -143,6 +156,11 @@ class ModelRunner:
             mark_token_dim_dynamic(inputs.input_ids, inputs.positions)
             plan = self.backend.prepare(inputs.metadata)
             forward(inputs.input_ids, inputs.positions, self.kv_caches, plan)
+
+    def close(self) -> None:
+        """Stop mapping KV cache pages in ahead (the engine is shutting down)."""
+        if self.kv_pages is not None:
+            self.kv_pages.close()
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -204,6 +222,8 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return ModelRunnerOutput()
         inputs = self.prepare_inputs(scheduler_output)
+        if self.kv_pages is not None:
+            self.kv_pages.note_written(int(inputs.metadata.slot_mapping.max()) // self.block_size)
         plan = self.backend.prepare(inputs.metadata)
         hidden = self.forward(inputs.input_ids, inputs.positions, self.kv_caches, plan)
         sampled_ids = [s.request_id for s in scheduler_output.scheduled if s.sample]

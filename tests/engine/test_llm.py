@@ -187,3 +187,19 @@ def test_bad_constraint_is_refused_before_queueing(
         llm.generate(PROMPT_33, params, use_tqdm=False)
     assert caught.value.param == param
     assert llm.get_stats().num_waiting == 0 and llm.get_stats().num_running == 0
+
+
+def test_ready_with_a_steps_blocks_mapped_and_shut_down_without_its_thread(
+    tiny_llama_dir: Path,
+) -> None:
+    """A CPU engine is ready with the pages of the blocks one step can take mapped in
+    (max_num_batched_tokens 64 / 16 + 2 sequences = 6 blocks), keeps 12 past the highest
+    written, and shutdown() ends the thread that maps them."""
+    llm = make_llm(tiny_llama_dir, max_num_batched_tokens=64, max_num_seqs=2)
+    pages = llm.engine.core.runner.kv_pages
+    assert pages is not None and pages.ahead == 12
+    assert pages.mapped_blocks >= 6
+    llm.generate(PROMPT_33, GREEDY, use_tqdm=False)  # writes blocks 1-3
+    assert pages.wait_mapped(4 + 12, timeout=30.0)
+    llm.shutdown()
+    assert not pages._thread.is_alive()
