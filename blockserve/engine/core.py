@@ -76,13 +76,10 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig) -> None:
         sched = config.scheduler
-        self.runner = ModelRunner(
-            config.model,
-            config.cache,
-            blocks_per_step(
-                sched.max_num_batched_tokens, sched.max_num_seqs, config.cache.block_size
-            ),
+        per_step = blocks_per_step(
+            sched.max_num_batched_tokens, sched.max_num_seqs, config.cache.block_size
         )
+        self.runner = ModelRunner(config.model, config.cache, per_step)
         loaded = self.runner.loaded
         max_model_len = _context_length(config, self.runner.num_blocks, loaded.arch)
         self.scheduler_config = dataclasses.replace(config.scheduler, max_model_len=max_model_len)

@@ -29,6 +29,7 @@ stay inputs of the graph (model/compile.py). Compiled graphs use oneDNN's produc
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -182,6 +183,22 @@ def pack_for_vectors(model: nn.Module, ops: Any, isa: str) -> int:
     for linear in linears:
         linear.vectors, linear.vectors_isa = ops.vector_pack(linear.dense_weight()), isa
     return len(linears)
+
+
+def pack_once_loaded(model: weakref.ref[nn.Module], dtype: torch.dtype) -> Callable[[Any], None]:
+    """What to run once our kernels for `dtype` are loaded (a thread of theirs, given their
+    operators): the tile copies (bf16) or the panel copies for the build loaded (float32) of
+    the model's weights, unless the model is gone by then."""
+
+    def pack(ops: Any) -> None:
+        if (alive := model()) is None:
+            return
+        if dtype == torch.bfloat16:
+            pack_for_tiles(alive, ops)
+        elif (isa := cpu_kernels.loaded_isa(torch.float32)) is not None:
+            pack_for_vectors(alive, ops, isa)
+
+    return pack
 
 
 def _to_copy(

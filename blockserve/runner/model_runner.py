@@ -11,8 +11,6 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
-from typing import Any
 
 import llguidance
 import torch
@@ -32,7 +30,7 @@ from blockserve.model.loader import (
     resolve_dtype,
     resolve_model_dir,
 )
-from blockserve.model.packed import pack_for_tiles, pack_for_vectors
+from blockserve.model.packed import pack_once_loaded
 from blockserve.model.sampler import Sampler, SamplerOutput, SamplingBatch, SamplingRow
 from blockserve.runner.first_touch import KVPagePopulator, keep_freed_memory
 from blockserve.runner.inputs import ModelInputs, prepare_inputs
@@ -47,21 +45,6 @@ from blockserve.sched.output import (
     SchedulerOutput,
     TokenLogprobs,
 )
-
-
-def _pack_for_tiles(model: weakref.ref[torch.nn.Module], ops: Any) -> None:
-    """Once our bf16 kernels are loaded (a thread of theirs): the tile copies of a model's
-    weights, unless the model is gone by then."""
-    if (alive := model()) is not None:
-        pack_for_tiles(alive, ops)
-
-
-def _pack_for_vectors(model: weakref.ref[torch.nn.Module], ops: Any) -> None:
-    """Once our float32 kernels are loaded (a thread of theirs): the panel copies of a model's
-    weights for the build loaded, unless the model is gone by then."""
-    isa = cpu_kernels.loaded_isa(torch.float32)
-    if (alive := model()) is not None and isa is not None:
-        pack_for_vectors(alive, ops, isa)
 
 
 @dataclass
@@ -81,10 +64,8 @@ class ModelRunner:
     def __init__(
         self, model_config: ModelConfig, cache_config: CacheConfig, kv_blocks_per_step: int = 0
     ) -> None:
-        """`kv_blocks_per_step`: on a CPU, the most never-used blocks a step can take. The
-        runner is ready once that many blocks' pages are mapped in, and keeps twice as many
-        past the highest written mapped (first_touch.py); 0 leaves every page to its first
-        write."""
+        """`kv_blocks_per_step`: the most never-used blocks a step can take; on a CPU their
+        pages are mapped in ahead of the steps (first_touch.py). 0: left to first writes."""
         device = model_config.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -119,8 +100,7 @@ class ModelRunner:
         if cpu_kernels.serves(self.device, dtype, self.arch.head_dim):
             cpu_kernels.start_loading(default_cache_dir(), dtype)  # torch's kernel serves meanwhile
             if cpu_kernels.supported(dtype):
-                pack = _pack_for_tiles if dtype == torch.bfloat16 else _pack_for_vectors
-                cpu_kernels.when_loaded(dtype, partial(pack, weakref.ref(self.model)))
+                cpu_kernels.when_loaded(dtype, pack_once_loaded(weakref.ref(self.model), dtype))
         # Unseeded requests draw from one generator seeded by --seed: a run is reproducible.
         generator = torch.Generator(device=self.device)
         generator.manual_seed(model_config.seed)
