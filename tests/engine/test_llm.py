@@ -8,6 +8,7 @@ import pytest
 
 from blockserve import LLM, SamplingParams
 from blockserve.errors import InvalidRequestError
+from blockserve.runner.first_touch import KVPagePopulator
 from blockserve.sampling_params import StructuredOutputsParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -190,15 +191,23 @@ def test_bad_constraint_is_refused_before_queueing(
 
 
 def test_ready_with_a_steps_blocks_mapped_and_shut_down_without_its_thread(
-    tiny_llama_dir: Path,
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A CPU engine is ready with the pages of the blocks one step can take mapped in
+    """A CPU engine maps in the blocks one step can take before it is ready
     (max_num_batched_tokens 64 / 16 + 2 sequences = 6 blocks), keeps 12 past the highest
     written, and shutdown() ends the thread that maps them."""
+    asked: list[int] = []
+    map_now = KVPagePopulator.map_now
+
+    def recording_map_now(populator: KVPagePopulator, num_blocks: int) -> bool:
+        asked.append(num_blocks)
+        return map_now(populator, num_blocks)
+
+    monkeypatch.setattr(KVPagePopulator, "map_now", recording_map_now)
     llm = make_llm(tiny_llama_dir, max_num_batched_tokens=64, max_num_seqs=2)
     pages = llm.engine.core.runner.kv_pages
     assert pages is not None and pages.ahead == 12
-    assert pages.mapped_blocks >= 6
+    assert asked == [6] and pages.mapped_blocks >= 6
     llm.generate(PROMPT_33, GREEDY, use_tqdm=False)  # writes blocks 1-3
     assert pages.wait_mapped(4 + 12, timeout=30.0)
     llm.shutdown()
