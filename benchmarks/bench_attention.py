@@ -162,6 +162,7 @@ def main() -> None:
                     seconds = time_backend(backend_name, [(context, 1)] * batch)
                     row = decode_row(peaks, batch, context, seconds)
                     rows.append({"backend": backend_name, **row})
+                    print(json.dumps(rows[-1]), flush=True)
                 seconds = time_backend(backend_name, [(context, PREFILL_TOKENS)])
                 rows.append({"backend": backend_name, **prefill_row(peaks, context, seconds)})
         except Exception as error:  # e.g. the csrc extension did not build: go on without it

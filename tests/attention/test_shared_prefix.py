@@ -3,8 +3,6 @@ once (cascade), and equal dense attention."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -71,16 +69,17 @@ CHUNKS = {
 @pytest.mark.parametrize("kernels", ["ours", "torch's"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_chunks_on_a_shared_prefix_read_it_once(
-    dtype: torch.dtype, kernels: str, chunks: str, cpu_kernels_dir: Path
+    dtype: torch.dtype, kernels: str, chunks: str, request: pytest.FixtureRequest
 ) -> None:
     """Chunks on 3 shared blocks use the shared-prefix path, exactly: with our kernels where
     the host has them (each chunk's own keys continue from the common blocks' softmax) and
     with torch's (the two softmaxes merged); chunks of one length that are one run of the
-    batch are read and written in place, others gathered."""
+    batch are read and written in place, others gathered. Only our kernels' variants build
+    the CPU kernel libraries (the fixture), so torch's run on a GPU machine in seconds."""
     specs, first_token = CHUNKS[chunks]
     ours = kernels == "ours" and cpu_kernels.supported(dtype)
     if ours:
-        assert cpu_kernels.load(cpu_kernels_dir, dtype) is not None
+        assert cpu_kernels.load(request.getfixturevalue("cpu_kernels_dir"), dtype) is not None
     cpu_kernels.enable(ours)
     try:
         assert (cpu_kernels.dense_attention(torch.zeros(1, 64, dtype=dtype)) is not None) == ours
