@@ -30,6 +30,9 @@ class CacheableRequest(Protocol):
     @property
     def lora_name(self) -> str | None: ...
 
+    @property
+    def cache_salt(self) -> str | None: ...
+
 
 class BlockPool:
     """All KV blocks of one cache, handed out and taken back by reference count.
@@ -201,7 +204,7 @@ class BlockPool:
         parent = block_hashes[num_cached_blocks - 1] if num_cached_blocks else None
         token_ids = request.all_token_ids[num_cached_blocks * size : num_full_blocks * size]
         for listener in self._listeners:
-            listener.on_hashes_stored(new_hashes, parent, token_ids)
+            listener.on_hashes_stored(new_hashes, parent, token_ids, request.cache_salt)
         if self.events is not None:
             self.events.block_stored(new_hashes, parent, list(token_ids), size, request.lora_name)
 

@@ -39,6 +39,9 @@ class KVCacheRequest(Protocol):
     def lora_name(self) -> str | None: ...
 
     @property
+    def cache_salt(self) -> str | None: ...
+
+    @property
     def skip_reading_prefix_cache(self) -> bool: ...
 
     @property

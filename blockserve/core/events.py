@@ -85,9 +85,11 @@ class CacheListener(Protocol):
         block_hashes: Sequence[BlockHash],
         parent_block_hash: BlockHash | None,
         token_ids: Sequence[int],
+        cache_salt: str | None,
     ) -> None:
         """`block_hashes`, one request's consecutive blocks holding `token_ids`, can now be
-        hit; `parent_block_hash` is the hash before them (None: they start at block 0)."""
+        hit; `parent_block_hash` is the hash before them (None: they start at block 0);
+        `cache_salt` is the storing request's namespace."""
 
     def on_hash_removed(self, block_hash: BlockHash) -> None:
         """The last block holding `block_hash` was evicted: it can no longer be hit."""

@@ -17,7 +17,7 @@ from blockserve.core.hashing import BlockHash
 REASONS = (
     "never_stored",  # the block's hash was not in the cache, nor evicted recently
     "evicted",  # it was cached and evicted `evicted_seconds_ago`
-    "other_namespace",  # the same tokens are cached under another cache_salt or LoRA
+    "other_namespace",  # unsalted: the same tokens are cached, unsalted, for another LoRA
     "partial_block",  # every full block hit; the rest is a partial block, never cached
     "last_token",  # every block it may hit did; the last token is always recomputed
     "caching_disabled",  # prefix caching is off, or this request does not read the cache
@@ -40,6 +40,10 @@ class CacheExplainer:
     Only the first block can miss because of a namespace: `cache_salt` and the LoRA name are
     hashed into block 0, and every deeper hash chains from it. So the content index covers
     first blocks only: token tuple -> number of cached first-block hashes holding it.
+
+    A salt separates tenants, so the index holds unsalted blocks only and answers unsalted
+    requests only: no request learns whether a salted namespace, its own or another's,
+    holds some tokens (a salted request that misses reads `never_stored`).
     """
 
     def __init__(
@@ -61,6 +65,7 @@ class CacheExplainer:
         token_ids: Sequence[int],
         num_hit_blocks: int,
         is_cached: Callable[[BlockHash], bool],
+        cache_salt: str | None = None,
     ) -> CacheExplanation:
         """Why a prompt of `token_ids` (full-block hashes `block_hashes`) matched exactly
         `num_hit_blocks` blocks. Call it before the request's own blocks are stored."""
@@ -78,7 +83,7 @@ class CacheExplainer:
         if evicted_at is not None:
             seconds = round(self.clock() - evicted_at, 3)
             return CacheExplanation(num_hit_blocks, "evicted", seconds)
-        if num_hit_blocks == 0:
+        if num_hit_blocks == 0 and cache_salt is None:
             content = tuple(token_ids[: self.block_size])
             if self._first_block_contents.get(content, 0) > 0:
                 return CacheExplanation(0, "other_namespace")
@@ -91,10 +96,12 @@ class CacheExplainer:
         block_hashes: Sequence[BlockHash],
         parent_block_hash: BlockHash | None,
         token_ids: Sequence[int],
+        cache_salt: str | None,
     ) -> None:
         for block_hash in block_hashes:
             self._evicted.pop(block_hash, None)  # cached again: no longer "evicted"
-        if parent_block_hash is None and block_hashes and block_hashes[0] not in self._first_blocks:
+        first = parent_block_hash is None and block_hashes
+        if first and cache_salt is None and block_hashes[0] not in self._first_blocks:
             content = tuple(token_ids[: self.block_size])
             self._first_blocks[block_hashes[0]] = content
             self._first_block_contents[content] = self._first_block_contents.get(content, 0) + 1

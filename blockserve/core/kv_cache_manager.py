@@ -146,6 +146,7 @@ class KVCacheManager:
             request.all_token_ids,
             num_hit_blocks,
             self.block_pool.cached_block_hash_to_block.__contains__,
+            request.cache_salt,
         )
 
     def allocate_slots(

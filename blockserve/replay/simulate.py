@@ -65,6 +65,7 @@ class ReplayRequest:
     num_computed_tokens: int = 0
     all_token_ids: Sequence[int] = ()
     lora_name: str | None = None
+    cache_salt: str | None = None
     skip_reading_prefix_cache: bool = False
     num_preemptions: int = 0
     priority: int = 0

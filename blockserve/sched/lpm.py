@@ -122,6 +122,7 @@ class LpmQueue:
         block_hashes: Sequence[BlockHash],
         parent_block_hash: BlockHash | None,
         token_ids: Sequence[int],
+        cache_salt: str | None,
     ) -> None:
         for block_hash in block_hashes:
             for entry, depth in list(self._watchers.get(block_hash, {}).items()):

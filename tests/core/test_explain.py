@@ -71,17 +71,29 @@ def test_a_deeper_eviction_names_its_block() -> None:
     assert explain(manager, make_request("b", range(13))) == CacheExplanation(2, "evicted", 0.0)
 
 
-def test_other_namespace() -> None:
-    """The same tokens under salt "a" are cached; salt "b" and no salt miss at block 0 because
-    of it (which namespace is not said)."""
-    manager = make_manager()
-    run(manager, salted("a", list(range(9)), "a"))
-    assert explain(manager, salted("b", list(range(9)), "b")) == CacheExplanation(
-        0, "other_namespace"
+def keyed(request_id: str, token_ids: list[int], keys: BlockKeyInputs) -> Request:
+    return Request(
+        request_id, token_ids, block_hasher=RequestBlockHasher(HASHER, 4), hash_keys=keys
     )
+
+
+def test_other_namespace_is_said_to_unsalted_requests_of_unsalted_blocks_only() -> None:
+    """Tokens cached unsalted for adapter "x" read as another namespace to an unsalted request
+    without it; tokens cached under salt "a" read as never stored to salt "b", to no salt, and
+    to salt "a" with another adapter: a salted namespace's content is never told."""
+    manager = make_manager()
+    run(manager, keyed("x", list(range(9)), BlockKeyInputs(lora_name="x")))
     assert explain(manager, make_request("plain", range(9))) == CacheExplanation(
         0, "other_namespace"
     )
+    assert explain(manager, salted("b", list(range(9)), "b")) == CacheExplanation(0, "never_stored")
+    run(manager, salted("a", list(range(100, 109)), "a"))
+    for request in (
+        salted("b", list(range(100, 109)), "b"),
+        make_request("plain", range(100, 109)),
+        keyed("a-y", list(range(100, 109)), BlockKeyInputs(cache_salt="a", lora_name="y")),
+    ):
+        assert explain(manager, request) == CacheExplanation(0, "never_stored")
 
 
 def test_the_history_is_bounded_and_a_reset_is_no_eviction() -> None:

@@ -207,7 +207,7 @@ def test_cache_explanation_in_usage(client: openai.OpenAI) -> None:
     }
     assert usage()["cache_explanation"]["reason"] == "partial_block"
     salted = usage(cache_salt="other")["cache_explanation"]
-    assert (salted["first_missing_block"], salted["reason"]) == (0, "other_namespace")
+    assert (salted["first_missing_block"], salted["reason"]) == (0, "never_stored")
     chunks = list(
         client.completions.create(
             model=None,  # type: ignore[arg-type]
