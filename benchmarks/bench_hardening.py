@@ -15,12 +15,10 @@ fuzz        schemathesis over every operation (50 examples per operation and pha
 
 from __future__ import annotations
 
-import argparse
 import json
 import signal
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -30,7 +28,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.report import emit
+from benchmarks.report import run_sections
 from tests.server.server_process import ServerProcess, read_metric
 from tests.server.test_fuzz import run_schemathesis
 
@@ -236,13 +234,7 @@ SECTIONS = {
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS))
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as logs:
-        results = {name: SECTIONS[name](Path(logs)) for name in args.sections}
-    emit({"benchmark": "hardening", "server_args": SERVER_ARGS, **results}, args.out)
+    run_sections(__doc__, SECTIONS, "hardening", SERVER_ARGS)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,10 @@ AVX512-BF16, so a figure means little without them)."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,3 +38,20 @@ def emit(results: dict[str, Any], out: Path | None) -> None:
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text + "\n")
+
+
+def run_sections(
+    doc: str | None,
+    sections: dict[str, Callable[[Path], dict[str, Any]]],
+    benchmark: str,
+    server_args: list[str],
+) -> None:
+    """A benchmark of named sections, each given a folder for its servers' logs: run those
+    `--sections` asks for (default all), then emit their results to `--out`."""
+    parser = argparse.ArgumentParser(description=(doc or "").split("\n")[0])
+    parser.add_argument("--sections", nargs="+", choices=list(sections), default=list(sections))
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as logs:
+        results = {name: sections[name](Path(logs)) for name in args.sections}
+    emit({"benchmark": benchmark, "server_args": server_args, **results}, args.out)

@@ -7,10 +7,11 @@ imports below this layer: the choice lists that several layers share live here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from blockserve.errors import InvalidConfigError
 from blockserve.events.config import KVEventsConfig
+from blockserve.grammar_limits import ConstraintLimits
 from blockserve.options import at_least, option, positive, validate
 
 DTYPES = ("auto", "float32", "bfloat16")
@@ -60,6 +61,8 @@ class ModelConfig:
     seed: int = 0
     # Whitespace the JSON grammar allows between JSON tokens: -1 any, 0 none (compact JSON).
     structured_outputs_max_whitespace: int = 16
+    # What one structured-outputs constraint may contain (grammar_limits.py).
+    structured_outputs_limits: ConstraintLimits = field(default_factory=ConstraintLimits)
     # Default sampling parameters: "auto" (the model's generation_config.json), "vllm" (none),
     # or a path to the file or its directory.
     generation_config: str = "auto"
@@ -83,6 +86,9 @@ class SchedulerConfig:
     policy: str = "fcfs"
     lpm_aging_s: float = 30.0
     max_n: int = 128  # most samples one request may ask for: each is a scheduler request
+    # The most of max_num_seqs one request (its samples, its prompts) holds while another
+    # waits (sched/fair_share.py); 1: first come, first served, as vLLM.
+    max_request_seq_share: float = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +162,31 @@ class ServerConfig:
         False,
         "let special-token text inside chat messages (<|im_start|>, ...) become special "
         "tokens, as it once did; by default it is plain text, so a message cannot forge a turn",
+    )
+    max_prompts_per_request: int = option(
+        2048, "most prompts one completions request may list (OpenAI's bound)", check=positive
+    )
+    max_stop_strings: int = option(64, "most stop strings one request may give", check=positive)
+    max_stop_chars: int = option(
+        4096, "most characters one request's stop strings may have together", check=positive
+    )
+    max_request_tokens: int = option(
+        262144,
+        "most tokens one request may ask to generate: prompts x n x max_tokens (without "
+        "max_tokens, up to the context's end)",
+        check=positive,
+    )
+    header_timeout: float = option(
+        10.0,
+        "seconds a connection has to send a request's line and headers, from its start or "
+        "its previous response; then it is closed",
+        check=positive,
+    )
+    body_timeout: float = option(
+        30.0, "seconds to wait for each chunk of a request body; then a 408", check=positive
+    )
+    timeout_keep_alive: int = option(
+        5, "seconds an idle keep-alive connection stays open (uvicorn's)", check=positive
     )
     tokenizer_workers: int = option(
         2, "threads that tokenize prompts and render chat templates", check=positive

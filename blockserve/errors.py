@@ -71,6 +71,14 @@ class ServerShuttingDownError(BlockserveError, RuntimeError):
     http_status = 503
 
 
+class ServerOverloadedError(BlockserveError, RuntimeError):
+    """A queue in front of the engine is full (the tokenizer pool's): try again shortly, as
+    the `Retry-After` header of the 503 says."""
+
+    http_status = 503
+    retry_after_s = 1
+
+
 class ClientDisconnectedError(BlockserveError, RuntimeError):
     """The client closed its connection before its answer was ready; its requests were
     aborted. The status is nginx's 499 ("client closed request"): nobody reads it, but the

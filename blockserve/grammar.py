@@ -1,10 +1,12 @@
 """Structured outputs through llguidance: a constraint checked once, a matcher per sample.
 
-`GrammarCompiler` turns a request's `StructuredOutputsParams` into an llguidance grammar and
-refuses, naming the field, a schema, a pattern or a grammar that does not compile. The input
-processor checks on a tokenizer thread, so a bad constraint is a 400 before the request is
-queued; the model runner builds an `LLMatcher` for the sample when it first runs and keeps it
-beside its sampling state.
+`GrammarCompiler` turns a request's `StructuredOutputsParams` into an llguidance matcher and
+refuses, naming the field, a constraint over its limits (grammar_limits.py) or one that does
+not compile, panics the library or fails its first mask. The input processor calls it on a
+tokenizer thread; the compile itself runs on a worker thread with a large stack and a time
+limit, so a bad constraint is a 400 before the request is queued. The compiled matcher is kept
+(the latest 256), and the model runner copies it for each sample when it first runs: the
+engine thread compiles only a constraint that has left that cache (within the same limits).
 
 Each step, `apply_token_masks` asks the matchers of the constrained rows for their next-token
 bitmask and masks those rows' logits to -inf in place; rows without a constraint are not
@@ -23,17 +25,21 @@ leaves only those, and the scheduler stops the sample as for any EOS.
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import json
+import queue
 import re
 import threading
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import llguidance
 import torch
 
 from blockserve.errors import InvalidRequestError
+from blockserve.grammar_limits import ConstraintLimits
 from blockserve.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -43,6 +49,12 @@ if TYPE_CHECKING:
 _FIELD = "structured_outputs"
 _WHITESPACE = r"[\x20\x0A\x0D\x09]"
 _SOURCE_ECHO = re.compile(r"^[0-9]+ \|")
+# The compiler recurses once per rule it follows, a few KB a level: the limits' 1,000 rules
+# need a few MB, and a fault past that would take the process down.
+_WORKER_STACK_BYTES = 64 << 20
+_NUM_WORKERS = 2
+_KEPT_MATCHERS = 256
+T = TypeVar("T")
 
 
 class GrammarCompiler:
@@ -55,12 +67,16 @@ class GrammarCompiler:
         vocab_size: int,
         eos_token_ids: Sequence[int],
         max_whitespace: int = 16,
+        limits: ConstraintLimits | None = None,
     ) -> None:
         self._text_tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._eos_token_ids = list(eos_token_ids)
+        self.limits = limits or ConstraintLimits()
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
+        self._workers: CompileWorkers | None = None
+        self._compiled: OrderedDict[StructuredOutputsParams, llguidance.LLMatcher] = OrderedDict()
         # Whitespace allowed between two JSON tokens: -1 any, 0 none (compact JSON). Unbounded,
         # a small model can spend all of max_tokens on whitespace.
         self._json_options: JsonCompileOptions = {"whitespace_flexible": max_whitespace != 0}
@@ -78,22 +94,46 @@ class GrammarCompiler:
                 )
             return self._tokenizer
 
-    def compile(self, params: StructuredOutputsParams) -> str:
-        """The constraint as an llguidance grammar; InvalidRequestError naming the field if it
-        does not compile."""
+    def compile(self, params: StructuredOutputsParams) -> None:
+        """Check and compile the constraint on a worker; InvalidRequestError naming the field
+        if it is over a limit, does not compile in time, or fails."""
+        self.limits.check(params)
+        with self._lock:
+            if self._workers is None:
+                self._workers = CompileWorkers(_NUM_WORKERS, _WORKER_STACK_BYTES)
+            workers = self._workers
         kind = params.kind
         try:
-            grammar = self._grammar(params)
-        except (ValueError, TypeError) as exc:
+            matcher = workers.run(lambda: self._build(params), self.limits.compile_timeout_s)
+        except InvalidRequestError:
+            raise
+        except TimeoutError:
+            raise InvalidRequestError(
+                f"the {kind} constraint did not compile within "
+                f"{self.limits.compile_timeout_s:g} s (--structured-outputs-compile-timeout)",
+                _FIELD,
+            ) from None
+        except BaseException as exc:  # llguidance's panics derive from BaseException
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
             raise InvalidRequestError(
                 f"the {kind} constraint does not compile: {_one_line(exc)}", _FIELD
             ) from None
-        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
-        if error:
-            raise InvalidRequestError(
-                f"the {kind} constraint does not compile: {_one_line(error)}", _FIELD
-            )
-        return grammar
+        with self._lock:
+            self._compiled[params] = matcher
+            self._compiled.move_to_end(params)
+            while len(self._compiled) > _KEPT_MATCHERS:
+                self._compiled.popitem(last=False)
+
+    def _build(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
+        """A matcher at the constraint's start whose first mask computed: the grammar's
+        lexer and parser limits show there, not in the middle of a run."""
+        matcher = llguidance.LLMatcher(self.tokenizer, self._grammar(params), log_level=0)
+        if not matcher.is_error():
+            matcher.deep_copy().compute_bitmask()
+        if matcher.is_error():
+            raise ValueError(matcher.get_error())
+        return matcher
 
     def _grammar(self, params: StructuredOutputsParams) -> str:
         if params.json is not None:
@@ -119,16 +159,51 @@ class GrammarCompiler:
         self, params: StructuredOutputsParams, output_token_ids: Sequence[int] = ()
     ) -> llguidance.LLMatcher:
         """A matcher for one sample, advanced over the tokens it already generated (a sample
-        resumed after preemption). The constraint passed `compile` when the request came in,
-        so it is not validated again (that would parse it twice on the engine thread); a
-        matcher that still fails raises."""
-        matcher = llguidance.LLMatcher(self.tokenizer, self._grammar(params), log_level=0)
-        if matcher.is_error():
-            raise RuntimeError(f"the constraint does not compile: {_one_line(matcher.get_error())}")
+        resumed after preemption): a copy of the one `compile` kept, or, for a constraint
+        that has left that cache, compiled here (it passed the limits when it came in). A
+        matcher that fails raises."""
+        with self._lock:
+            template = self._compiled.get(params)
+        try:
+            matcher = template.deep_copy() if template is not None else self._build(params)
+        except ValueError as exc:
+            raise RuntimeError(f"the constraint does not compile: {_one_line(exc)}") from None
         for token_id in output_token_ids:
             if not matcher.consume_token(token_id):
                 raise RuntimeError(f"token {token_id} breaks the sample's own constraint")
         return matcher
+
+
+class CompileWorkers:
+    """Threads with a large stack that run compiles; the caller waits at most its time limit
+    (a compile past it runs on, holding its thread: the limits keep that short)."""
+
+    def __init__(self, num_threads: int, stack_bytes: int) -> None:
+        self._queue: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future]] = (
+            queue.SimpleQueue()
+        )
+        previous = threading.stack_size(stack_bytes)  # for the threads started here only
+        try:
+            for index in range(num_threads):
+                name = f"blockserve-grammar-{index}"
+                threading.Thread(target=self._serve, name=name, daemon=True).start()
+        finally:
+            threading.stack_size(previous)
+
+    def run(self, fn: Callable[[], T], timeout_s: float) -> T:
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._queue.put((fn, future))
+        return future.result(timeout=timeout_s)
+
+    def _serve(self) -> None:
+        while True:
+            fn, future = self._queue.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # a library panic too: it fails this compile only
+                future.set_exception(exc)
 
 
 def _schema(text: str) -> dict[str, Any]:

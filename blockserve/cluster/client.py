@@ -40,7 +40,7 @@ class ClusterEngineClient(PoolTokenizing):
             front.max_model_len,
             front.scheduling_policy,
             front.max_n,
-            front.max_chars_per_token,
+            front.max_bytes_per_token,
         )
         self._tokenizers = TokenizerPool(processor, tokenizer_workers)
         self._model_info = ModelInfo(

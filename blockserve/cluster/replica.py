@@ -35,7 +35,7 @@ class FrontEnd:
     runtime: dict[str, str | int | bool]
     scheduling_policy: str
     max_n: int
-    max_chars_per_token: int | None
+    max_bytes_per_token: int | None
     num_blocks: int  # this replica's KV blocks: the bound of its mirror and credits
 
 
@@ -94,7 +94,7 @@ class EngineReplica:
             dict(model_info.runtime),
             processor.scheduling_policy,
             processor.max_n,
-            processor.max_chars_per_token,
+            processor.max_bytes_per_token,
             core.info.num_blocks,
         )
         logger.info("replica ready; KV events on %s", self.kv_events_endpoint)

@@ -26,6 +26,7 @@ from blockserve.core.eviction import EVICTION_POLICIES
 from blockserve.core.hashing import HASH_FUNCTIONS
 from blockserve.errors import InvalidConfigError
 from blockserve.events.config import KVEventsConfig
+from blockserve.grammar_limits import ConstraintLimits
 from blockserve.options import add_arguments, at_least, from_namespace, option, positive, validate
 
 GIB = 1 << 30
@@ -52,6 +53,10 @@ def _kv_events(value: Any) -> str | None:
     if value is None or isinstance(value, (str, dict, KVEventsConfig)):
         return None
     return f"must be a JSON string, a dict or a KVEventsConfig, got {type(value).__name__}"
+
+
+def _share(value: float) -> str | None:
+    return None if 0 < value <= 1 else f"must be in (0, 1], got {value:g}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +108,13 @@ class EngineArgs:
     )
     max_num_seqs: int = option(64, "most requests per step", check=positive)
     max_num_batched_tokens: int = option(2048, "token budget per step", check=positive)
+    max_request_seq_share: float = option(
+        0.5,
+        "the largest share of --max-num-seqs one request (all its n samples and prompts) may "
+        "hold while another request waits: it is passed over at admission, and its newest "
+        "samples are preempted to make room; 1: first come, first served, as vLLM",
+        check=_share,
+    )
     max_n: int = option(
         128, "most samples (`n`) one request may ask for (the OpenAI API's limit)", check=positive
     )
@@ -173,6 +185,31 @@ class EngineArgs:
         "small model cannot fill max_tokens with whitespace",
         check=at_least(-1),
     )
+    structured_outputs_max_bytes: int = option(
+        65536,
+        "structured outputs: the most bytes one constraint may have (a schema's JSON, a "
+        "regex, a grammar, or the choices together)",
+        check=positive,
+    )
+    structured_outputs_max_rules: int = option(
+        1000,
+        "structured outputs: the most rules a grammar may define, or $refs a schema may hold "
+        "(the grammar compiler recurses once per rule it follows)",
+        check=positive,
+    )
+    structured_outputs_max_choices: int = option(
+        1000, "structured outputs: the most entries a choice list may have", check=positive
+    )
+    structured_outputs_max_nesting: int = option(
+        64,
+        "structured outputs: how deep a JSON schema's objects and arrays may nest",
+        check=positive,
+    )
+    structured_outputs_compile_timeout: float = option(
+        10.0,
+        "structured outputs: seconds a constraint may take to compile before it is refused",
+        check=positive,
+    )
     kv_events_config: KVEventsConfig | dict | str | None = option(
         None,
         "KV event publishing, as JSON with vLLM's keys, e.g. "
@@ -207,6 +244,13 @@ class EngineArgs:
                 max_model_len=self.max_model_len,
                 seed=self.seed,
                 structured_outputs_max_whitespace=self.structured_outputs_max_whitespace,
+                structured_outputs_limits=ConstraintLimits(
+                    self.structured_outputs_max_bytes,
+                    self.structured_outputs_max_rules,
+                    self.structured_outputs_max_choices,
+                    self.structured_outputs_max_nesting,
+                    self.structured_outputs_compile_timeout,
+                ),
                 generation_config=self.generation_config,
                 compile=self.compile,
             ),
@@ -231,6 +275,7 @@ class EngineArgs:
                 policy=self.scheduling_policy,
                 lpm_aging_s=float(self.lpm_aging_s),
                 max_n=self.max_n,
+                max_request_seq_share=self.max_request_seq_share,
             ),
             kv_events=self._kv_events_config(),
         )

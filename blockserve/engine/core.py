@@ -148,6 +148,7 @@ class EngineCore:
             request.priority,
         )
         sample.explain_cache = request.explain_cache
+        sample.group_id = request.group_id or request.request_id.request_id
         self.scheduler.add_request(sample)
 
     def abort_requests(self, request_ids: Iterable[SampleId]) -> None:

@@ -28,9 +28,9 @@ class InputProcessor:
     max_model_len: int
     scheduling_policy: str
     max_n: int
-    # Characters in the longest token's text: a prompt of c characters has at least
-    # ceil(c / max_chars_per_token) tokens, which bounds it before any tokenizing.
-    max_chars_per_token: int | None = None
+    # UTF-8 bytes of the longest token's string: a prompt of b bytes has at least
+    # ceil(b / max_bytes_per_token) tokens, which bounds it before any tokenizing.
+    max_bytes_per_token: int | None = None
     # Compiles structured-outputs constraints (thread-safe, as the tokenizer is); a
     # constraint that does not compile is refused here, before the request is queued.
     grammar: GrammarCompiler | None = None
@@ -66,7 +66,7 @@ class InputProcessor:
         """A text prompt's token ids. Text that cannot fit the context whatever its tokens
         are, or that no tokenizer can take (a lone surrogate), is refused before any
         tokenizing."""
-        self._check_characters(text)
+        self._check_bytes(text)
         if not text.isascii():
             try:
                 text.encode("utf-8")
@@ -86,7 +86,7 @@ class InputProcessor:
         """A conversation's prompt token ids under the model's chat template (engine/chat.py:
         special-token text in a message is plain text unless `special_tokens_in_content`).
         A conversation too long for the context is refused before it is tokenized."""
-        self._check_characters(sum(len(m.get("content") or "") for m in messages))
+        self._check_bytes(sum(_utf8_length(m.get("content") or "") for m in messages))
         return tuple(
             chat_prompt_ids(
                 self.tokenizer, messages, add_generation_prompt, special_tokens_in_content, tools
@@ -160,25 +160,32 @@ class InputProcessor:
             )
         return prompt
 
-    def _check_characters(self, chars: int | str) -> None:
+    def _check_bytes(self, text_or_bytes: int | str) -> None:
         """Tokenizing costs time in proportion to the text: a text that cannot fit the
-        context whatever its tokens are is refused without paying it."""
-        if self.max_chars_per_token is None:
+        context whatever its tokens are is refused without paying it. Bytes, not characters:
+        a token covers bytes, and one character may be four of them (or an emoji sequence
+        many more)."""
+        if self.max_bytes_per_token is None:
             return
-        chars = chars if isinstance(chars, int) else len(chars)
-        min_tokens = -(-chars // self.max_chars_per_token)
+        size = text_or_bytes if isinstance(text_or_bytes, int) else _utf8_length(text_or_bytes)
+        min_tokens = -(-size // self.max_bytes_per_token)
         if min_tokens >= self.max_model_len:
             raise InvalidRequestError(
-                f"the prompt has {chars} characters, so at least {min_tokens} tokens "
-                f"(no token is longer than {self.max_chars_per_token} characters), but the "
+                f"the prompt has {size} bytes of UTF-8, so at least {min_tokens} tokens "
+                f"(no token covers more than {self.max_bytes_per_token} bytes), but the "
                 f"context is {self.max_model_len} tokens",
                 "prompt",
             )
 
 
-def longest_token_chars(tokenizer: Any, vocab_size: int) -> int:
-    """The length of the longest token's text in the vocabulary. Token strings spell bytes
-    (byte-level BPE) or characters (sentencepiece), never fewer than the characters they
-    decode to, so this bounds the characters one token covers."""
+def _utf8_length(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
+def longest_token_bytes(tokenizer: Any, vocab_size: int) -> int:
+    """The UTF-8 length of the longest token string in the vocabulary. A token string spells
+    the bytes it covers (byte-level BPE: one character, of 1-2 UTF-8 bytes, a byte; byte
+    fallback: `<0xE4>` for one) or its text (sentencepiece: `▁` for a space), never in fewer
+    UTF-8 bytes than the text it decodes to, so this bounds the bytes one token covers."""
     tokens = tokenizer.convert_ids_to_tokens(list(range(vocab_size)))
-    return max((len(t) for t in tokens if t is not None), default=1)
+    return max((len(t.encode("utf-8")) for t in tokens if t is not None), default=1)

@@ -16,7 +16,7 @@ from pathlib import Path
 from blockserve.config import EngineConfig
 from blockserve.engine.core import EngineCore
 from blockserve.engine.generation_config import default_sampling
-from blockserve.engine.input_processor import InputProcessor, longest_token_chars
+from blockserve.engine.input_processor import InputProcessor, longest_token_bytes
 from blockserve.engine.output_processor import OutputProcessor
 from blockserve.engine.outputs import EngineStats, KVCacheReport, MissRatioReport, RequestOutput
 from blockserve.engine.request import RequestSpec, ValidatedRequest
@@ -135,7 +135,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         info.max_model_len,
         config.scheduler.policy,
         config.scheduler.max_n,
-        longest_token_chars(core.tokenizer, info.vocab_size),
+        longest_token_bytes(core.tokenizer, info.vocab_size),
         core.runner.grammar,
     )
     return LLMEngine(core, processor, defaults)

@@ -110,6 +110,7 @@ class OutputProcessor:
                 spec.cache_salt,
                 spec.lora_name,
                 spec.explain_cache,
+                spec.group_id or spec.request_id,
             )
             for index in range(params.n)
         ]

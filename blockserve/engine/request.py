@@ -30,6 +30,9 @@ class RequestSpec:
     cache_salt: str | None = None
     lora_name: str | None = None
     explain_cache: bool = False  # report why the prefix-cache match stopped (usage)
+    # The scheduler's fairness unit (sched/fair_share.py): requests of one group share one
+    # share of the sequence slots, as one HTTP request's prompts do; None: this request alone.
+    group_id: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.prompt, str):
@@ -71,6 +74,7 @@ class EngineCoreRequest:
     cache_salt: str | None = None
     lora_name: str | None = None
     explain_cache: bool = False
+    group_id: str = ""  # "": the request's own id (every sample of it, one group)
 
 
 PromptInput = str | Sequence[int] | Mapping[str, Any]

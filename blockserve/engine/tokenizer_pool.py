@@ -16,24 +16,37 @@ from typing import Any, TypeVar
 
 from blockserve.engine.chat import Message
 from blockserve.engine.input_processor import InputProcessor
+from blockserve.errors import ServerOverloadedError
 
 T = TypeVar("T")
 
 
 class TokenizerPool:
-    """Runs `fn(processor)` on one of `workers` threads."""
+    """Runs `fn(processor)` on one of `workers` threads, with at most `max_pending` calls
+    queued or running: past that a call is refused (ServerOverloadedError, a 503 with
+    Retry-After) rather than queued behind work it would wait seconds for."""
 
-    def __init__(self, processor: InputProcessor, workers: int) -> None:
+    def __init__(self, processor: InputProcessor, workers: int, max_pending: int = 0) -> None:
         if workers < 1:
             raise ValueError(f"a tokenizer pool needs at least one worker, got {workers}")
         self.processor = processor
+        self.max_pending = max_pending or 64 * workers
+        self._pending = 0  # read and written on the event loop only
         self._executor = concurrent.futures.ThreadPoolExecutor(
             workers, thread_name_prefix="blockserve-tokenizer"
         )
 
     async def run(self, fn: Callable[[InputProcessor], T]) -> T:
         """`fn` applied to the processor on a worker, awaited without blocking the loop."""
-        return await asyncio.wrap_future(self._executor.submit(fn, self.processor))
+        if self._pending >= self.max_pending:
+            raise ServerOverloadedError(
+                f"{self._pending} requests are being tokenized or wait for it; try again shortly"
+            )
+        self._pending += 1
+        try:
+            return await asyncio.wrap_future(self._executor.submit(fn, self.processor))
+        finally:
+            self._pending -= 1
 
     def shutdown(self) -> None:
         """Stop the workers; calls still queued are cancelled."""

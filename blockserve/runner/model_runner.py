@@ -110,6 +110,7 @@ class ModelRunner:
             self.arch.vocab_size,
             self.arch.eos_token_ids,
             model_config.structured_outputs_max_whitespace,
+            model_config.structured_outputs_limits,
         )
         self.requests: dict[RequestId, RequestState] = {}
         # The forward each step runs: the model itself, or its compiled graphs (--compile).

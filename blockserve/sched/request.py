@@ -67,6 +67,7 @@ class Request:
         "cache_explanation",
         "cache_salt",
         "explain_cache",
+        "group_id",
         "lora_name",
         "num_cached_tokens",
         "num_computed_tokens",
@@ -107,6 +108,9 @@ class Request:
         # The part of num_cached_tokens loaded from each lower tier, by its name.
         self.tier_cached_tokens: dict[str, int] = {}
         self.explain_cache = False
+        # The scheduler's fairness unit: the caller's whole request (its n samples, its
+        # prompts); by default the request itself.
+        self.group_id = str(request_id)
         self.cache_explanation: CacheExplanation | None = None
         self.num_preemptions = 0
         # Prompt logprobs need every position's logits, so such a request never reads the cache.

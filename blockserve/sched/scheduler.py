@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from blockserve.config import SchedulerConfig
 from blockserve.core.events import KVEventBatch
 from blockserve.core.kv_cache_manager import KVCacheManager, RequestId
+from blockserve.sched.fair_share import FairShare
 from blockserve.sched.loading import TierLoader, TierLoads
 from blockserve.sched.output import (
     ModelRunnerOutput,
@@ -63,6 +64,7 @@ class Scheduler:
         self.kv_cache_manager = kv_cache_manager
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting = create_request_queue(config, kv_cache_manager)
+        self.fair_share = FairShare(config.max_num_seqs, config.max_request_seq_share)
         self.running: list[Request] = []
         self.requests: dict[RequestId, Request] = {}
         self.finished_request_ids: set[RequestId] = set()
@@ -130,6 +132,10 @@ class Scheduler:
             for request in self.loads.finish():  # loaded: they run, sent to the runner anew
                 self.running.append(request)
                 self._loaded.add(request.request_id)
+        taken = len(self.running) + self.num_loading
+        victim = self.fair_share.victim(self.waiting, self.running, taken)
+        if victim is not None:  # its slot goes to a request waiting under its share
+            self._preempt(victim)
         budget, preempted_any = self._schedule_running(num_scheduled)
         # No admission after a preemption: the freed blocks go to the preempted first.
         new_request_ids = set() if preempted_any else self._admit(budget, num_scheduled)
@@ -169,7 +175,8 @@ class Scheduler:
             and budget > 0
             and len(self.running) + self.num_loading < self.config.max_num_seqs
         ):
-            request = self.waiting.peek()
+            head = self.waiting.peek()
+            request = self.fair_share.next_to_admit(head, self.waiting, self.running)
             hit_blocks, num_hits = self.kv_cache_manager.get_computed_blocks(request)
             tier_hits = (
                 self.loads.lookup(request, len(hit_blocks)) if self.loads is not None else []
@@ -178,7 +185,7 @@ class Scheduler:
                 assert self.loads is not None
                 if not self.loads.start(request, hit_blocks, tier_hits):
                     break  # strict head-of-line, as below
-                self.waiting.pop()
+                self._take_waiting(request, head)
                 continue
             first_admission = request.num_cached_tokens is None
             # Explained before allocating, which stores the request's own blocks.
@@ -190,7 +197,7 @@ class Scheduler:
             num_new = min(request.num_tokens - num_hits, budget)
             if self.kv_cache_manager.allocate_slots(request, num_new, num_hits, hit_blocks) is None:
                 break  # strict head-of-line: nothing behind it jumps ahead
-            self.waiting.pop()
+            self._take_waiting(request, head)
             request.num_computed_tokens = num_hits
             if first_admission:
                 request.num_cached_tokens = num_hits
@@ -201,6 +208,12 @@ class Scheduler:
             new_request_ids.add(request.request_id)
             budget -= num_new
         return new_request_ids
+
+    def _take_waiting(self, request: Request, head: Request) -> None:
+        if request is head:
+            self.waiting.pop()
+        else:  # passed the head by for its group's fair share
+            self.waiting.remove(request)
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":

@@ -36,6 +36,7 @@ from blockserve.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from blockserve.server.request_limits import RequestLimits
 from blockserve.server.runs import ServingContext
 
 # A completion answers JSON, or with "stream": true an event stream.
@@ -64,6 +65,12 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
         served_names=served_names,
         default_sampling=info.default_sampling,
         tool_call_parser=config.tool_call_parser if config.enable_auto_tool_choice else None,
+        limits=RequestLimits(
+            config.max_prompts_per_request,
+            config.max_stop_strings,
+            config.max_stop_chars,
+            config.max_request_tokens,
+        ),
     )
 
     @contextlib.asynccontextmanager
@@ -80,7 +87,9 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     install_error_handlers(app)
     app.state.drain = ctx.drain
     # Outermost last: keys first, then the drain, then the body limit.
-    app.add_middleware(BodySizeLimit, max_bytes=config.max_request_body_bytes)
+    app.add_middleware(
+        BodySizeLimit, max_bytes=config.max_request_body_bytes, timeout_s=config.body_timeout
+    )
     app.add_middleware(RefuseWhileDraining, drain=ctx.drain)
     open_paths = None
     if config.api_key:

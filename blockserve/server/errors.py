@@ -25,6 +25,7 @@ ERROR_TYPES = {
     401: "AuthenticationError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
+    408: "RequestTimeoutError",
     413: "RequestTooLargeError",
     429: "RateLimitError",
     500: "InternalServerError",
@@ -79,7 +80,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(BlockserveError)
     async def blockserve_error(request: Request, exc: BlockserveError) -> JSONResponse:
-        return error_response(exc.http_status, str(exc), getattr(exc, "param", None))
+        retry_after = getattr(exc, "retry_after_s", None)
+        headers = None if retry_after is None else {"Retry-After": str(retry_after)}
+        return error_response(exc.http_status, str(exc), getattr(exc, "param", None), headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

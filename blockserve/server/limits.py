@@ -1,11 +1,14 @@
-"""Request-body limit: a body larger than `--max-request-body-bytes` is refused with 413
-before it is read, whether it declares its length or streams it in chunks.
+"""Request-body limits: a body larger than `--max-request-body-bytes` is refused with 413
+before it is read, whether it declares its length or streams it in chunks; a body whose next
+chunk does not come within `--body-timeout` is refused with 408.
 
 A pure ASGI middleware, so nothing buffers the body before the count: a declared length is
 checked first, a chunked body is counted as it arrives and abandoned at the limit.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -14,11 +17,13 @@ from blockserve.server.errors import error_response
 
 
 class BodySizeLimit:
-    """Wraps an ASGI app; `max_bytes` bounds every HTTP request body."""
+    """Wraps an ASGI app; `max_bytes` bounds every HTTP request body, `timeout_s` each wait
+    for its next chunk (not the waits after it is whole: a stream's disconnect watch)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float = 30.0) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -29,11 +34,21 @@ class BodySizeLimit:
             await self._refuse(scope, receive, send)
             return
         received = 0
+        whole = False
 
         async def counted() -> Message:
-            nonlocal received
-            message = await receive()
+            nonlocal received, whole
+            if whole:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.timeout_s)
+            except TimeoutError:
+                raise HTTPException(
+                    408,
+                    f"the request body did not arrive within {self.timeout_s:g} s (--body-timeout)",
+                ) from None
             if message["type"] == "http.request":
+                whole = not message.get("more_body", False)
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
                     # Raised inside the app's body read, as an HTTPException: FastAPI passes

@@ -54,7 +54,9 @@ async def create_completion(
     params = body.sampling_params(
         body.max_tokens, body.logprobs, body.constraint(), ctx.default_sampling
     )
-    run = Run(ctx, body.request_id or f"cmpl-{uuid.uuid4().hex}", body.prompts())
+    prompts = body.prompts()
+    ctx.check_limits(params, len(prompts))
+    run = Run(ctx, body.request_id or f"cmpl-{uuid.uuid4().hex}", prompts)
     salt = ctx.cache_salt(request, body.cache_salt)
     await run.start(params, body.priority, salt, request, body.return_cache_explanation)
     created = int(time.time())
@@ -148,6 +150,7 @@ async def create_chat_completion(
         max_tokens = max(1, min(ctx.default_chat_max_tokens, room))
     constraint = plan.constraint or body.constraint()
     params = body.sampling_params(max_tokens, num_logprobs, constraint, ctx.default_sampling)
+    ctx.check_limits(params, 1)
     run = Run(ctx, body.request_id or f"chatcmpl-{uuid.uuid4().hex}", [prompt])
     salt = ctx.cache_salt(request, body.cache_salt)
     await run.start(params, body.priority, salt, request, body.return_cache_explanation)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -32,6 +33,7 @@ from blockserve.server.auth import salt_for_key
 from blockserve.server.drain import Drain
 from blockserve.server.errors import error_body
 from blockserve.server.metrics import RequestTimer, ServerMetrics
+from blockserve.server.request_limits import RequestLimits
 from blockserve.server.responses import ChoiceTracker, sse, usage
 
 DISCONNECT_POLL_S = 0.1
@@ -60,6 +62,11 @@ class ServingContext:
     tool_call_parser: str | None = None
     # The model's generation-config defaults (--generation-config): field -> value.
     default_sampling: Mapping[str, float | int] = field(default_factory=dict)
+    limits: RequestLimits = field(default_factory=RequestLimits)  # what one request may ask
+
+    def check_limits(self, params: SamplingParams, num_prompts: int) -> None:
+        """InvalidRequestError if the request asks for more than `limits` allow."""
+        self.limits.check(params, num_prompts, self.engine.model_info().max_model_len)
 
     def cache_salt(self, request: Request, client_salt: str | None) -> str | None:
         """The salt a request runs under: the client's, or with per-key salts one derived
@@ -74,11 +81,17 @@ class ServingContext:
 
 
 class Run:
-    """One HTTP request's engine requests, merged into one stream of (prompt index, output)."""
+    """One HTTP request's engine requests, merged into one stream of (prompt index, output).
+
+    `request_id` is the response's `id`: the client's label if it gave one, echoed and never
+    used as a key. The engine knows the run by ids made here, unique to it, so two clients
+    with one label get their own outputs, and no answer says whether a label is in use.
+    """
 
     def __init__(self, ctx: ServingContext, request_id: str, prompts: list[Prompt]) -> None:
         self.ctx = ctx
         self.request_id = request_id
+        self._engine_id = f"run-{uuid.uuid4().hex}"
         self.prompts = prompts
         self.streams: list[AsyncIterator[RequestOutput]] = []
         self.first: list[RequestOutput] = []
@@ -110,7 +123,14 @@ class Run:
         self.streams = [
             self.ctx.engine.generate(
                 RequestSpec(
-                    f"{self.request_id}-{i}", prompt, params, priority, salt, None, explain_cache
+                    f"{self._engine_id}-{i}",
+                    prompt,
+                    params,
+                    priority,
+                    salt,
+                    None,
+                    explain_cache,
+                    group_id=self._engine_id,  # its prompts share one fair share of the slots
                 )
             )
             for i, prompt in enumerate(self.prompts)

@@ -26,6 +26,7 @@ from blockserve.engine.async_engine import AsyncEngine
 from blockserve.errors import InvalidConfigError
 from blockserve.server.app import build_app
 from blockserve.server.drain import Drain
+from blockserve.server.timeouts import with_header_deadline
 
 logger = logging.getLogger("blockserve")
 GRACEFUL_SHUTDOWN_S = 5
@@ -82,6 +83,8 @@ def _serve_on(
             port=server_config.port,
             log_level="info",
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+            http=with_header_deadline(server_config.header_timeout),
+            timeout_keep_alive=server_config.timeout_keep_alive,
         ),
     )
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal with the

@@ -18,19 +18,21 @@ def test_every_path_the_script_names_exists() -> None:
     benchmarks/results/..., where it writes)."""
     named = set(re.findall(r"\b((?:tests|benchmarks)/[\w/.]*\w)", SCRIPT.read_text()))
     paths = {p for p in named if not p.startswith("benchmarks/results")}
-    assert {"tests/gpu", "benchmarks/bench_attention.py"} <= paths
+    assert {"tests/gpu", "benchmarks/bench_attention.py", "benchmarks/bench_gpu_engine.py"} <= paths
     assert sorted(p for p in paths if not (ROOT / p).exists()) == []
 
 
-def test_the_script_parses_and_the_benchmark_imports() -> None:
-    """bash accepts the script; bench_attention.py imports and answers --help."""
+def test_the_script_parses_and_the_benchmarks_import() -> None:
+    """bash accepts the script; bench_attention.py and bench_gpu_engine.py import and answer
+    --help."""
     assert subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True).returncode == 0
-    bench = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_attention.py"), "--help"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=120,
-    )
-    assert bench.returncode == 0, bench.stderr
-    assert "--sweep" in bench.stdout
+    for name, flag in (("bench_attention.py", "--sweep"), ("bench_gpu_engine.py", "--shapes")):
+        bench = subprocess.run(
+            [sys.executable, str(ROOT / "benchmarks" / name), "--help"],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=120,
+        )
+        assert bench.returncode == 0, bench.stderr
+        assert flag in bench.stdout

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from blockserve.engine.input_processor import InputProcessor, longest_token_chars
+from blockserve.engine.input_processor import InputProcessor, longest_token_bytes
 from blockserve.engine.request import RequestSpec, ValidatedRequest
 from blockserve.errors import InvalidRequestError
 from blockserve.sampling_params import SamplingParams
@@ -123,27 +123,38 @@ class RefusingTokenizer:
         return ["ab", "abcd", None, "x"][: len(ids)]
 
 
+class SentencePieceLike:
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return ["\u2581\u00e9", "\u4f60\u597d"][: len(ids)]
+
+
 def test_text_that_cannot_fit_is_refused_before_tokenizing() -> None:
-    """With tokens of at most 4 characters, 125 characters are at least 32 tokens: refused
-    without tokenizing; 124 characters might fit, so they are tokenized."""
+    """With tokens of at most 4 bytes, 125 bytes are at least 32 tokens: refused without
+    tokenizing; 124 bytes might fit, so they are tokenized. Bytes, not characters: 31 emoji
+    (4 bytes each) are 124 bytes, 32 are 128."""
     processor = InputProcessor(
         RefusingTokenizer(),
         1000,
         max_model_len=32,
         scheduling_policy="fcfs",
         max_n=4,
-        max_chars_per_token=4,
+        max_bytes_per_token=4,
     )
     with pytest.raises(InvalidRequestError) as refused:
         processor.process(RequestSpec("a", "x" * 125), set())
     assert str(refused.value) == (
-        "the prompt has 125 characters, so at least 32 tokens (no token is longer than 4 "
-        "characters), but the context is 32 tokens"
+        "the prompt has 125 bytes of UTF-8, so at least 32 tokens (no token covers more than "
+        "4 bytes), but the context is 32 tokens"
     )
     with pytest.raises(AssertionError, match="tokenized"):
         processor.process(RequestSpec("a", "x" * 124), set())
+    with pytest.raises(InvalidRequestError, match="has 128 bytes"):
+        processor.process(RequestSpec("a", "\N{GRINNING FACE}" * 32), set())
+    with pytest.raises(AssertionError, match="tokenized"):
+        processor.process(RequestSpec("a", "\N{GRINNING FACE}" * 31), set())
 
 
-def test_longest_token_chars_reads_the_vocabulary() -> None:
-    """The bound is the longest token string; ids without a token are skipped."""
-    assert longest_token_chars(RefusingTokenizer(), 4) == 4
+def test_longest_token_bytes_reads_the_vocabulary() -> None:
+    """The bound is the longest token string in UTF-8; ids without a token are skipped."""
+    assert longest_token_bytes(RefusingTokenizer(), 4) == 4
+    assert longest_token_bytes(SentencePieceLike(), 2) == 6  # "▁é": 3 + 2 bytes, "你好": 6

@@ -11,6 +11,7 @@ import pytest
 
 from blockserve.engine.input_processor import InputProcessor
 from blockserve.engine.tokenizer_pool import TokenizerPool
+from blockserve.errors import ServerOverloadedError
 
 WAIT_S = 10
 
@@ -81,3 +82,32 @@ def test_a_short_prompt_does_not_wait_for_a_long_one() -> None:
 def test_a_pool_needs_a_worker() -> None:
     with pytest.raises(ValueError, match="at least one worker, got 0"):
         make_pool(workers=0)
+
+
+def test_a_full_queue_refuses_with_retry_after_and_frees_as_work_ends() -> None:
+    """Two calls pending (one running, one queued) fill a pool of max_pending 2: a third is
+    ServerOverloadedError (503, Retry-After 1 s); once they end, a call is taken again."""
+    tokenizer = GatedTokenizer()
+    processor = InputProcessor(
+        tokenizer, vocab_size=100, max_model_len=64, scheduling_policy="fcfs", max_n=1
+    )
+    pool = TokenizerPool(processor, workers=1, max_pending=2)
+    GatedTokenizer.gate.clear()
+
+    async def main() -> None:
+        held = [
+            asyncio.ensure_future(pool.run(lambda p: p.encode_text("slow text"))) for _ in range(2)
+        ]
+        await asyncio.sleep(0)
+        with pytest.raises(ServerOverloadedError) as refused:
+            await pool.run(lambda p: p.encode_text("hi"))
+        assert (refused.value.http_status, refused.value.retry_after_s) == (503, 1)
+        GatedTokenizer.gate.set()
+        await asyncio.wait_for(asyncio.gather(*held), WAIT_S)
+        assert await pool.run(lambda p: p.encode_text("hi")) == (4, 5)
+
+    try:
+        asyncio.run(main())
+    finally:
+        GatedTokenizer.gate.set()
+        pool.shutdown()

@@ -108,14 +108,14 @@ CASES = [
         "/tokenize",
         {"prompt": "y" * (1 << 20)},
         400,
-        "characters, so at least",
+        "bytes of UTF-8, so at least",
     ),
     (
         "1 MiB chat message",
         "/v1/chat/completions",
         {"messages": [{"role": "user", "content": "y" * (1 << 20)}]},
         400,
-        "characters, so at least",
+        "bytes of UTF-8, so at least",
     ),
     ("a string for an integer", "/v1/completions", {"prompt": "hi", "n": "2"}, 400, "n"),
     (
@@ -263,4 +263,4 @@ def test_text_too_long_for_the_context_is_refused_before_tokenizing(server: Serv
     characters, not tokens."""
     response = httpx.post(f"{server.url}/v1/completions", json={"prompt": "y" * (1 << 20)})
     assert response.status_code == 400
-    assert "characters, so at least" in response.json()["error"]["message"]
+    assert "bytes of UTF-8, so at least" in response.json()["error"]["message"]

@@ -81,7 +81,7 @@ def make_run(client: ScriptedClient, prompts: list[tuple[int, ...]]) -> Run:
 
 
 def test_every_prompt_runs_and_finals_come_in_prompt_order() -> None:
-    """Two prompts get ids cmpl-1-0 and cmpl-1-1; the final snapshots come back in order."""
+    """Two prompts get engine ids <run>-0 and <run>-1; the final snapshots come in order."""
     client = ScriptedClient({1: ["a", "ab", "abc"], 2: ["x", "xy"]})
     run = make_run(client, [(1,), (2,)])
 
@@ -90,7 +90,9 @@ def test_every_prompt_runs_and_finals_come_in_prompt_order() -> None:
         return await final_outputs(run, StaysConnected())  # type: ignore[arg-type]
 
     finals = asyncio.run(main())
-    assert [s.request_id for s in client.specs] == ["cmpl-1-0", "cmpl-1-1"]
+    ids = [s.request_id for s in client.specs]
+    assert [i.rsplit("-", 1)[1] for i in ids] == ["0", "1"]
+    assert ids[0].rsplit("-", 1)[0] == ids[1].rsplit("-", 1)[0]
     assert [f.outputs[0].text for f in finals] == ["abc", "xy"]
     assert client.closed_early == []
 
@@ -101,7 +103,24 @@ def test_a_refused_prompt_refuses_the_batch_and_closes_the_others() -> None:
     run = make_run(client, [(1,), (2,)])
     with pytest.raises(InvalidRequestError, match="bad prompt"):
         asyncio.run(run.start(SamplingParams(), 0, None, StaysConnected()))  # type: ignore[arg-type]
-    assert client.closed_early == ["cmpl-1-0"]
+    assert client.closed_early == [client.specs[0].request_id]
+
+
+def test_the_client_label_is_echoed_never_an_engine_key() -> None:
+    """Two runs labelled alike reach the engine under ids of their own, neither the label."""
+    client = ScriptedClient({1: ["a"], 2: ["b"]})
+    runs = [make_run(client, [(1,)]), make_run(client, [(2,)])]
+
+    async def main() -> None:
+        for run in runs:
+            await run.start(SamplingParams(), 0, None, StaysConnected())  # type: ignore[arg-type]
+            await final_outputs(run, StaysConnected())  # type: ignore[arg-type]
+
+    asyncio.run(main())
+    first, second = (s.request_id for s in client.specs)
+    assert first != second
+    assert "cmpl-1" not in first + second
+    assert [run.request_id for run in runs] == ["cmpl-1", "cmpl-1"]
 
 
 def test_a_request_that_failed_in_the_engine_is_a_request_failed_error() -> None:
@@ -149,4 +168,5 @@ def test_a_client_that_leaves_while_queued_aborts_before_any_output() -> None:
         # Bounded: were the disconnect missed, this would end in TimeoutError, not hang.
         start = run.start(SamplingParams(), 0, None, LeavesAfter(2))  # type: ignore[arg-type]
         asyncio.run(asyncio.wait_for(start, timeout=5))
-    assert sorted(client.closed_early) == ["cmpl-1-0", "cmpl-1-1"]
+    assert sorted(client.closed_early) == sorted(s.request_id for s in client.specs)
+    assert len(client.closed_early) == 2
