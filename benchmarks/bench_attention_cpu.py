@@ -50,7 +50,7 @@ from blockserve.attention import cpu_build, cpu_kernels
 from blockserve.attention.prefill import attend_causal
 from blockserve.attention.shared_prefix import attend, merge
 from blockserve.attention.torch_backend import DecodePlan, TorchAttentionBackend
-from blockserve.model.loader import default_cache_dir
+from blockserve.config import default_cache_dir
 
 HEADS, KV_HEADS, DIM = 9, 3, 64
 GROUP = HEADS // KV_HEADS

@@ -51,10 +51,11 @@ import torch
 from report import emit
 
 from blockserve.attention import cpu_build, cpu_kernels
+from blockserve.config import default_cache_dir
 from blockserve.model import packed
 from blockserve.model.arch import LlamaArchConfig
 from blockserve.model.dtype import probe_host
-from blockserve.model.loader import default_cache_dir, resolve_model_dir
+from blockserve.model.loader import resolve_model_dir
 from blockserve.model.packed import PackedLinear, pack_for_tiles, pack_for_vectors
 
 PREFIX, SUFFIX, OUTPUT, REQUESTS = 1024, 32, 32, 64

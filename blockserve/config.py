@@ -7,12 +7,22 @@ imports below this layer: the choice lists that several layers share live here.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from blockserve.errors import InvalidConfigError
 from blockserve.events.config import KVEventsConfig
 from blockserve.grammar_limits import ConstraintLimits
 from blockserve.options import at_least, option, positive, validate
+
+
+def default_cache_dir() -> Path:
+    """Where start-up caches live (converted GGUF files, tokenizer snapshots, our CPU kernel
+    builds): `$BLOCKSERVE_CACHE_DIR`, else `~/.cache/blockserve`."""
+    env = os.environ.get("BLOCKSERVE_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "blockserve"
+
 
 DTYPES = ("auto", "float32", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cuda")

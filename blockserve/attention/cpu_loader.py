@@ -127,7 +127,7 @@ def wait(timeout: float | None = None) -> bool:
 def main() -> None:
     """Build every library the host can run into the default cache dir now (`make setup`
     does, so that the first start need not)."""
-    from blockserve.model.loader import default_cache_dir
+    from blockserve.config import default_cache_dir
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     for dtype, library in LIBRARIES.items():

@@ -29,6 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from blockserve.attention.metadata import AttentionBackend
+from blockserve.config import default_cache_dir
 from blockserve.errors import InvalidConfigError, ModelNotFoundError
 from blockserve.model.arch import LlamaArchConfig
 from blockserve.model.dtype import HostCapabilities, auto_dtype, probe_host
@@ -53,12 +54,6 @@ class LoadedModel:
     model_dir: Path
     name: str
     dtype: torch.dtype
-
-
-def default_cache_dir() -> Path:
-    """`$BLOCKSERVE_CACHE_DIR`, else `~/.cache/blockserve`."""
-    env = os.environ.get("BLOCKSERVE_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "blockserve"
 
 
 def default_model_path() -> Path:

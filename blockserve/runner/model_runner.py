@@ -17,14 +17,13 @@ import torch
 
 from blockserve.attention import cpu_kernels
 from blockserve.attention.selector import get_attention_backend
-from blockserve.config import CacheConfig, ModelConfig
+from blockserve.config import CacheConfig, ModelConfig, default_cache_dir
 from blockserve.core.kv_cache_manager import RequestId
 from blockserve.grammar import GrammarCompiler, apply_token_masks
 from blockserve.model.compile import CompileReport, compile_forward, mark_token_dim_dynamic
 from blockserve.model.dtype import probe_host, warn_if_slow
 from blockserve.model.loader import (
     LoadedModel,
-    default_cache_dir,
     load_model,
     read_arch,
     resolve_dtype,

@@ -1,0 +1,81 @@
+"""The GPU engine's host cost, measured on any CPU: a tiny 16-layer Llama (hidden 64, so its
+arithmetic is next to nothing), one torch thread, 256 sequences decoding together. What a
+decode step costs here is almost all per-step host work (scheduling, input preparation,
+launching ops, sampling, output processing), the part a GPU waits on.
+
+Reports the median decode step's wall time, its part outside the model runner, and aten ops
+per step (torch.profiler over 8 full-batch decode steps), for the torch backend and float32.
+
+    .venv/bin/python benchmarks/bench_host_overhead.py [--sequences 256] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_gpu_engine import StepRecorder, profiled_decode
+from report import emit
+
+from blockserve import LLM, SamplingParams
+from tests.tiny_models import save_tiny_model
+
+PROMPT_TOKENS = 32
+OUTPUT_TOKENS = 48
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sequences", type=int, default=256)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = save_tiny_model(Path(tmp), num_hidden_layers=16, max_position_embeddings=4096)
+        llm = LLM(
+            str(path),
+            dtype="float32",
+            device="cpu",
+            attention_backend="torch",
+            max_num_seqs=args.sequences,
+            max_num_batched_tokens=max(2048, args.sequences * PROMPT_TOKENS),
+            num_gpu_blocks_override=args.sequences * 6 + 8,
+        )
+        recorder = StepRecorder(llm)
+        prompts = [
+            [(7 * i + j) % 300 + 5 for j in range(PROMPT_TOKENS)] for i in range(args.sequences)
+        ]
+        params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
+        for run in ("warm-up", "timed", "profiled"):  # the profiler slows the steps it sees
+            llm.reset_prefix_cache()
+            if run == "profiled":
+                decode = recorder.decode_steps(args.sequences)
+                with profiled_decode(recorder, args.sequences) as profiled:
+                    llm.generate(prompts, params, use_tqdm=False)
+            else:
+                recorder.steps.clear()
+                llm.generate(prompts, params, use_tqdm=False)
+        llm.shutdown()
+    result = {
+        "benchmark": "host_overhead",
+        "sequences": args.sequences,
+        "layers": 16,
+        "hidden": 64,
+        "decode_steps": len(decode),
+        "decode_step_ms": round(1e3 * statistics.median(s for s, _ in decode), 2),
+        "outside_runner_ms": round(1e3 * statistics.median(s - r for s, r in decode), 2),
+        "aten_ops_per_step": profiled.get("aten_ops_per_step"),
+        "torch": torch.__version__,
+    }
+    emit(result, args.out)
+
+
+if __name__ == "__main__":
+    main()

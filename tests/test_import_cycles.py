@@ -1,0 +1,89 @@
+"""blockserve's modules import each other without a circle: every import, module-level or
+inside a function, is an edge; `from package import module` is an edge to the module alone
+(a package's __init__ runs first for any of its modules, and is no dependency of its own)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import blockserve
+
+PACKAGE = Path(blockserve.__file__).parent
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the blockserve modules it imports."""
+    paths = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in paths.items():
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                edges.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module is not None:
+                assert node.level == 0, f"{name}: relative import"
+                modules = [f"{node.module}.{a.name}" for a in node.names]
+                edges.update(m for m in modules if m in paths)
+                if any(m not in paths for m in modules):
+                    edges.add(node.module)
+        graph[name] = {edge for edge in edges if edge in paths and edge != name}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (iterative Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            edge = next(edges, None)
+            if edge is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+            elif edge not in index:
+                index[edge] = low[edge] = len(index)
+                stack.append(edge)
+                on_stack.add(edge)
+                work.append((edge, iter(sorted(graph[edge]))))
+            elif edge in on_stack:
+                low[node] = min(low[node], index[edge])
+    return found
+
+
+def test_no_module_imports_itself_through_others() -> None:
+    """0 circles (there was one: attention's kernel loader reached model/loader.py for the
+    cache directory, and model/llama.py imports attention's kernels)."""
+    assert circles(import_graph()) == []
+
+
+def test_a_circle_is_found() -> None:
+    """The check itself: a -> b -> c -> a is one circle; d, outside it, is not in it."""
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert circles(graph) == [["a", "b", "c"]]
