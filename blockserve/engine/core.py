@@ -25,10 +25,10 @@ from blockserve.core.miss_ratio import MissRatioCurve
 from blockserve.engine.outputs import (
     CoreStats,
     KVCacheReport,
-    MissRatioPoint,
     MissRatioReport,
     TierStats,
 )
+from blockserve.engine.reports import kv_cache_report, miss_ratio_report
 from blockserve.engine.request import EngineCoreRequest, SampleId
 from blockserve.engine.tiers import create_kv_tiers, filled_blocks, tier_stats
 from blockserve.errors import InvalidConfigError
@@ -211,16 +211,7 @@ class EngineCore:
         )
 
     def kv_cache_report(self) -> KVCacheReport:
-        manager = self.kv_cache_manager
-        pool = manager.block_pool
-        return KVCacheReport(
-            num_blocks=pool.num_blocks,
-            num_free_blocks=pool.num_free_blocks,
-            usage=pool.usage,
-            num_cached_hashes=len(pool.cached_block_hash_to_block),
-            num_requests_holding_blocks=len(manager.req_to_blocks),
-            integrity_errors=tuple(manager.integrity_errors()),
-        )
+        return kv_cache_report(self.kv_cache_manager)
 
     def estimated_hit_rates(self) -> tuple[tuple[int, float], ...]:
         """The miss-ratio curve's gauges: (capacity in blocks, estimated LRU hit rate)."""
@@ -228,28 +219,8 @@ class EngineCore:
         return curve.point_hit_rates() if curve is not None else ()
 
     def miss_ratio_report(self) -> MissRatioReport:
-        """The curve at 17 sizes, 1/16x to 16x this cache in steps of sqrt(2) (empty when
-        prefix caching is off)."""
-        manager = self.kv_cache_manager
-        usable = manager.block_pool.num_usable_blocks
-        block_size = manager.block_size
-        curve = self.miss_ratio_curve
-        points: tuple[MissRatioPoint, ...] = ()
-        if curve is not None:
-            capacities = sorted({max(1, round(usable * 2.0 ** (k / 2))) for k in range(-8, 9)})
-            points = tuple(
-                MissRatioPoint(capacity, capacity * block_size, round(rate, 5))
-                for capacity, rate in curve.curve(capacities)
-            )
-        return MissRatioReport(
-            block_size=block_size,
-            num_blocks=usable,
-            actual_hit_rate=round(manager.prefix_cache_stats.hit_rate, 5),
-            num_requests=manager.prefix_cache_stats.requests,
-            sampling_rate=curve.sampling_rate if curve is not None else 0.0,
-            num_tracked_hashes=curve.num_tracked if curve is not None else 0,
-            points=points,
-        )
+        """The curve at 17 sizes around this cache's (engine/reports.py)."""
+        return miss_ratio_report(self.kv_cache_manager, self.miss_ratio_curve)
 
     def reset_prefix_cache(self) -> bool:
         """Clear the prefix cache (False while requests hold blocks); AllBlocksCleared is

@@ -69,7 +69,9 @@ class LLM:
             for prompt, p, prio, salt in zip(prompt_list, params, priorities, salts, strict=True):
                 request_id = str(self._next_id)
                 self._next_id += 1
-                self.engine.add_request(RequestSpec(request_id, prompt, p, prio, salt))
+                self.engine.add_request(
+                    RequestSpec(request_id, prompt, p, priority=prio, cache_salt=salt)
+                )
                 request_ids.append(request_id)
             return self._run(request_ids, use_tqdm)
         except BaseException:

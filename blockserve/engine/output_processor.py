@@ -106,11 +106,11 @@ class OutputProcessor:
                 dataclasses.replace(
                     params, n=1, seed=None if params.seed is None else params.seed + index
                 ),
-                spec.priority,
-                spec.cache_salt,
-                spec.lora_name,
-                spec.explain_cache,
-                spec.group_id or spec.request_id,
+                priority=spec.priority,
+                cache_salt=spec.cache_salt,
+                lora_name=spec.lora_name,
+                explain_cache=spec.explain_cache,
+                group_id=spec.group_id or spec.request_id,
             )
             for index in range(params.n)
         ]

@@ -27,6 +27,7 @@ from blockserve.sched.output import (
 )
 from blockserve.sched.queues import create_request_queue, priority_key
 from blockserve.sched.request import Request, RequestStatus
+from blockserve.sched.stops import check_stop
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,7 +276,7 @@ class Scheduler:
             if request is None or request.is_finished or token_id is None:
                 continue
             request.append_output_token_ids(token_id)
-            status = self._check_stop(request, token_id)
+            status = check_stop(request, token_id, self.eos_token_ids, self.config.max_model_len)
             if status is not None:
                 self.running.remove(request)
                 self._finish(request, status)
@@ -289,21 +290,6 @@ class Scheduler:
                 )
             )
         return updates
-
-    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
-        params = request.sampling_params
-        num_output = request.num_output_tokens
-        if num_output >= params.min_tokens:
-            if not params.ignore_eos and token_id in self.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if token_id in params.stop_token_ids:
-                request.stop_reason = token_id
-                return RequestStatus.FINISHED_STOPPED
-        if params.max_tokens is not None and num_output >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH_CAPPED
-        if request.num_tokens >= self.config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH_CAPPED
-        return None
 
     def take_kv_event_batch(self) -> KVEventBatch | None:
         """The step's KV events as one batch, or None when the step produced none."""

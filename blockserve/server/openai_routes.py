@@ -51,9 +51,8 @@ async def create_completion(
     ctx.check_model(body.model)
     if body.echo:
         raise InvalidRequestError("echo is not supported")
-    params = body.sampling_params(
-        body.max_tokens, body.logprobs, body.constraint(), ctx.default_sampling
-    )
+    # No default: a completion's max_tokens is 16 unless the body sets it (null: no limit).
+    params = body.sampling_params(None, body.logprobs, body.constraint(), ctx.default_sampling)
     prompts = body.prompts()
     ctx.check_limits(params, len(prompts))
     run = Run(ctx, body.request_id or f"cmpl-{uuid.uuid4().hex}", prompts)
@@ -144,12 +143,10 @@ async def create_chat_completion(
     num_logprobs = body.num_logprobs()
     plan = plan_tools(body, ctx.tool_call_parser)
     prompt = await chat_prompt(ctx, body, plan.tools)
-    max_tokens = body.effective_max_tokens()
-    if max_tokens is None:  # the server's default cap, within what the context leaves
-        room = ctx.engine.model_info().max_model_len - len(prompt)
-        max_tokens = max(1, min(ctx.default_chat_max_tokens, room))
+    room = ctx.engine.model_info().max_model_len - len(prompt)
+    default = max(1, min(ctx.default_chat_max_tokens, room))  # the server's, within the room
     constraint = plan.constraint or body.constraint()
-    params = body.sampling_params(max_tokens, num_logprobs, constraint, ctx.default_sampling)
+    params = body.sampling_params(default, num_logprobs, constraint, ctx.default_sampling)
     ctx.check_limits(params, 1)
     run = Run(ctx, body.request_id or f"chatcmpl-{uuid.uuid4().hex}", [prompt])
     salt = ctx.cache_salt(request, body.cache_salt)

@@ -92,25 +92,41 @@ class _SamplingFields(Body):
             )
         return self.structured_outputs.constraint()
 
+    def requested_max_tokens(self) -> int | None:
+        """The request's own token limit (None: none given)."""
+        return self.max_tokens
+
+    def decide_max_tokens(
+        self, default: int | None, defaults: Mapping[str, float | int] | None = None
+    ) -> int | None:
+        """The one place a request's max_tokens is decided: its own value, else `default`
+        (None: up to the context's end); the model's generation-config max_tokens caps either,
+        as vLLM's does. Whether prompt and max_tokens fit the context is the input processor's
+        check (a 400, never a silent cut); the scheduler stops the sample when it is reached."""
+        chosen = self.requested_max_tokens()
+        chosen = default if chosen is None else chosen
+        cap = (defaults or {}).get("max_tokens")
+        if cap is None:
+            return chosen
+        return int(cap) if chosen is None else min(chosen, int(cap))
+
     def sampling_params(
         self,
-        max_tokens: int | None,
+        default_max_tokens: int | None,
         logprobs: int | None,
         constraint: StructuredOutputsParams | None = None,
         defaults: Mapping[str, float | int] | None = None,
     ) -> SamplingParams:
         """The engine's SamplingParams; InvalidRequestError for out-of-range values. A field
         the request leaves unset takes the model's generation-config default, if any, else
-        the API's; that config's max_tokens also caps the request's."""
+        the API's; max_tokens is `decide_max_tokens(default_max_tokens, defaults)`."""
         defaults = defaults or {}
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
         def pick(value: float | None, name: str, neutral: float) -> float:
             return value if value is not None else defaults.get(name, neutral)
 
-        cap = defaults.get("max_tokens")
-        if cap is not None:
-            max_tokens = int(cap) if max_tokens is None else min(max_tokens, int(cap))
+        max_tokens = self.decide_max_tokens(default_max_tokens, defaults)
         return SamplingParams(
             n=self.n,
             temperature=pick(self.temperature, "temperature", 1.0),
@@ -188,7 +204,8 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
 
-    def effective_max_tokens(self) -> int | None:
+    def requested_max_tokens(self) -> int | None:
+        """max_completion_tokens (OpenAI's current name) wins over max_tokens."""
         return (
             self.max_completion_tokens
             if self.max_completion_tokens is not None

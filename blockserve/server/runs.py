@@ -126,10 +126,9 @@ class Run:
                     f"{self._engine_id}-{i}",
                     prompt,
                     params,
-                    priority,
-                    salt,
-                    None,
-                    explain_cache,
+                    priority=priority,
+                    cache_salt=salt,
+                    explain_cache=explain_cache,
                     group_id=self._engine_id,  # its prompts share one fair share of the slots
                 )
             )

@@ -145,7 +145,9 @@ def test_cache_explanations_on_a_real_engine(tiny_llama_dir: Path) -> None:
 
     def started(name: str, prompt: tuple[int, ...], salt: str | None = None) -> object:
         core.add_request(
-            EngineCoreRequest(SampleId(name, 0), prompt, TWO_TOKENS, 0, salt, None, True)
+            EngineCoreRequest(
+                SampleId(name, 0), prompt, TWO_TOKENS, cache_salt=salt, explain_cache=True
+            )
         )
         ((_, num_cached, explanation, _),) = run_to_end(core)[0].started
         return num_cached, explanation

@@ -20,7 +20,7 @@ def test_completion_fields_become_sampling_params() -> None:
     body = CompletionRequest(
         prompt="hi", stop="END", top_k=5, min_p=0.1, seed=3, ignore_eos=True, stop_token_ids=[9]
     )
-    assert body.sampling_params(body.max_tokens, body.logprobs) == SamplingParams(
+    assert body.sampling_params(None, body.logprobs) == SamplingParams(
         max_tokens=16,
         stop=("END",),
         top_k=5,
@@ -50,7 +50,7 @@ def test_chat_token_limits_and_logprobs() -> None:
     chat = ChatCompletionRequest(
         messages=[ChatMessage(role="user", content="x")], max_tokens=5, max_completion_tokens=7
     )
-    assert (chat.effective_max_tokens(), chat.num_logprobs()) == (7, None)
+    assert (chat.requested_max_tokens(), chat.num_logprobs()) == (7, None)
     with_logprobs = ChatCompletionRequest(
         messages=[ChatMessage(role="user", content="x")], logprobs=True, top_logprobs=2
     )
@@ -78,3 +78,26 @@ def test_tokenize_takes_exactly_one_input() -> None:
     for fields in ({}, {"prompt": "x", "messages": [{"role": "user", "content": "y"}]}):
         with pytest.raises(pydantic.ValidationError, match="exactly one"):
             TokenizeRequest(**fields)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("requested", "default", "cap", "decided"),
+    [
+        (None, None, None, None),  # a completion with max_tokens null: up to the context
+        (None, 100, None, 100),  # a chat without one: the server's default
+        (50, 100, None, 50),  # the request's own wins over the default
+        (50, 100, 20, 20),  # the generation config caps the request's
+        (None, 100, 20, 20),  # ... and the default
+        (None, None, 20, 20),  # ... and no limit at all
+    ],
+)
+def test_max_tokens_is_decided_in_one_place(
+    requested: int | None, default: int | None, cap: int | None, decided: int | None
+) -> None:
+    """The request's own, else the default; the generation config's max_tokens caps it."""
+    chat = ChatCompletionRequest(
+        messages=[ChatMessage(role="user", content="x")], max_tokens=requested
+    )
+    defaults = {} if cap is None else {"max_tokens": cap}
+    assert chat.decide_max_tokens(default, defaults) == decided
+    assert chat.sampling_params(default, None, None, defaults).max_tokens == decided
