@@ -1,6 +1,6 @@
 """This host's matmul peak, and the compute floor of the offline shared-prefix workload.
 
-Peak: GFLOP/s of `torch.mm` in float32 and, where the host computes it natively (model/dtype.py),
+Peak: GFLOP/s of `torch.mm` in float32 and, where the host computes it natively (platform.py),
 bfloat16, on a large square product and on the default model's own GEMM shapes (a 2,048-token
 prefill chunk and a 64-sequence decode step through the attention and MLP projections and the
 LM head, and the QKV and down projections of a 1,056-token step); the best of --repeats runs
@@ -54,9 +54,9 @@ from blockserve.attention import cpu_build, cpu_kernels
 from blockserve.config import default_cache_dir
 from blockserve.model import packed
 from blockserve.model.arch import LlamaArchConfig
-from blockserve.model.dtype import probe_host
 from blockserve.model.loader import resolve_model_dir
 from blockserve.model.packed import PackedLinear, pack_for_tiles, pack_for_vectors
+from blockserve.platform import probe_host
 
 PREFIX, SUFFIX, OUTPUT, REQUESTS = 1024, 32, 32, 64
 
@@ -274,10 +274,10 @@ def main() -> None:
     parser.add_argument("--decode-only", action="store_true")
     args = parser.parse_args()
     # bf16 where the host computes it natively; elsewhere its generic path would take minutes
-    # to say it is ~100x slower (model/dtype.py), and oneDNN cannot prepack it.
+    # to say it is ~100x slower (platform.py), and oneDNN cannot prepack it.
     native = probe_host(torch.device("cpu")).native_bf16
     if args.dtype == "bfloat16" and not native:
-        parser.error("--dtype bfloat16: this host has no native bf16 (model/dtype.py)")
+        parser.error("--dtype bfloat16: this host has no native bf16 (platform.py)")
     config = json.loads((resolve_model_dir(None) / "config.json").read_text())
     arch = LlamaArchConfig.from_hf(config)
     if args.decode_only:

@@ -7,7 +7,7 @@ Offline workloads (greedy, ignore_eos, 32 output tokens, max_num_seqs 64, 2,048 
 Each engine runs in its own process: blockserve from .venv, vLLM from .peer (`make peer-vllm`),
 one process per workload, a warm-up request first; the figure is the wall time of one
 `generate` over the workload. Both run the dtype `--dtype auto` picks for this host
-(model/dtype.py). vLLM is given both cores (VLLM_CPU_OMP_THREADS_BIND=0-<n-1>; its default
+(platform.py). vLLM is given both cores (VLLM_CPU_OMP_THREADS_BIND=0-<n-1>; its default
 keeps one for itself and roughly halves its speed on 2 cores), its AOT compile cache off (it
 fails to load on CPU in 0.32.0) and a 4 GiB KV cache. The model is the embedded
 SmolLM2-135M-Instruct as the Hugging Face directory blockserve converts it to.
@@ -234,8 +234,8 @@ def main() -> None:
     import torch
     from report import emit
 
-    from blockserve.model.dtype import auto_dtype, probe_host
     from blockserve.model.loader import resolve_model_dir
+    from blockserve.platform import auto_dtype, probe_host
 
     dtype = args.dtype or str(auto_dtype(probe_host(torch.device("cpu")))).removeprefix("torch.")
     model_dir = args.model_dir or str(resolve_model_dir(None))

@@ -32,11 +32,11 @@ from blockserve.attention.metadata import AttentionBackend
 from blockserve.config import default_cache_dir
 from blockserve.errors import InvalidConfigError, ModelNotFoundError
 from blockserve.model.arch import LlamaArchConfig
-from blockserve.model.dtype import HostCapabilities, auto_dtype, probe_host
 from blockserve.model.gguf_llama import convert_llama
 from blockserve.model.llama import LlamaForCausalLM
 from blockserve.model.packed import can_prepack, prepack_linears
 from blockserve.model.tokenizer import SNAPSHOT_FORMAT, Tokenizer
+from blockserve.platform import HostCapabilities, auto_dtype, probe_host
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def default_model_path() -> Path:
 
 def resolve_dtype(dtype: str, capabilities: HostCapabilities | None = None) -> torch.dtype:
     """The torch dtype of `--dtype`: `auto` is bfloat16 where `capabilities` (default: this
-    host's CPU) compute it natively, float32 elsewhere (model/dtype.py)."""
+    host's CPU) compute it natively, float32 elsewhere (platform.py)."""
     if dtype == "auto":
         return auto_dtype(capabilities or probe_host(torch.device("cpu")))
     if dtype not in DTYPES:

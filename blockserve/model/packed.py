@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from blockserve.attention import cpu_kernels
-from blockserve.model.dtype import probe_host
+from blockserve.platform import probe_host
 
 logger = logging.getLogger(__name__)
 

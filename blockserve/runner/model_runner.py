@@ -21,7 +21,6 @@ from blockserve.config import CacheConfig, ModelConfig, default_cache_dir
 from blockserve.core.kv_cache_manager import RequestId
 from blockserve.grammar import GrammarCompiler, apply_token_masks
 from blockserve.model.compile import CompileReport, compile_forward, mark_token_dim_dynamic
-from blockserve.model.dtype import probe_host, warn_if_slow
 from blockserve.model.loader import (
     LoadedModel,
     load_model,
@@ -31,6 +30,7 @@ from blockserve.model.loader import (
 )
 from blockserve.model.packed import pack_once_loaded
 from blockserve.model.sampler import Sampler, SamplerOutput, SamplingBatch, SamplingRow
+from blockserve.platform import probe_host, warn_if_slow
 from blockserve.runner.first_touch import KVPagePopulator, keep_freed_memory
 from blockserve.runner.inputs import ModelInputs, prepare_inputs
 from blockserve.runner.kv_cache import (

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import blockserve
 from blockserve.config import ServerConfig
 from blockserve.engine.client import ModelInfo
-from blockserve.model.dtype import probe_host
+from blockserve.platform import probe_host
 from blockserve.server.app import build_app
 from tests.server.conftest import tiny_server
 from tests.server.server_process import ServerProcess

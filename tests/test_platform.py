@@ -7,8 +7,8 @@ import logging
 import pytest
 import torch
 
-from blockserve.model.dtype import HostCapabilities, auto_dtype, probe_host, warn_if_slow
 from blockserve.model.loader import resolve_dtype
+from blockserve.platform import HostCapabilities, auto_dtype, probe_host, warn_if_slow
 
 AVX2 = frozenset({"avx", "avx2", "fma3"})
 AVX512 = AVX2 | {"avx512_f", "avx512_bw", "avx512_vnni"}
@@ -69,7 +69,7 @@ def test_this_host_is_probed_from_torch() -> None:
 def test_bfloat16_without_native_support_warns(caplog: pytest.LogCaptureFixture) -> None:
     slow = HOSTS["x86 AVX2 only"][0]
     fast = HOSTS["x86 AVX512-BF16"][0]
-    with caplog.at_level(logging.WARNING, "blockserve.model.dtype"):
+    with caplog.at_level(logging.WARNING, "blockserve.platform"):
         warn_if_slow(torch.bfloat16, fast)
         warn_if_slow(torch.float32, slow)
         assert caplog.records == []

@@ -1,12 +1,7 @@
-"""Which dtype `--dtype auto` means on this host, and what the host can compute natively.
-
-bfloat16 halves the weights' and the KV cache's bytes, but only hardware with bf16 arithmetic
-turns that into speed: a CUDA device with bf16, an x86 CPU with AVX512-BF16 or AMX-BF16, an Arm
-CPU with the BF16 extension. Elsewhere torch's bf16 matmul takes a generic path — measured at
-1.2 GFLOP/s against 125–165 GFLOP/s for float32 on a 2-vCPU AVX2 EPYC, about 100× slower — so
-`auto` is float32 there. float16 is never chosen on a CPU. `auto_dtype` is a pure function of
-the capabilities `probe_host` reads, so the table is tested without the hardware.
-"""
+"""The host probe: what this host's device and CPU compute natively (`HostCapabilities`,
+`probe_host`), and what `--dtype auto` means there (`auto_dtype`, a pure function of the
+probe): bfloat16 only where the hardware computes it (CUDA with bf16, x86 with AVX512-BF16 or
+AMX, Arm with BF16), float32 elsewhere, where torch's bf16 matmul takes a far slower path."""
 
 from __future__ import annotations
 
