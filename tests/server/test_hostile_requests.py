@@ -156,9 +156,9 @@ def test_a_connection_that_sends_no_request_is_closed(hardened: ServerProcess) -
     for opening in (b"", b"GET /hea"):
         with socket.create_connection(("127.0.0.1", hardened.port)) as sock:
             sock.sendall(opening)
-            data, seconds = read_until_closed(sock, 10)
+            data, seconds = read_until_closed(sock, 15)
         assert data == b""
-        assert 0.9 <= seconds < 5
+        assert 0.9 <= seconds < 10  # the 1 s deadline, not at once and not never
 
 
 def test_a_body_that_stops_arriving_is_a_408(hardened: ServerProcess) -> None:
