@@ -1,6 +1,7 @@
-"""blockserve's modules import each other without a circle: every import, module-level or
-inside a function, is an edge; `from package import module` is an edge to the module alone
-(a package's __init__ runs first for any of its modules, and is no dependency of its own)."""
+"""blockserve's modules import each other without a circle and never upward: every import,
+module-level or inside a function, is an edge; `from package import module` is an edge to the
+module alone (a package's __init__ runs first for any of its modules, and is no dependency of
+its own). The layers, lowest first, are LAYERS below (docs/architecture.md draws them)."""
 
 from __future__ import annotations
 
@@ -81,6 +82,59 @@ def test_no_module_imports_itself_through_others() -> None:
     """0 circles (there was one: attention's kernel loader reached model/loader.py for the
     cache directory, and model/llama.py imports attention's kernels)."""
     assert circles(import_graph()) == []
+
+
+# Lowest first; a module may import its own layer and those below, never one above.
+LAYERS = (
+    ("errors",),
+    ("options", "sampling_params"),
+    ("grammar_limits", "platform"),
+    ("core",),
+    ("events", "kv_tiers"),
+    ("config",),
+    ("sched", "attention", "grammar"),
+    ("model",),
+    ("runner",),
+    ("engine", "blockserve"),  # the package's __init__ exposes the engine's LLM
+    ("server",),
+    ("cluster",),
+    ("replay",),
+    ("cli",),
+)
+RANK = {part: rank for rank, parts in enumerate(LAYERS) for part in parts}
+
+
+def layer(module: str) -> str:
+    """blockserve.core.hashing -> core; blockserve -> blockserve."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{module} -> {target}"
+        for module, targets in graph.items()
+        for target in targets
+        if RANK[layer(module)] < RANK[layer(target)]
+    )
+
+
+def test_every_module_is_in_a_layer_and_no_import_goes_up() -> None:
+    """Each top-level module or package has a layer, and each edge goes down or across."""
+    graph = import_graph()
+    assert {layer(module) for module in graph} <= set(RANK)
+    assert upward_imports(graph) == []
+
+
+def test_an_upward_import_is_found() -> None:
+    """The check itself: core importing the engine is upward; the engine importing core,
+    and sched importing attention (one layer), are not."""
+    graph = {
+        "blockserve.core.a": {"blockserve.engine.b"},
+        "blockserve.engine.b": {"blockserve.core.a"},
+        "blockserve.sched.c": {"blockserve.attention.d"},
+    }
+    assert upward_imports(graph) == ["blockserve.core.a -> blockserve.engine.b"]
 
 
 def test_a_circle_is_found() -> None:
