@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from blockserve.config import CacheConfig, ModelConfig
 from blockserve.model.arch import LlamaArchConfig
-from blockserve.runner.model_runner import ModelRunner
+from blockserve.runner.build import build_runner
 from blockserve.sampling_params import SamplingParams
 from blockserve.sched.output import NewRequestData, ScheduledRequest, SchedulerOutput
 
@@ -90,7 +90,9 @@ def hf_decode_step_time(
 
 def bench_dtype(dtype: str, repeats: int, hf_model_dir: Path | None) -> dict:
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    runner = ModelRunner(ModelConfig(dtype=dtype), CacheConfig(num_gpu_blocks_override=64 * 65 + 8))
+    runner = build_runner(
+        ModelConfig(dtype=dtype), CacheConfig(num_gpu_blocks_override=64 * 65 + 8)
+    )
     model_dir = runner.loaded.model_dir
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dtype).eval()
     arch = runner.arch

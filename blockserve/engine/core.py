@@ -33,8 +33,8 @@ from blockserve.engine.request import EngineCoreRequest, SampleId
 from blockserve.engine.tiers import create_kv_tiers, filled_blocks, tier_stats
 from blockserve.errors import InvalidConfigError
 from blockserve.events.publisher import create_event_publisher
+from blockserve.runner.build import build_runner
 from blockserve.runner.first_touch import blocks_per_step
-from blockserve.runner.model_runner import ModelRunner
 from blockserve.sched.request import Request, RequestStatus
 from blockserve.sched.scheduler import RequestUpdate, Scheduler
 
@@ -79,7 +79,7 @@ class EngineCore:
         per_step = blocks_per_step(
             sched.max_num_batched_tokens, sched.max_num_seqs, config.cache.block_size
         )
-        self.runner = ModelRunner(config.model, config.cache, per_step)
+        self.runner = build_runner(config.model, config.cache, per_step)
         loaded = self.runner.loaded
         max_model_len = _context_length(config, self.runner.num_blocks, loaded.arch)
         self.scheduler_config = dataclasses.replace(config.scheduler, max_model_len=max_model_len)

@@ -1,42 +1,29 @@
 """`ModelRunner`: one `SchedulerOutput` in, one `ModelRunnerOutput` out.
 
-Owns the model, the KV cache tensors and each running request's sampling state (its token
-history for penalties, its seeded generator). Builds the flat batch and the attention
-metadata, runs the forward, computes logits only at positions that sample, and samples.
-Makes no scheduling decision.
+Is handed the model, the KV cache tensors and the sampler (runner/build.py assembles them);
+owns each running request's sampling state (its token history, its seeded generator, its
+grammar matcher). Builds the flat batch and the attention metadata, runs the forward,
+computes logits only where a request samples, and samples. Makes no scheduling decision.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import llguidance
 import torch
 
-from blockserve.attention import cpu_kernels
-from blockserve.attention.selector import get_attention_backend
-from blockserve.config import CacheConfig, ModelConfig, default_cache_dir
+from blockserve.attention.metadata import AttentionBackend
 from blockserve.core.kv_cache_manager import RequestId
 from blockserve.grammar import GrammarCompiler, apply_token_masks
-from blockserve.model.compile import CompileReport, compile_forward, mark_token_dim_dynamic
-from blockserve.model.loader import (
-    LoadedModel,
-    load_model,
-    read_arch,
-    resolve_dtype,
-    resolve_model_dir,
-)
-from blockserve.model.packed import pack_once_loaded
+from blockserve.model.arch import LlamaArchConfig
+from blockserve.model.compile import CompileReport, mark_token_dim_dynamic
+from blockserve.model.loader import LoadedModel
 from blockserve.model.sampler import Sampler, SamplerOutput, SamplingBatch, SamplingRow
-from blockserve.platform import probe_host, warn_if_slow
-from blockserve.runner.first_touch import KVPagePopulator, keep_freed_memory
+from blockserve.platform import HostCapabilities
+from blockserve.runner.first_touch import KVPagePopulator
 from blockserve.runner.inputs import ModelInputs, prepare_inputs
-from blockserve.runner.kv_cache import (
-    allocate_kv_caches,
-    num_blocks_for,
-)
 from blockserve.sampling_params import SamplingParams
 from blockserve.sched.output import (
     ModelRunnerOutput,
@@ -59,68 +46,51 @@ class RequestState:
     grammar_error: str | None = None
 
 
+@dataclass
+class RunnerParts:
+    """What runner/build.py assembles for a runner: the device and its probe, the attention
+    backend, the model's shape, the KV cache (and its page mapper on a CPU), the loaded model,
+    the sampler and the grammar compiler."""
+
+    device: torch.device
+    host: HostCapabilities
+    backend: AttentionBackend
+    arch: LlamaArchConfig
+    block_size: int
+    num_blocks: int
+    kv_caches: list[torch.Tensor]
+    kv_pages: KVPagePopulator | None
+    loaded: LoadedModel
+    sampler: Sampler
+    grammar: GrammarCompiler
+
+
 class ModelRunner:
-    def __init__(
-        self, model_config: ModelConfig, cache_config: CacheConfig, kv_blocks_per_step: int = 0
-    ) -> None:
-        """`kv_blocks_per_step`: the most never-used blocks a step can take; on a CPU their
-        pages are mapped in ahead of the steps (first_touch.py). 0: left to first writes."""
-        device = model_config.device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
-        self.backend = get_attention_backend(model_config.attention_backend, device)
-        self.host = probe_host(self.device)
-        dtype = resolve_dtype(model_config.dtype, self.host)
-        warn_if_slow(dtype, self.host)
-        model_dir = resolve_model_dir(model_config.model)
-        self.arch = read_arch(model_dir)
-        self.block_size = cache_config.block_size
-        self.num_blocks = num_blocks_for(
-            self.arch,
-            self.block_size,
-            dtype,
-            cache_config.num_gpu_blocks_override,
-            cache_config.kv_cache_memory_bytes,
-        )
-        self.kv_caches = allocate_kv_caches(
-            self.arch, self.num_blocks, self.block_size, dtype, self.device
-        )
-        self.kv_pages: KVPagePopulator | None = None
-        if self.device.type == "cpu" and kv_blocks_per_step > 0:  # maps while weights load
-            self.kv_pages = KVPagePopulator(self.kv_caches, ahead=2 * kv_blocks_per_step)
-        self.loaded: LoadedModel = load_model(
-            model_config.model, self.backend, dtype, device, model_dir=model_dir
-        )
-        self.model = self.loaded.model
-        if self.kv_pages is not None:
-            keep_freed_memory()  # for the steps' temporaries; the loading's are gone
-            self.kv_pages.map_now(kv_blocks_per_step)  # the first step writes mapped memory
-        if cpu_kernels.serves(self.device, dtype, self.arch.head_dim):
-            cpu_kernels.start_loading(default_cache_dir(), dtype)  # torch's kernel serves meanwhile
-            if cpu_kernels.supported(dtype):
-                cpu_kernels.when_loaded(dtype, pack_once_loaded(weakref.ref(self.model), dtype))
-        # Unseeded requests draw from one generator seeded by --seed: a run is reproducible.
-        generator = torch.Generator(device=self.device)
-        generator.manual_seed(model_config.seed)
-        self.sampler = Sampler(generator)
-        self.grammar = GrammarCompiler(
-            self.loaded.tokenizer,
-            self.arch.vocab_size,
-            self.arch.eos_token_ids,
-            model_config.structured_outputs_max_whitespace,
-            model_config.structured_outputs_limits,
-        )
+    """Runs steps over the parts it is given (`build_runner` makes them from the configs)."""
+
+    def __init__(self, parts: RunnerParts) -> None:
+        self.device = parts.device
+        self.host = parts.host
+        self.backend = parts.backend
+        self.arch = parts.arch
+        self.block_size = parts.block_size
+        self.num_blocks = parts.num_blocks
+        self.kv_caches = parts.kv_caches
+        self.kv_pages = parts.kv_pages
+        self.loaded = parts.loaded
+        self.model = parts.loaded.model
+        self.sampler = parts.sampler
+        self.grammar = parts.grammar
         self.requests: dict[RequestId, RequestState] = {}
         # The forward each step runs: the model itself, or its compiled graphs (--compile).
         self.forward: Callable[..., torch.Tensor] = self.model
         self.compile_report: CompileReport | None = None
-        if model_config.compile:
-            self.forward, self.compile_report = compile_forward(
-                self.model, self.backend, default_cache_dir(), self._warm_up
-            )
 
-    def _warm_up(self, forward: Callable[..., torch.Tensor]) -> None:
+    def use_compiled(self, forward: Callable[..., torch.Tensor], report: CompileReport) -> None:
+        """Run steps through `forward`, the model's compiled graphs (warmed on this runner)."""
+        self.forward, self.compile_report = forward, report
+
+    def warm_up(self, forward: Callable[..., torch.Tensor]) -> None:
         """Run `forward` on a dummy prefill of 16 tokens (its token dimension traced as
         dynamic) and a dummy one-token decode after it (the same graph must serve it), in the
         first blocks after the null block: they hold nothing yet (a request's blocks are

@@ -15,6 +15,7 @@ import torch
 
 from blockserve.config import CacheConfig, ModelConfig
 from blockserve.model.compile import CompileReport
+from blockserve.runner.build import build_runner
 from blockserve.runner.model_runner import ModelRunner
 from tests.runner.test_model_runner import FP32_ATOL, all_logits, greedy_generate, mixed_batch
 
@@ -37,11 +38,11 @@ def runners(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> R
     torch._dynamo.reset()
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("BLOCKSERVE_CACHE_DIR", str(cache_dir))
-        compiled = ModelRunner(
+        compiled = build_runner(
             ModelConfig(model=str(tiny_llama_dir), dtype="float32", compile=True),
             CacheConfig(num_gpu_blocks_override=NUM_BLOCKS),
         )
-    eager = ModelRunner(
+    eager = build_runner(
         ModelConfig(model=str(tiny_llama_dir), dtype="float32"),
         CacheConfig(num_gpu_blocks_override=NUM_BLOCKS),
     )
@@ -98,8 +99,8 @@ def test_single_token_steps_equal_eager(runners: Runners) -> None:
 START = f"""
 import dataclasses, json, sys
 from blockserve.config import CacheConfig, ModelConfig
-from blockserve.runner.model_runner import ModelRunner
-runner = ModelRunner(
+from blockserve.runner.build import build_runner
+runner = build_runner(
     ModelConfig(model=sys.argv[1], dtype="float32", compile=True),
     CacheConfig(num_gpu_blocks_override={NUM_BLOCKS}),
 )

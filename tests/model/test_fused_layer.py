@@ -18,6 +18,7 @@ from blockserve.attention import cpu_kernels
 from blockserve.config import CacheConfig, ModelConfig
 from blockserve.model.llama import RMSNorm
 from blockserve.model.rope import RotaryEmbedding, apply_rotary
+from blockserve.runner.build import build_runner
 from blockserve.runner.model_runner import ModelRunner
 from tests.attention.test_cpu_kernel import DTYPES, NEEDS
 from tests.runner.test_model_runner import all_logits, greedy_generate, mixed_batch
@@ -342,7 +343,7 @@ def runner(
         tmp_path_factory.mktemp("tiny-llama-64"),
         hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1,
     )  # fmt: skip
-    return ModelRunner(
+    return build_runner(
         ModelConfig(model=str(model_dir), dtype=str(dtype).removeprefix("torch.")),
         CacheConfig(num_gpu_blocks_override=64),
     )

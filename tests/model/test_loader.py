@@ -19,6 +19,7 @@ from blockserve.config import CacheConfig, ModelConfig
 from blockserve.errors import ModelNotFoundError
 from blockserve.model import loader
 from blockserve.model.packed import PackedLinear, can_prepack
+from blockserve.runner.build import build_runner
 from blockserve.runner.model_runner import ModelRunner
 from tests.runner.test_model_runner import greedy_generate
 
@@ -86,7 +87,7 @@ def test_gguf_converts_once_and_matches_transformers(tmp_path: Path) -> None:
 
 
 def _runner_for(model: str | None, dtype: str = "float32") -> ModelRunner:
-    return ModelRunner(
+    return build_runner(
         ModelConfig(model=model, dtype=dtype), CacheConfig(num_gpu_blocks_override=128)
     )
 

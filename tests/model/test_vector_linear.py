@@ -18,7 +18,7 @@ from blockserve.attention import cpu_build, cpu_kernels
 from blockserve.config import CacheConfig, ModelConfig
 from blockserve.model import packed
 from blockserve.model.packed import PackedLinear, pack_for_vectors
-from blockserve.runner.model_runner import ModelRunner
+from blockserve.runner.build import build_runner
 from tests.model import products
 from tests.model.products import exact
 from tests.tiny_models import save_tiny_model
@@ -162,7 +162,7 @@ def test_a_float32_model_gets_its_copies_and_decodes_as_with_onednn(
         tmp_path, hidden_size=128, intermediate_size=256, num_attention_heads=2,
         num_key_value_heads=1,
     )  # fmt: skip
-    runner = ModelRunner(
+    runner = build_runner(
         ModelConfig(model=str(model_dir), dtype="float32"), CacheConfig(num_gpu_blocks_override=16)
     )
     linears = [m for m in runner.model.modules() if isinstance(m, PackedLinear)]

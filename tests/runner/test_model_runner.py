@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from blockserve.config import CacheConfig, ModelConfig
+from blockserve.runner.build import build_runner
 from blockserve.runner.model_runner import ModelRunner
 from blockserve.sampling_params import SamplingParams
 from blockserve.sched.output import NewRequestData, ScheduledRequest, SchedulerOutput
@@ -19,7 +20,7 @@ FP32_ATOL = 1e-4
 
 
 def make_runner(model_dir: Path, num_blocks: int = 64) -> ModelRunner:
-    return ModelRunner(
+    return build_runner(
         ModelConfig(model=str(model_dir), dtype="float32"),
         CacheConfig(num_gpu_blocks_override=num_blocks),
     )

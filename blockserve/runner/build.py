@@ -1,0 +1,91 @@
+"""Assembles a `ModelRunner` from the configs, in one place: the device and its probe, the
+attention backend, the KV cache (sized, allocated, on a CPU its pages mapped in ahead), the
+weights, our CPU kernels' load and packing, the sampler, the grammar compiler, and the
+compiled forward under `--compile`. The runner it returns only runs steps."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from blockserve.attention import cpu_kernels
+from blockserve.attention.selector import get_attention_backend
+from blockserve.config import CacheConfig, ModelConfig, default_cache_dir
+from blockserve.grammar import GrammarCompiler
+from blockserve.model.compile import compile_forward
+from blockserve.model.loader import load_model, read_arch, resolve_dtype, resolve_model_dir
+from blockserve.model.packed import pack_once_loaded
+from blockserve.model.sampler import Sampler
+from blockserve.platform import probe_host, warn_if_slow
+from blockserve.runner.first_touch import KVPagePopulator, keep_freed_memory
+from blockserve.runner.kv_cache import allocate_kv_caches, num_blocks_for
+from blockserve.runner.model_runner import ModelRunner, RunnerParts
+
+
+def build_runner(
+    model_config: ModelConfig, cache_config: CacheConfig, kv_blocks_per_step: int = 0
+) -> ModelRunner:
+    """`kv_blocks_per_step`: the most never-used blocks a step can take; on a CPU their pages
+    are mapped in ahead of the steps (first_touch.py). 0: left to first writes."""
+    name = model_config.device
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    backend = get_attention_backend(model_config.attention_backend, name)
+    host = probe_host(device)
+    dtype = resolve_dtype(model_config.dtype, host)
+    warn_if_slow(dtype, host)
+    model_dir = resolve_model_dir(model_config.model)
+    arch = read_arch(model_dir)
+    block_size = cache_config.block_size
+    num_blocks = num_blocks_for(
+        arch,
+        block_size,
+        dtype,
+        cache_config.num_gpu_blocks_override,
+        cache_config.kv_cache_memory_bytes,
+    )
+    kv_caches = allocate_kv_caches(arch, num_blocks, block_size, dtype, device)
+    kv_pages = None
+    if device.type == "cpu" and kv_blocks_per_step > 0:  # maps while the weights load
+        kv_pages = KVPagePopulator(kv_caches, ahead=2 * kv_blocks_per_step)
+    loaded = load_model(model_config.model, backend, dtype, name, model_dir=model_dir)
+    if kv_pages is not None:
+        keep_freed_memory()  # for the steps' temporaries; the loading's are gone
+        kv_pages.map_now(kv_blocks_per_step)  # the first step writes mapped memory
+    if cpu_kernels.serves(device, dtype, arch.head_dim):
+        cpu_kernels.start_loading(default_cache_dir(), dtype)  # torch's kernel serves meanwhile
+        if cpu_kernels.supported(dtype):
+            cpu_kernels.when_loaded(dtype, pack_once_loaded(weakref.ref(loaded.model), dtype))
+    # Unseeded requests draw from one generator seeded by --seed: a run is reproducible.
+    generator = torch.Generator(device=device)
+    generator.manual_seed(model_config.seed)
+    grammar = GrammarCompiler(
+        loaded.tokenizer,
+        arch.vocab_size,
+        arch.eos_token_ids,
+        model_config.structured_outputs_max_whitespace,
+        model_config.structured_outputs_limits,
+    )
+    runner = ModelRunner(
+        RunnerParts(
+            device=device,
+            host=host,
+            backend=backend,
+            arch=arch,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            kv_caches=kv_caches,
+            kv_pages=kv_pages,
+            loaded=loaded,
+            sampler=Sampler(generator),
+            grammar=grammar,
+        )
+    )
+    if model_config.compile:  # warmed on the runner: its inputs, its cache, its backend
+        forward, report = compile_forward(
+            runner.model, backend, default_cache_dir(), runner.warm_up
+        )
+        runner.use_compiled(forward, report)
+    return runner
