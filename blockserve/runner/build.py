@@ -13,8 +13,15 @@ from blockserve.attention import cpu_kernels
 from blockserve.attention.selector import get_attention_backend
 from blockserve.config import CacheConfig, ModelConfig, default_cache_dir
 from blockserve.grammar import GrammarCompiler
+from blockserve.model.arch import LlamaArchConfig
 from blockserve.model.compile import compile_forward
-from blockserve.model.loader import load_model, read_arch, resolve_dtype, resolve_model_dir
+from blockserve.model.loader import (
+    LoadedModel,
+    load_model,
+    read_arch,
+    resolve_dtype,
+    resolve_model_dir,
+)
 from blockserve.model.packed import pack_once_loaded
 from blockserve.model.sampler import Sampler
 from blockserve.platform import probe_host, warn_if_slow
@@ -40,12 +47,9 @@ def build_runner(
     arch = read_arch(model_dir)
     block_size = cache_config.block_size
     num_blocks = num_blocks_for(
-        arch,
-        block_size,
-        dtype,
-        cache_config.num_gpu_blocks_override,
+        arch, block_size, dtype, cache_config.num_gpu_blocks_override,
         cache_config.kv_cache_memory_bytes,
-    )
+    )  # fmt: skip
     kv_caches = allocate_kv_caches(arch, num_blocks, block_size, dtype, device)
     kv_pages = None
     if device.type == "cpu" and kv_blocks_per_step > 0:  # maps while the weights load
@@ -54,20 +58,10 @@ def build_runner(
     if kv_pages is not None:
         keep_freed_memory()  # for the steps' temporaries; the loading's are gone
         kv_pages.map_now(kv_blocks_per_step)  # the first step writes mapped memory
-    if cpu_kernels.serves(device, dtype, arch.head_dim):
-        cpu_kernels.start_loading(default_cache_dir(), dtype)  # torch's kernel serves meanwhile
-        if cpu_kernels.supported(dtype):
-            cpu_kernels.when_loaded(dtype, pack_once_loaded(weakref.ref(loaded.model), dtype))
+    _start_cpu_kernels(device, dtype, arch, loaded)
     # Unseeded requests draw from one generator seeded by --seed: a run is reproducible.
     generator = torch.Generator(device=device)
     generator.manual_seed(model_config.seed)
-    grammar = GrammarCompiler(
-        loaded.tokenizer,
-        arch.vocab_size,
-        arch.eos_token_ids,
-        model_config.structured_outputs_max_whitespace,
-        model_config.structured_outputs_limits,
-    )
     runner = ModelRunner(
         RunnerParts(
             device=device,
@@ -80,7 +74,13 @@ def build_runner(
             kv_pages=kv_pages,
             loaded=loaded,
             sampler=Sampler(generator),
-            grammar=grammar,
+            grammar=GrammarCompiler(
+                loaded.tokenizer,
+                arch.vocab_size,
+                arch.eos_token_ids,
+                model_config.structured_outputs_max_whitespace,
+                model_config.structured_outputs_limits,
+            ),
         )
     )
     if model_config.compile:  # warmed on the runner: its inputs, its cache, its backend
@@ -89,3 +89,15 @@ def build_runner(
         )
         runner.use_compiled(forward, report)
     return runner
+
+
+def _start_cpu_kernels(
+    device: torch.device, dtype: torch.dtype, arch: LlamaArchConfig, loaded: LoadedModel
+) -> None:
+    """Build or load our CPU kernel library on a thread (torch's kernels serve meanwhile) and
+    pack the weights for it once it is in."""
+    if not cpu_kernels.serves(device, dtype, arch.head_dim):
+        return
+    cpu_kernels.start_loading(default_cache_dir(), dtype)
+    if cpu_kernels.supported(dtype):
+        cpu_kernels.when_loaded(dtype, pack_once_loaded(weakref.ref(loaded.model), dtype))

@@ -10,7 +10,7 @@ first block not loaded: a failed load costs computation, never wrong KV. Imports
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 from blockserve.core.cache_types import RequestId
@@ -52,6 +52,9 @@ class TierLoads:
 
     def __len__(self) -> int:
         return len(self._loading)
+
+    def requests(self) -> Iterator[Request]:
+        return (request for request, _ in self._loading.values())
 
     def lookup(self, request: Request, num_device_blocks: int) -> list[str]:
         """The tiers of the blocks after the request's device hit (empty: nothing to load)."""

@@ -11,6 +11,7 @@ There are no prefill/decode phases: every request has `num_computed_tokens` catc
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 from blockserve.config import SchedulerConfig
@@ -133,13 +134,15 @@ class Scheduler:
             for request in self.loads.finish():  # loaded: they run, sent to the runner anew
                 self.running.append(request)
                 self._loaded.add(request.request_id)
-        taken = len(self.running) + self.num_loading
-        victim = self.fair_share.victim(self.waiting, self.running, taken)
+        loading = self.loads.requests() if self.loads is not None else ()
+        held = self.fair_share.held_by(self.running, loading)  # slots per group, this step
+        victim = self.fair_share.victim(self.waiting, self.running, held)
         if victim is not None:  # its slot goes to a request waiting under its share
             self._preempt(victim)
+            held[victim.group_id] -= 1
         budget, preempted_any = self._schedule_running(num_scheduled)
         # No admission after a preemption: the freed blocks go to the preempted first.
-        new_request_ids = set() if preempted_any else self._admit(budget, num_scheduled)
+        new_request_ids = set() if preempted_any else self._admit(budget, num_scheduled, held)
         return self._build_output(num_scheduled, new_request_ids)
 
     def _schedule_running(self, num_scheduled: dict[RequestId, int]) -> tuple[int, bool]:
@@ -168,8 +171,11 @@ class Scheduler:
                 index += 1
         return budget, preempted_any
 
-    def _admit(self, budget: int, num_scheduled: dict[RequestId, int]) -> set[RequestId]:
-        """Admit waiting requests in queue order while they fit; returns the admitted ids."""
+    def _admit(
+        self, budget: int, num_scheduled: dict[RequestId, int], held: Counter[str]
+    ) -> set[RequestId]:
+        """Admit waiting requests in queue order (fair share aside: `held` counts each group's
+        slots) while they fit; returns the admitted ids."""
         new_request_ids: set[RequestId] = set()
         while (
             self.waiting
@@ -177,7 +183,7 @@ class Scheduler:
             and len(self.running) + self.num_loading < self.config.max_num_seqs
         ):
             head = self.waiting.peek()
-            request = self.fair_share.next_to_admit(head, self.waiting, self.running)
+            request = self.fair_share.next_to_admit(head, self.waiting, held)
             hit_blocks, num_hits = self.kv_cache_manager.get_computed_blocks(request)
             tier_hits = (
                 self.loads.lookup(request, len(hit_blocks)) if self.loads is not None else []
@@ -187,6 +193,7 @@ class Scheduler:
                 if not self.loads.start(request, hit_blocks, tier_hits):
                     break  # strict head-of-line, as below
                 self._take_waiting(request, head)
+                held[request.group_id] += 1
                 continue
             first_admission = request.num_cached_tokens is None
             # Explained before allocating, which stores the request's own blocks.
@@ -199,6 +206,7 @@ class Scheduler:
             if self.kv_cache_manager.allocate_slots(request, num_new, num_hits, hit_blocks) is None:
                 break  # strict head-of-line: nothing behind it jumps ahead
             self._take_waiting(request, head)
+            held[request.group_id] += 1
             request.num_computed_tokens = num_hits
             if first_admission:
                 request.num_cached_tokens = num_hits
