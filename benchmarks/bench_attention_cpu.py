@@ -10,7 +10,7 @@ The default model's attention: 9 query heads over 3 KV heads, head dimension 64.
   causal-544, causal-1056   one fresh prefill (no-sharing run; the shared prefix's first request)
 Variants:
   fused           torch's CPU flash attention
-  ours            our kernel (attention/cpu_attention.h): bf16 where the CPU has AVX512-BF16
+  ours            our kernel (csrc/cpu/attention.h): bf16 where the CPU has AVX512-BF16
                   (its products on AMX tiles where it has AMX-BF16), float32 where it has
                   AVX2; masked cases as per-row key counts, causal ones with query heads folded
   ours-vectors    on an AMX host, bf16 `ours` with the tiles switched out (`use_amx`)
@@ -46,11 +46,12 @@ import torch.nn.functional as F
 from report import emit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from blockserve.attention import cpu_build, cpu_kernels
 from blockserve.attention.prefill import attend_causal
 from blockserve.attention.shared_prefix import attend, merge
 from blockserve.attention.torch_backend import DecodePlan, TorchAttentionBackend
 from blockserve.config import default_cache_dir
+from blockserve.kernels import CpuKernels
+from blockserve.kernels import build as cpu_build
 
 HEADS, KV_HEADS, DIM = 9, 3, 64
 GROUP = HEADS // KV_HEADS
@@ -157,11 +158,12 @@ def variant_sets(dtype: torch.dtype, seen: torch.Tensor) -> dict[str, dict[str, 
         },
     }
     sets["dense"]["compiled"] = compiled
-    if not cpu_kernels.supported(dtype):
+    if not cpu_build.can_build(dtype):
         return sets
+    kernels = CpuKernels()
     builds = [target.isa for target in cpu_build.runnable(dtype)]
     for isa in reversed(builds):  # the widest last: it stays loaded, as in the engine
-        ops = cpu_kernels.load(default_cache_dir(), dtype, isa)
+        ops = kernels.loader.load(default_cache_dir(), dtype, isa)
         if ops is None:
             return sets
         # "ours" is the build this host runs; a narrower one it can run too is "ours-<isa>".
@@ -175,9 +177,9 @@ def variant_sets(dtype: torch.dtype, seen: torch.Tensor) -> dict[str, dict[str, 
         sets["alone"][f"{name}-paged"] = paged
         sets["causal"][name] = functools.partial(causal_ours, kernel)
     sets["alone"]["gather+products"] = paged_variant(ops.paged_decode, through_backend=True)
-    if cpu_kernels.use_amx(True):  # an AMX host: "ours" ran on the tiles
+    if kernels.use_amx(True):  # an AMX host: "ours" ran on the tiles
         for kind in ("dense", "own", "causal"):
-            sets[kind]["ours-vectors"] = vectors_only(sets[kind]["ours"])
+            sets[kind]["ours-vectors"] = vectors_only(sets[kind]["ours"], kernels)
     return sets
 
 
@@ -197,15 +199,17 @@ def causal_ours(kernel: Callable, q, k, v) -> torch.Tensor:
     return attend_causal(kernel, *(x[0].transpose(0, 1) for x in (q, k, v))).transpose(0, 1)[None]
 
 
-def vectors_only(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+def vectors_only(
+    fn: Callable[..., torch.Tensor], kernels: CpuKernels
+) -> Callable[..., torch.Tensor]:
     """`fn` with our bf16 kernels on AVX512-BF16 vectors alone, the AMX tiles switched out."""
 
     def run(*inputs: torch.Tensor) -> torch.Tensor:
-        cpu_kernels.use_amx(False)
+        kernels.use_amx(False)
         try:
             return fn(*inputs)
         finally:
-            cpu_kernels.use_amx(True)
+            kernels.use_amx(True)
 
     return run
 
@@ -216,7 +220,7 @@ def paged_variant(kernel: Callable, through_backend: bool = False) -> Callable[.
     shows each decode a prefix of its keys. The paged cache is laid out once per input (in the
     engine the keys already lie there)."""
     laid_out: dict[tuple[int, int], Tensors] = {}
-    backend = TorchAttentionBackend()
+    backend = TorchAttentionBackend()  # none of our kernels: torch's gather and products
 
     def paged(q, k, v, mask) -> torch.Tensor:
         key = (k.data_ptr(), v.data_ptr())
@@ -235,11 +239,7 @@ def paged_variant(kernel: Callable, through_backend: bool = False) -> Callable[.
             own_lengths=lengths,
             mask=mask,
         )
-        cpu_kernels.enable(True, paged=False)
-        try:
-            return backend._decode(queries, kv_cache, plan)
-        finally:
-            cpu_kernels.enable(True)
+        return backend._decode(queries, kv_cache, plan)
 
     return paged
 

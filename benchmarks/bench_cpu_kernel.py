@@ -1,6 +1,6 @@
 """Our CPU kernels against torch's, paired, in one process on one model.
 
-The engine's attention and layer math (attention/cpu_kernels.py: bfloat16, head dimension 64,
+The engine's attention and layer math (blockserve/kernels: bfloat16, head dimension 64,
 a CPU with AVX512-BF16) run either through our kernels or through torch's; each round runs one of
 bench_offline.py's workloads once each way, in alternating order (as bench_compile.py does for
 the compiled forward). Reports the wall times, medians, the ratio and how many requests
@@ -29,7 +29,6 @@ from bench_offline import make_prompts
 from report import emit
 
 from blockserve import LLM, SamplingParams
-from blockserve.attention import cpu_kernels
 
 
 def main() -> None:
@@ -45,19 +44,20 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     args = parser.parse_args()
     llm = LLM(max_num_seqs=args.requests, dtype="bfloat16", compile=args.compile)
-    if not cpu_kernels.wait():
+    kernels = llm.engine.core.runner.kernels
+    if not kernels.loader.wait():
         raise SystemExit("our CPU kernels are not available here (see the log)")
     torch_mode = {
-        "all": partial(cpu_kernels.enable, False),
-        "paged": partial(cpu_kernels.enable, True, paged=False),
-        "layer": partial(cpu_kernels.enable, True, layer=False),
+        "all": partial(kernels.set_enabled, False),
+        "paged": partial(kernels.set_enabled, True, paged=False),
+        "layer": partial(kernels.set_enabled, True, layer=False),
     }[args.kernels]
-    modes = {"torch": torch_mode, "ours": partial(cpu_kernels.enable, True)}
+    modes = {"torch": torch_mode, "ours": partial(kernels.set_enabled, True)}
     prompts = make_prompts(args.workload, args.requests, llm.engine.core.info.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     llm.generate(prompts[0][:64], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     walls, same = paired(llm, prompts, params, modes, args.rounds)
-    cpu_kernels.enable(True)
+    kernels.set_enabled(True)
     medians = {mode: round(statistics.median(times), 3) for mode, times in walls.items()}
     emit(
         {

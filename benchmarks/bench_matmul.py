@@ -17,7 +17,7 @@ Where the CPU has AMX-BF16, the bf16 step is timed both ways, oneDNN's products 
 kernel's (`decode_step_tiles`, the engine's path for up to 128 rows), at 1 to 256 rows; and
 the float32 step likewise, oneDNN's products against our vector kernel in each build of the
 f32 library the CPU runs (`decode_step_vectors`; the engine's path for up to
-`cpu_kernels.VECTOR_MAX_ROWS` rows); the model's shapes in float32 are also timed the
+`VECTOR_MAX_ROWS` rows, blockserve/kernels/cpu.py); the model's shapes in float32 are also timed the
 engine's way, our kernel where it takes them (`linear_vs_packed_gflops`, "vectors"), and the
 floor's peak is the fastest of `torch.mm`, the prepacked linear and that. `--decode-only`
 times the comparison of --dtype alone (with `ONEDNN_MAX_CPU_ISA=AVX2` in the environment,
@@ -50,18 +50,22 @@ from typing import Any
 import torch
 from report import emit
 
-from blockserve.attention import cpu_build, cpu_kernels
 from blockserve.config import default_cache_dir
+from blockserve.kernels import CpuKernels
+from blockserve.kernels import build as cpu_build
 from blockserve.model import packed
 from blockserve.model.arch import LlamaArchConfig
 from blockserve.model.loader import resolve_model_dir
-from blockserve.model.packed import PackedLinear, pack_for_tiles, pack_for_vectors
+from blockserve.model.packed import PackedLinear, pack_for_tiles, pack_for_vectors, use_kernels
 from blockserve.platform import probe_host
 
 PREFIX, SUFFIX, OUTPUT, REQUESTS = 1024, 32, 32, 64
 
 
-def gflops(m: int, k: int, n: int, dtype: torch.dtype, repeats: int, how: str = "mm") -> float:
+def gflops(
+    m: int, k: int, n: int, dtype: torch.dtype, repeats: int, how: str = "mm",
+    kernels: CpuKernels | None = None,
+) -> float:  # fmt: skip
     """Best-of-`repeats` GFLOP/s of an [m, k] × [k, n] product: `torch.mm`, `F.linear` over a
     row-major [n, k] weight (what an nn.Linear does), the model's `PackedLinear` over oneDNN's
     layout ("packed"), or with its copy for our float32 vector kernel too ("vectors": the
@@ -72,8 +76,10 @@ def gflops(m: int, k: int, n: int, dtype: torch.dtype, repeats: int, how: str = 
     layer = PackedLinear(linear) if how in ("packed", "vectors") else linear
     if how == "vectors":
         isa = cpu_build.target_for(torch.float32).isa
-        ops = cpu_kernels.load(default_cache_dir(), torch.float32, isa)
+        assert kernels is not None
+        ops = kernels.loader.load(default_cache_dir(), torch.float32, isa)
         pack_for_vectors(torch.nn.ModuleList([layer]), ops, isa)
+        use_kernels(layer, kernels)
 
     def call() -> torch.Tensor:
         return torch.mm(a, b) if how == "mm" else layer(a)
@@ -133,6 +139,7 @@ def decode_step(
     repeats: int,
     tile_ops: Any = None,  # our loaded bf16 operators: time our tile kernel, not oneDNN
     vector_isa: str | None = None,  # the f32 build loaded: time our vector kernel, not oneDNN
+    kernels: CpuKernels | None = None,  # what loads and hands out those two
 ) -> dict[str, dict[str, float]]:
     """Median ms of one decode step's products over distinct weights; GB/s of weights read."""
     hidden, inter = arch.hidden_size, arch.intermediate_size
@@ -146,8 +153,11 @@ def decode_step(
     if tile_ops is not None:
         pack_for_tiles(torch.nn.ModuleList(linears), tile_ops)
     if vector_isa is not None:
-        ops = cpu_kernels.load(default_cache_dir(), torch.float32, vector_isa)
+        assert kernels is not None
+        ops = kernels.loader.load(default_cache_dir(), torch.float32, vector_isa)
         pack_for_vectors(torch.nn.ModuleList(linears), ops, vector_isa)
+    if kernels is not None:
+        use_kernels(torch.nn.ModuleList(linears), kernels)
     results = {}
     for m in rows:
         inputs = [torch.randn(m, k).to(dtype) for k, _ in shapes]
@@ -170,37 +180,40 @@ def decode_step(
 DECODE_ROWS = (1, 8, 16, 32, 64, 128, 256)
 
 
-def decode_tiles(arch: LlamaArchConfig, repeats: int) -> dict[str, Any] | None:
+def decode_tiles(arch: LlamaArchConfig, repeats: int, kernels: CpuKernels) -> dict[str, Any] | None:
     """A bf16 decode step's products, oneDNN's and our tile kernel's: None without AMX."""
-    if not cpu_kernels.supported(torch.bfloat16):
+    if not cpu_build.can_build(torch.bfloat16):
         return None
-    ops = cpu_kernels.load(default_cache_dir(), torch.bfloat16)
+    ops = kernels.loader.load(default_cache_dir(), torch.bfloat16)
     if ops is None or not ops.has_amx():
         return None
-    cpu_kernels.use_amx(False)
+    kernels.use_amx(False)
     tiles = {"onednn": decode_step(arch, torch.bfloat16, DECODE_ROWS, repeats)}
-    cpu_kernels.use_amx(True)
+    kernels.use_amx(True)
     limit, packed.TILE_MAX_ROWS = packed.TILE_MAX_ROWS, max(DECODE_ROWS)  # past the engine's
-    tiles["tiles"] = decode_step(arch, torch.bfloat16, DECODE_ROWS, repeats, ops)
+    tiles["tiles"] = decode_step(arch, torch.bfloat16, DECODE_ROWS, repeats, ops, None, kernels)
     packed.TILE_MAX_ROWS = limit
     print("decode step, oneDNN vs tiles", tiles, flush=True)
     return tiles
 
 
-def decode_vectors(arch: LlamaArchConfig, repeats: int) -> dict[str, Any] | None:
+def decode_vectors(
+    arch: LlamaArchConfig, repeats: int, kernels: CpuKernels
+) -> dict[str, Any] | None:
     """A float32 decode step's products, oneDNN's and our vector kernel's in each build of
     the f32 library the CPU runs: None where there is none."""
-    if not cpu_kernels.supported(torch.float32):
+    if not cpu_build.can_build(torch.float32):
         return None
     vectors = {"onednn": decode_step(arch, torch.float32, DECODE_ROWS, repeats)}
-    limit, cpu_kernels.VECTOR_MAX_ROWS = cpu_kernels.VECTOR_MAX_ROWS, max(DECODE_ROWS)
-    try:  # past the engine's limit too
+    limit = kernels.switches.vector_max_rows
+    kernels.switches.vector_max_rows = max(DECODE_ROWS)  # past the engine's limit too
+    try:
         for build in reversed(cpu_build.runnable(torch.float32)):  # the widest left loaded
             vectors[build.isa] = decode_step(
-                arch, torch.float32, DECODE_ROWS, repeats, vector_isa=build.isa
+                arch, torch.float32, DECODE_ROWS, repeats, vector_isa=build.isa, kernels=kernels
             )
     finally:
-        cpu_kernels.VECTOR_MAX_ROWS = limit
+        kernels.switches.vector_max_rows = limit
     print("decode step, oneDNN vs vectors", vectors, flush=True)
     return vectors
 
@@ -280,11 +293,12 @@ def main() -> None:
         parser.error("--dtype bfloat16: this host has no native bf16 (platform.py)")
     config = json.loads((resolve_model_dir(None) / "config.json").read_text())
     arch = LlamaArchConfig.from_hf(config)
+    kernels = CpuKernels()
     if args.decode_only:
         decodes = (
-            {"decode_step_tiles": decode_tiles(arch, args.repeats)}
+            {"decode_step_tiles": decode_tiles(arch, args.repeats, kernels)}
             if args.dtype == "bfloat16"
-            else {"decode_step_vectors": decode_vectors(arch, args.repeats)}
+            else {"decode_step_vectors": decode_vectors(arch, args.repeats, kernels)}
         )
         emit({"torch": torch.__version__, **decodes}, args.out)
         return
@@ -298,16 +312,19 @@ def main() -> None:
             label: round(gflops(*shape, dtype, args.repeats), 1) for label, shape in shapes.items()
         }
         ways = ("linear", "packed")
-        if dtype == torch.float32 and cpu_kernels.supported(torch.float32):
+        if dtype == torch.float32 and cpu_build.can_build(torch.float32):
             ways += ("vectors",)
         linears[name] = {
-            label: {how: round(gflops(*shape, dtype, args.repeats, how), 1) for how in ways}
+            label: {
+                how: round(gflops(*shape, dtype, args.repeats, how, kernels), 1) for how in ways
+            }
             for label, shape in model_shapes(arch).items()
         }
-        cpu_kernels.use_amx(False)  # oneDNN's products
+        kernels.use_amx(False)  # oneDNN's products
         decode[name] = decode_step(arch, dtype, (1, 8, 64), args.repeats)
         print(name, peaks[name], linears[name], decode[name], flush=True)
-    tiles, vectors = decode_tiles(arch, args.repeats), decode_vectors(arch, args.repeats)
+    tiles = decode_tiles(arch, args.repeats, kernels)
+    vectors = decode_vectors(arch, args.repeats, kernels)
     by_rows = packed_by_rows(arch, getattr(torch, args.dtype), args.repeats)
     print("packed products by rows", by_rows, flush=True)
     work = workload_gflop(arch)

@@ -14,7 +14,7 @@ records each step's tokens and runner time (`runner_steps`).
         [--max-tokens 32] [--paged-decode on|off] [--precached N] [--kv-written]
         [--lazy-memory] [--out FILE]
 
-`--paged-decode off` keeps our paged-decode kernel out (attention/cpu_kernels.py; torch's
+`--paged-decode off` keeps our paged-decode kernel out (blockserve/kernels; torch's
 decode path serves), to profile the step without it. `--precached N` caches the first N
 tokens of the first prompt before the run (a system prompt partly seen before): the first
 request then computes the rest of the prefix on top of them in the same step as the others
@@ -43,7 +43,6 @@ from report import emit
 from torch.profiler import ProfilerActivity, profile
 
 from blockserve import LLM, SamplingParams
-from blockserve.attention import cpu_kernels
 from blockserve.engine import core as engine_core
 
 PREFIX_LEN = 1024
@@ -114,8 +113,9 @@ def run(
         compile=compile_layers,
     )
     engine = llm.engine
-    cpu_kernels.wait()  # its first build on a host runs while the engine starts
-    cpu_kernels.enable(True, paged=paged_decode)
+    kernels = engine.core.runner.kernels
+    kernels.loader.wait()  # its first build on a host runs while the engine starts
+    kernels.set_enabled(True, paged=paged_decode)
     prompts = make_prompts(workload, num_requests, engine.core.info.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(prompts[0][:64], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
@@ -154,7 +154,8 @@ def run(
         "precached_tokens": precached,
         "kv_written_first": kv_written,
         "kv_blocks_mapped_at_start": mapped_at_start,
-        "paged_decode": paged_decode and cpu_kernels.loaded(getattr(torch, engine.core.info.dtype)),
+        "paged_decode": paged_decode
+        and kernels.loader.ops(getattr(torch, engine.core.info.dtype)) is not None,
         "wall_s": round(wall, 2),
         "output_tokens_per_s": round(num_output / wall, 1),
         "total_tokens_per_s": round((num_output + num_prompt) / wall, 1),

@@ -10,7 +10,7 @@ it writes is the same each time). The two steps:
            shared prefix it computes (2,048 tokens)
   decode   a step of 64 decodes, each over 1,024 shared and 33 own tokens
 
-Each step runs with our fused layer operators (attention/cpu_kernels.py) and without,
+Each step runs with our fused layer operators (blockserve/kernels) and without,
 alternating, `--repeats` times each way per round; medians. Where our products of few rows
 serve (bf16 on a CPU with AMX-BF16, float32 on our vector kernel) a third way runs too: fused,
 but with oneDNN's products where ours would serve (`onednn_products`; `tiles_speedup`, or
@@ -44,7 +44,6 @@ from report import emit
 from torch.profiler import ProfilerActivity, profile
 
 from blockserve import LLM, SamplingParams
-from blockserve.attention import cpu_kernels
 from blockserve.attention.common_blocks import MAX_BYTES
 from blockserve.model import llama
 from blockserve.model.packed import PackedLinear
@@ -158,11 +157,11 @@ def breakdown(runner: ModelRunner, inputs: ModelInputs, repeats: int) -> dict[st
         library = find_ops(hidden, head_dim)
         return None if library is None else TimedOps(library)
 
-    find_ops = cpu_kernels.layer_ops
+    find_ops = runner.kernels.layer_ops
     patches = [
         (PackedLinear, "forward", timed("linear", PackedLinear.forward)),
         (llama, "attend", timed("attention", llama.attend)),
-        (cpu_kernels, "layer_ops", layer_ops),
+        (runner.kernels, "layer_ops", layer_ops),
     ]
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
     for owner, name, replacement in patches:
@@ -190,34 +189,35 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     llm = LLM(enable_prefix_caching=True, max_num_seqs=NUM_REQUESTS, dtype=args.dtype)
-    if not cpu_kernels.wait():
-        raise SystemExit("our CPU kernels are not available here (see the log)")
     runner: ModelRunner = llm.engine.core.runner
+    kernels = runner.kernels
+    if not kernels.loader.wait():
+        raise SystemExit("our CPU kernels are not available here (see the log)")
     steps = capture_steps(llm)
     results: dict[str, Any] = {}
     for kind, inputs in steps.items():
         repeats = args.repeats if kind == "decode" else max(2, args.repeats // 10)
         run_step(runner, inputs)  # warm
         modes = ["fused", "unfused", "packing_each_step"]
-        if cpu_kernels.tile_linear(
+        if kernels.tile_linear(
             inputs.input_ids.new_empty(0, dtype=torch.bfloat16)
-        ) or cpu_kernels.vector_linear(
+        ) or kernels.vector_linear(
             inputs.input_ids.new_empty(0, dtype=torch.float32),
-            cpu_kernels.loaded_isa(torch.float32),
+            kernels.loader.isa(torch.float32),
         ):
             modes.append("onednn_products")
         walls: dict[str, list[float]] = {mode: [] for mode in modes}
         kept = runner.backend.common_blocks
         for round_index in range(args.rounds):
             for mode in modes if round_index % 2 == 0 else modes[::-1]:
-                cpu_kernels.enable(
+                kernels.set_enabled(
                     True, layer=mode != "unfused", products=mode != "onednn_products"
                 )
                 kept.max_bytes = 0 if mode == "packing_each_step" else MAX_BYTES
                 kept.forget()  # the next step starts from nothing kept
                 run_step(runner, inputs)  # the step that packs (kept from here, but there)
                 walls[mode].extend(time_step(runner, inputs, repeats))
-        cpu_kernels.enable(True)
+        kernels.set_enabled(True)
         kept.max_bytes = MAX_BYTES
         medians = {mode: round(statistics.median(t) * 1e3, 2) for mode, t in walls.items()}
         results[kind] = {
@@ -238,11 +238,11 @@ def main() -> None:
             results[kind]["breakdown_ms"] = breakdown(runner, inputs, repeats)
         if args.profile:
             for mode in ("unfused", "fused"):
-                cpu_kernels.enable(True, layer=mode == "fused")
+                kernels.set_enabled(True, layer=mode == "fused")
                 results[kind][f"profile_{mode}"] = top_operators(
                     runner, inputs, repeats, args.profile
                 )
-            cpu_kernels.enable(True)
+            kernels.set_enabled(True)
     emit({"benchmark": "step", "dtype": llm.engine.core.info.dtype, "steps": results}, args.out)
 
 

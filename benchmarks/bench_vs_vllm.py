@@ -57,7 +57,6 @@ def run_blockserve(
     model_dir: str, prompts: list[list[int]], caching: bool, dtype: str, compile_forward: bool
 ) -> dict[str, Any]:
     from blockserve import LLM, SamplingParams
-    from blockserve.attention import cpu_kernels
 
     started = time.perf_counter()
     llm = LLM(
@@ -68,7 +67,7 @@ def run_blockserve(
         compile=compile_forward,
     )
     ready = time.perf_counter() - started
-    cpu_kernels.wait()  # its first build on a host runs while the engine starts
+    llm.engine.core.runner.kernels.loader.wait()  # a host's first build runs while it starts
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
     llm.generate([prompts[0][:64]], SamplingParams(max_tokens=2), use_tqdm=False)
     if caching:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,18 +28,31 @@ def cpu_kernels_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     a session: ~20 s each). Before the builds it held, for each, an older source's library
     for this torch install, which its build replaces, and another install's, which they
     leave (tests/attention/test_cpu_kernel.py checks both)."""
-    from blockserve.attention import cpu_build, cpu_kernels
+    from blockserve.kernels import build
 
     directory = tmp_path_factory.mktemp("kernel-cache")
     (directory / "cpu_kernels").mkdir()
     (directory / "cpu_kernels" / "bf16-000000000000-000000000000.so").touch()
-    for dtype in cpu_kernels.LIBRARIES:
-        if not cpu_kernels.supported(dtype):
+    for dtype in build.LIBRARIES:
+        if not build.can_build(dtype):
             continue
-        for build in cpu_build.runnable(dtype):  # f32: AVX2's too, on an AVX-512 host
-            target = cpu_build.library_path(directory, dtype, build.isa)
-            install_prefix = target.name.rsplit("-", 1)[0]
-            (target.parent / f"{install_prefix}-000000000000.so").touch()
-            cpu_build.build(target, dtype, build.isa)
-            assert target.is_file()
+        for target in build.runnable(dtype):  # f32: AVX2's too, on an AVX-512 host
+            path = build.library_path(directory, dtype, target.isa)
+            install_prefix = path.name.rsplit("-", 1)[0]
+            (path.parent / f"{install_prefix}-000000000000.so").touch()
+            build.build(path, dtype, target.isa)
+            assert path.is_file()
     return directory
+
+
+@pytest.fixture(scope="session")
+def kernels(cpu_kernels_dir: Path) -> Any:
+    """Our CPU kernels with every library the host can run loaded (the widest build of each),
+    all switched in; a test that switches some off or loads another build puts them back."""
+    from blockserve.kernels import CpuKernels, build
+
+    kernels = CpuKernels()
+    for dtype in build.LIBRARIES:
+        if build.can_build(dtype):
+            assert kernels.loader.load(cpu_kernels_dir, dtype) is not None
+    return kernels

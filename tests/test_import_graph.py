@@ -92,6 +92,7 @@ LAYERS = (
     ("core",),
     ("events", "kv_tiers"),
     ("config",),
+    ("kernels",),
     ("sched", "attention", "grammar"),
     ("model",),
     ("runner",),

@@ -8,7 +8,6 @@ only where CUDA and a compiler exist; a CPU-only install never builds or needs i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,8 +16,9 @@ from blockserve.attention.metadata import AttentionMetadata
 from blockserve.attention.prefill import PrefillPlan, attend_prefills
 from blockserve.attention.torch_backend import all_prefill_plans, split_batch
 from blockserve.errors import BackendUnavailableError
+from blockserve.kernels.sources import source_dir
 
-CSRC = Path(__file__).resolve().parents[2] / "csrc"
+CSRC = source_dir("cuda")
 
 
 def load_extension() -> Any:

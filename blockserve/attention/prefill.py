@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from blockserve.attention import cpu_kernels
 from blockserve.attention.metadata import AttentionMetadata
+from blockserve.kernels import CpuKernels
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +50,7 @@ def attend_prefills(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, dim], this step's K/V written
     prefills: tuple[PrefillPlan, ...],
     output: torch.Tensor,  # [num_tokens, heads, dim]: the prefill rows are written
+    kernels: CpuKernels | None = None,  # ours, where loaded; None: torch's
 ) -> None:
     """Each prefill sequence's queries over its context: our CPU kernel where it serves,
     else torch's fused attention.
@@ -61,7 +62,7 @@ def attend_prefills(
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
     key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
     value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
-    kernel = cpu_kernels.dense_attention(query)  # None on the cuda backend
+    kernel = None if kernels is None else kernels.dense_attention(query)
     for prefill in prefills:
         start, end = prefill.token_start, prefill.token_end
         if kernel is not None:

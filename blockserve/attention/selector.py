@@ -8,11 +8,14 @@ from blockserve.attention.metadata import AttentionBackend
 from blockserve.attention.torch_backend import TorchAttentionBackend
 from blockserve.config import ATTENTION_BACKENDS
 from blockserve.errors import BackendUnavailableError, InvalidConfigError
+from blockserve.kernels import CpuKernels
 
 
-def get_attention_backend(name: str, device: str) -> AttentionBackend:
-    """`auto`: triton on a CUDA device, torch on the CPU. A named backend that cannot run
-    here raises BackendUnavailableError saying why."""
+def get_attention_backend(
+    name: str, device: str, kernels: CpuKernels | None = None
+) -> AttentionBackend:
+    """`auto`: triton on a CUDA device, torch on the CPU (with our `kernels` where loaded). A
+    named backend that cannot run here raises BackendUnavailableError saying why."""
     if name not in ATTENTION_BACKENDS:
         raise InvalidConfigError(
             f"unknown attention backend {name!r}; choose one of {', '.join(ATTENTION_BACKENDS)}"
@@ -21,7 +24,7 @@ def get_attention_backend(name: str, device: str) -> AttentionBackend:
     if name == "auto":
         name = "triton" if on_cuda else "torch"
     if name == "torch":
-        return TorchAttentionBackend()
+        return TorchAttentionBackend(kernels=kernels)
     if name == "triton":
         if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             raise BackendUnavailableError(

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from blockserve.attention import cpu_kernels
 from blockserve.attention.common_blocks import BlockSet, PackedCommonBlocks
 from blockserve.attention.metadata import AttentionMetadata
+from blockserve.kernels import CpuKernels
 
 
 def attend(
@@ -54,16 +54,17 @@ def attend_heads(
     mask: torch.Tensor | None = None,  # bool, broadcastable to [batch, heads, queries, keys]
     lengths: torch.Tensor | None = None,  # [batch, queries]: `mask` as key counts, if known
     prior: Partial | None = None,  # the rows over other keys: [batch, heads, queries, (dim)]
+    kernels: CpuKernels | None = None,  # ours, where loaded; None: torch's
 ) -> Partial:
     """`attend` for 4-D inputs with as many K/V heads as query heads: our CPU kernel (bf16
-    or float32) with head dimension 64 once it is loaded (attention/cpu_kernels.py) where
+    or float32) with head dimension 64 where `kernels` has it loaded and
     every row sees a prefix of the keys (`lengths`, or found from `mask`), else torch's fused
     CPU kernel where it exists (outputs float32 like `attend`), else the explicit path. With
     a `prior` (float32) the result covers its keys too: our kernel continues each row's
     softmax from it, the other paths merge the two."""
     if _FUSED_CPU_WITH_LSE is None or q.device.type != "cpu":
         return including(prior, *attend(q, k, v, mask))
-    kernel = cpu_kernels.dense_attention(q)
+    kernel = None if kernels is None else kernels.dense_attention(q)
     if kernel is not None:
         if mask is not None and lengths is None:
             lengths = prefix_lengths(mask, q.shape[0], q.shape[2], k.shape[2])
@@ -89,21 +90,22 @@ def attend_common_blocks(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, dim]
     block_ids: torch.Tensor,  # [num_common]
     kept: tuple[PackedCommonBlocks, BlockSet] | None = None,  # where packings are kept
+    kernels: CpuKernels | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [kv_heads, n * m, (dim)] float32
     """`attend_heads` of every query against all keys of whole cached blocks: by our CPU
     kernel where it serves, over the blocks as it packed them (kept across steps in `kept`'s
     store under its block set, if given; else packed for this call) and the queries where
     they are; else gathered first."""
     num_kv_heads, head_dim = q.shape[1], q.shape[3]
-    kernel = cpu_kernels.prefix_attention(q)
-    pack = cpu_kernels.pack_common(q)
+    kernel = None if kernels is None else kernels.prefix_attention(q)
+    pack = None if kernels is None else kernels.pack_common(q)
     if kernel is not None and pack is not None:
         packed = None if kept is None else kept[0].get(pack, kv_cache, kept[1], block_ids)
         return kernel(q, kv_cache[0], kv_cache[1], block_ids, head_dim**-0.5, packed)
     rows = q.permute(1, 0, 2, 3).reshape(1, num_kv_heads, -1, head_dim)
     k = kv_cache[0, block_ids].reshape(-1, num_kv_heads, head_dim).transpose(0, 1)
     v = kv_cache[1, block_ids].reshape(-1, num_kv_heads, head_dim).transpose(0, 1)
-    out, lse = attend_heads(rows, k[None], v[None])
+    out, lse = attend_heads(rows, k[None], v[None], kernels=kernels)
     return out[0], lse[0]
 
 
@@ -221,6 +223,7 @@ def attend_shared_prefix(
     plan: SharedPrefixPlan,
     output: torch.Tensor,  # [num_tokens, heads, dim]: the plan's rows are written
     kept: PackedCommonBlocks | None = None,  # the common blocks' packings across steps
+    kernels: CpuKernels | None = None,
 ) -> None:
     rows, max_queries = plan.token_index.shape
     num_heads, head_dim = query.shape[1], query.shape[2]
@@ -250,12 +253,13 @@ def attend_shared_prefix(
         kv_cache,
         plan.common_block_ids,
         None if kept is None else (kept, plan.common_set),
+        kernels,
     )
     common = (  # [kv_heads, rows * per_head, (dim)] → [rows, kv_heads, per_head, (dim)]
         out_common.view(num_kv_heads, rows, per_head, head_dim).transpose(0, 1),
         lse_common.view(num_kv_heads, rows, per_head).transpose(0, 1),
     )
-    out, _ = attend_heads(q_rows, own_k, own_v, own_mask, own_counts, prior=common)
+    out, _ = attend_heads(q_rows, own_k, own_v, own_mask, own_counts, prior=common, kernels=kernels)
     # [rows, kv_heads, queries, group, dim] → [rows, queries, kv_heads, group, dim]
     out = out.view(rows, num_kv_heads, max_queries, group, head_dim).transpose(1, 2)
     if run is not None:  # one strided copy into place, in the output's dtype

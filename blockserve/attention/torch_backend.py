@@ -4,7 +4,7 @@ Handles any mix in one batch: fresh prefills, prefill chunks on cached prefix bl
 among the new tokens, full over the prefix) and single-token decodes, with GQA. Its per-step
 plan is built once by `prepare` and passed to every layer. Decodes are batched: blocks all of
 them share (a common prompt prefix) are read once for all queries; each sequence's other
-blocks are read in place by our paged-decode kernel (bf16 or float32: attention/cpu_kernels.py)
+blocks are read in place by our paged-decode kernel (bf16 or float32: blockserve/kernels)
 or else gathered whole into a workspace reused by every layer, their softmax continuing from
 the common blocks' result (merged by log-sum-exp where torch's kernels serve). Each prefill
 sequence gets its own call. Measured choices: docs/benchmarks.md ("Model executor").
@@ -19,7 +19,6 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from blockserve.attention import cpu_kernels
 from blockserve.attention.common_blocks import BlockSet, PackedCommonBlocks
 from blockserve.attention.metadata import AttentionMetadata
 from blockserve.attention.prefill import PrefillPlan, attend_prefills, prefix_prefill_plan
@@ -32,6 +31,8 @@ from blockserve.attention.shared_prefix import (
     plan_shared_prefix,
     rows_to_share,
 )
+from blockserve.kernels import CpuKernels
+from blockserve.kernels.cpu import MAX_DECODE_GROUP
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,8 +110,11 @@ class TorchAttentionBackend:
 
     name = "torch"
 
-    def __init__(self, min_shared_decode_tokens: int = 0) -> None:
+    def __init__(
+        self, min_shared_decode_tokens: int = 0, kernels: CpuKernels | None = None
+    ) -> None:
         self._workspace: torch.Tensor | None = None
+        self.kernels = kernels if kernels is not None else CpuKernels()  # ours, once loaded
         self.min_shared_decode_tokens = min_shared_decode_tokens
         self.common_blocks = PackedCommonBlocks()  # our kernel's packings, across steps
 
@@ -182,7 +186,7 @@ class TorchAttentionBackend:
         plan: TorchAttentionPlan,
     ) -> torch.Tensor:
         num_kv_heads, head_dim = key.shape[1], key.shape[2]
-        write = cpu_kernels.write_kv(kv_cache, plan.slot_mapping, key, value)
+        write = self.kernels.write_kv(kv_cache, plan.slot_mapping, key, value)
         if write is not None:
             write(kv_cache, plan.slot_mapping, key, value)
         else:  # into [slots, kv_heads, dim] views of the K and V caches
@@ -195,9 +199,11 @@ class TorchAttentionBackend:
         if plan.decode is not None:
             rows = plan.decode.token_indices
             output[rows] = self._decode(query[rows], kv_cache, plan.decode)
-        attend_prefills(query, key, value, kv_cache, plan.prefills, output)
+        attend_prefills(query, key, value, kv_cache, plan.prefills, output, self.kernels)
         if plan.shared_prefix is not None:
-            attend_shared_prefix(query, kv_cache, plan.shared_prefix, output, self.common_blocks)
+            attend_shared_prefix(
+                query, kv_cache, plan.shared_prefix, output, self.common_blocks, self.kernels
+            )
         return output
 
     def _gather_blocks(self, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
@@ -228,12 +234,12 @@ class TorchAttentionBackend:
         num_kv_heads = kv_cache.shape[3]
         group = num_heads // num_kv_heads
         q = query.view(num_decodes, num_kv_heads, group, head_dim)
-        fused = cpu_kernels.decode_attention(query)
-        if fused is not None and group <= cpu_kernels.MAX_DECODE_GROUP:
+        fused = self.kernels.decode_attention(query)
+        if fused is not None and group <= MAX_DECODE_GROUP:
             # Our kernels, in one call: the common blocks read once for every decode (packed
             # as kept across steps), then each sequence's own blocks read in place (no
             # gather), continuing from that result (no merge).
-            packed, pack = None, cpu_kernels.pack_common(query)
+            packed, pack = None, self.kernels.pack_common(query)
             if plan.common_block_ids is not None and pack is not None:
                 packed = self.common_blocks.get(
                     pack, kv_cache, plan.common_set, plan.common_block_ids
@@ -249,7 +255,7 @@ class TorchAttentionBackend:
         v = gathered[1].view(num_decodes, context, num_kv_heads, head_dim).transpose(1, 2)
         if plan.common_block_ids is not None:  # the own blocks continue from the common ones
             common = self._common_prefix(q, kv_cache, plan)
-            out, _ = attend_heads(q, k, v, plan.mask, prior=common)  # [decodes, kv, group, dim]
+            out, _ = attend_heads(q, k, v, plan.mask, prior=common, kernels=self.kernels)
             return out.reshape(num_decodes, num_heads, head_dim).to(query.dtype)
         if query.dtype == torch.float32:
             # float32: torch's fused kernel is the fastest path measured.
@@ -276,7 +282,7 @@ class TorchAttentionBackend:
         assert plan.common_block_ids is not None
         num_decodes, num_kv_heads, group, head_dim = q.shape
         out, lse = attend_common_blocks(
-            q, kv_cache, plan.common_block_ids, (self.common_blocks, plan.common_set)
+            q, kv_cache, plan.common_block_ids, (self.common_blocks, plan.common_set), self.kernels
         )
         out = out.view(num_kv_heads, num_decodes, group, head_dim).transpose(0, 1)
         return out, lse.view(num_kv_heads, num_decodes, group).transpose(0, 1)

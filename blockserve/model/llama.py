@@ -6,7 +6,7 @@ forward: model/attention_op.py). Knows nothing of blocks beyond that plan. Param
 follow Hugging Face's, except that q/k/v and gate/up are fused into `qkv_proj` and
 `gate_up_proj` (one matmul each); `load_weights` maps them. An eager bf16 forward on a CPU with
 our kernels runs each layer's norms, residual adds, rotary embedding and SiLU through our fused
-operators (`forward_fused`; attention/cpu_layer_bf16.cpp), with the same results up to a bf16
+operators (`forward_fused`; csrc/cpu/layer_ops_bf16.cpp), with the same results up to a bf16
 step here and there.
 """
 
@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blockserve.attention import cpu_kernels
 from blockserve.attention.metadata import AttentionBackend
+from blockserve.kernels import CpuKernels
 from blockserve.model.arch import LlamaArchConfig
 from blockserve.model.attention_op import attend
 from blockserve.model.rope import Rope, RotaryEmbedding, apply_rotary
@@ -167,6 +167,7 @@ class LlamaForCausalLM(nn.Module):
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.kernels = CpuKernels()  # ours, once the runner's are handed in; else torch's
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -183,7 +184,7 @@ class LlamaForCausalLM(nn.Module):
         ops = (
             None
             if torch.compiler.is_compiling()
-            else cpu_kernels.layer_ops(hidden, self.config.head_dim)
+            else self.kernels.layer_ops(hidden, self.config.head_dim)
         )
         if ops is not None:
             return self._forward_fused(ops, hidden, rope, kv_caches, plan)

@@ -7,15 +7,15 @@ gain most. Results equal `F.linear`'s bit for bit in bfloat16 and within float32
 (accumulation order) in float32.
 
 Where the CPU has AMX-BF16, a bf16 model's products of up to `TILE_MAX_ROWS` rows (decode
-steps) run on our tile kernel instead (attention/cpu_linear_bf16.cpp), over a second copy of
+steps) run on our tile kernel instead (csrc/cpu/linear_bf16.cpp), over a second copy of
 each weight in tile order made once our kernels are loaded (`pack_for_tiles`): those products
 read every weight for a few rows, and ours read them faster (docs/benchmarks.md, "Decode
 products on AMX tiles"). Its sums are float32 too, in another order: its results are within
 bf16 rounding of oneDNN's, not equal to them. The copy doubles the linear weights' memory, so
 it is made only for models whose linear weights fit in `MAX_COPY_BYTES`.
 
-A float32 model's products of up to `cpu_kernels.VECTOR_MAX_ROWS` rows run likewise on our
-vector kernel (attention/cpu_linear_f32.cpp) over a copy of each weight in panel order
+A float32 model's products of up to `VECTOR_MAX_ROWS` rows (kernels/cpu.py) run likewise on our
+vector kernel (csrc/cpu/linear_f32.cpp) over a copy of each weight in panel order
 (`pack_for_vectors`), made by the f32 build that runs it: oneDNN's float32 products of few
 rows read the weights well below the memory's speed (docs/benchmarks.md, "Float32 on
 AVX-512F"). Its sums run in another order: within float32 rounding of oneDNN's.
@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from blockserve.attention import cpu_kernels
+from blockserve.kernels import CpuKernels
 from blockserve.platform import probe_host
 
 logger = logging.getLogger(__name__)
@@ -100,6 +100,7 @@ class PackedLinear(nn.Module):
     tiles: torch.Tensor | None  # the weight in tile order (pack_for_tiles), or None
     vectors: torch.Tensor | None  # the weight in panel order (pack_for_vectors), or None
     vectors_isa: str | None  # the f32 build that packed `vectors`
+    kernels: CpuKernels | None  # ours, which run over `tiles` or `vectors` (use_kernels)
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -113,6 +114,7 @@ class PackedLinear(nn.Module):
         self.register_buffer("tiles", None, persistent=False)
         self.register_buffer("vectors", None, persistent=False)
         self.vectors_isa = None
+        self.kernels = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
@@ -121,12 +123,14 @@ class PackedLinear(nn.Module):
         elif (
             self.tiles is not None
             and rows.shape[0] <= TILE_MAX_ROWS
-            and (tile_linear := cpu_kernels.tile_linear(rows)) is not None
+            and self.kernels is not None
+            and (tile_linear := self.kernels.tile_linear(rows)) is not None
         ):
             out = tile_linear(rows, self.tiles, self.bias)
         elif (
             self.vectors is not None
-            and (vector_linear := cpu_kernels.vector_linear(rows, self.vectors_isa)) is not None
+            and self.kernels is not None
+            and (vector_linear := self.kernels.vector_linear(rows, self.vectors_isa)) is not None
         ):
             out = vector_linear(rows, self.vectors, self.bias)
         else:
@@ -185,17 +189,26 @@ def pack_for_vectors(model: nn.Module, ops: Any, isa: str) -> int:
     return len(linears)
 
 
-def pack_once_loaded(model: weakref.ref[nn.Module], dtype: torch.dtype) -> Callable[[Any], None]:
-    """What to run once our kernels for `dtype` are loaded (a thread of theirs, given their
-    operators): the tile copies (bf16) or the panel copies for the build loaded (float32) of
-    the model's weights, unless the model is gone by then."""
+def use_kernels(model: nn.Module, kernels: CpuKernels) -> None:
+    """Hand every `PackedLinear` under `model` the kernels that run over its copies."""
+    for module in model.modules():
+        if isinstance(module, PackedLinear):
+            module.kernels = kernels
+
+
+def pack_once_loaded(
+    model: weakref.ref[nn.Module], kernels: CpuKernels, dtype: torch.dtype
+) -> Callable[[Any], None]:
+    """What to run once `kernels` has `dtype`'s library loaded (on its loader's thread, given
+    its operators): the tile copies (bf16) or the panel copies for the build loaded (float32)
+    of the model's weights, unless the model is gone by then."""
 
     def pack(ops: Any) -> None:
         if (alive := model()) is None:
             return
         if dtype == torch.bfloat16:
             pack_for_tiles(alive, ops)
-        elif (isa := cpu_kernels.loaded_isa(torch.float32)) is not None:
+        elif (isa := kernels.loader.isa(torch.float32)) is not None:
             pack_for_vectors(alive, ops, isa)
 
     return pack

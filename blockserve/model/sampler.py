@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from blockserve.attention import cpu_kernels
+from blockserve.kernels import CpuKernels
 from blockserve.sampling_params import SamplingParams
 
 
@@ -163,11 +163,11 @@ def apply_filters(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return logits.scatter(1, order, sorted_logits.masked_fill(remove, float("-inf")))
 
 
-def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's first largest logit: our CPU kernel where it is loaded for the dtype, else
-    torch.max, whose indices are argmax's (the first of equal maxima) in under half its time
-    on a CPU."""
-    kernel = cpu_kernels.argmax(logits)
+def argmax(logits: torch.Tensor, kernels: CpuKernels | None = None) -> torch.Tensor:
+    """Each row's first largest logit: our CPU kernel where `kernels` has it loaded for the
+    dtype, else torch.max, whose indices are argmax's (the first of equal maxima) in under
+    half its time on a CPU."""
+    kernel = None if kernels is None else kernels.argmax(logits)
     return kernel(logits) if kernel is not None else logits.max(dim=-1).indices
 
 
@@ -175,15 +175,18 @@ class Sampler:
     """Draws from `generator` for rows without their own seed; every other input arrives in
     the `SamplingBatch`."""
 
-    def __init__(self, generator: torch.Generator | None = None) -> None:
+    def __init__(
+        self, generator: torch.Generator | None = None, kernels: CpuKernels | None = None
+    ) -> None:
         self.generator = generator
+        self.kernels = kernels
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         # logits: [rows, vocab] in the LM head's dtype. A greedy batch takes their argmax as
         # they are (widening bf16 to float32 is exact, so its argmax is the same); every other
         # computes in float32.
         if batch.argmax_only:
-            return SamplerOutput(argmax(logits), None, None, None, None)
+            return SamplerOutput(argmax(logits, self.kernels), None, None, None, None)
         logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if batch.num_logprobs is not None else None
         if batch.banned is not None:
@@ -191,7 +194,7 @@ class Sampler:
                 batch.banned, torch.tensor(float("-inf"), device=logits.device)
             )
         logits = apply_penalties(logits, batch)
-        greedy_ids = argmax(logits)
+        greedy_ids = argmax(logits, self.kernels)
         if batch.all_greedy:
             token_ids = greedy_ids
         else:

@@ -9,10 +9,10 @@ import weakref
 
 import torch
 
-from blockserve.attention import cpu_kernels
 from blockserve.attention.selector import get_attention_backend
 from blockserve.config import CacheConfig, ModelConfig, default_cache_dir
 from blockserve.grammar import GrammarCompiler
+from blockserve.kernels import CpuKernels, fits_model
 from blockserve.model.arch import LlamaArchConfig
 from blockserve.model.compile import compile_forward
 from blockserve.model.loader import (
@@ -22,7 +22,7 @@ from blockserve.model.loader import (
     resolve_dtype,
     resolve_model_dir,
 )
-from blockserve.model.packed import pack_once_loaded
+from blockserve.model.packed import pack_once_loaded, use_kernels
 from blockserve.model.sampler import Sampler
 from blockserve.platform import probe_host, warn_if_slow
 from blockserve.runner.first_touch import KVPagePopulator, keep_freed_memory
@@ -39,7 +39,8 @@ def build_runner(
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
-    backend = get_attention_backend(model_config.attention_backend, name)
+    kernels = CpuKernels()  # ours once loaded (a thread builds or loads them); torch's before
+    backend = get_attention_backend(model_config.attention_backend, name, kernels)
     host = probe_host(device)
     dtype = resolve_dtype(model_config.dtype, host)
     warn_if_slow(dtype, host)
@@ -58,7 +59,7 @@ def build_runner(
     if kv_pages is not None:
         keep_freed_memory()  # for the steps' temporaries; the loading's are gone
         kv_pages.map_now(kv_blocks_per_step)  # the first step writes mapped memory
-    _start_cpu_kernels(device, dtype, arch, loaded)
+    _start_cpu_kernels(kernels, device, dtype, arch, loaded)
     # Unseeded requests draw from one generator seeded by --seed: a run is reproducible.
     generator = torch.Generator(device=device)
     generator.manual_seed(model_config.seed)
@@ -73,7 +74,8 @@ def build_runner(
             kv_caches=kv_caches,
             kv_pages=kv_pages,
             loaded=loaded,
-            sampler=Sampler(generator),
+            sampler=Sampler(generator, kernels),
+            kernels=kernels,
             grammar=GrammarCompiler(
                 loaded.tokenizer,
                 arch.vocab_size,
@@ -92,12 +94,17 @@ def build_runner(
 
 
 def _start_cpu_kernels(
-    device: torch.device, dtype: torch.dtype, arch: LlamaArchConfig, loaded: LoadedModel
+    kernels: CpuKernels,
+    device: torch.device,
+    dtype: torch.dtype,
+    arch: LlamaArchConfig,
+    loaded: LoadedModel,
 ) -> None:
-    """Build or load our CPU kernel library on a thread (torch's kernels serve meanwhile) and
-    pack the weights for it once it is in."""
-    if not cpu_kernels.serves(device, dtype, arch.head_dim):
+    """Hand the model our CPU kernels, build or load their library on a thread (torch's
+    kernels serve meanwhile) and pack the weights for it once it is in."""
+    if not fits_model(device, dtype, arch.head_dim):
         return
-    cpu_kernels.start_loading(default_cache_dir(), dtype)
-    if cpu_kernels.supported(dtype):
-        cpu_kernels.when_loaded(dtype, pack_once_loaded(weakref.ref(loaded.model), dtype))
+    loaded.model.kernels = kernels
+    use_kernels(loaded.model, kernels)
+    kernels.loader.when_loaded(dtype, pack_once_loaded(weakref.ref(loaded.model), kernels, dtype))
+    kernels.loader.start(default_cache_dir(), dtype)

@@ -17,6 +17,7 @@ import torch
 from blockserve.attention.metadata import AttentionBackend
 from blockserve.core.kv_cache_manager import RequestId
 from blockserve.grammar import GrammarCompiler, apply_token_masks
+from blockserve.kernels import CpuKernels
 from blockserve.model.arch import LlamaArchConfig
 from blockserve.model.compile import CompileReport, mark_token_dim_dynamic
 from blockserve.model.loader import LoadedModel
@@ -63,6 +64,7 @@ class RunnerParts:
     loaded: LoadedModel
     sampler: Sampler
     grammar: GrammarCompiler
+    kernels: CpuKernels  # ours on a CPU, once loaded
 
 
 class ModelRunner:
@@ -72,6 +74,7 @@ class ModelRunner:
         self.device = parts.device
         self.host = parts.host
         self.backend = parts.backend
+        self.kernels = parts.kernels
         self.arch = parts.arch
         self.block_size = parts.block_size
         self.num_blocks = parts.num_blocks

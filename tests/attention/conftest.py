@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 
 @pytest.fixture(scope="session")
 def emulator(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
-    """csrc/kernels.cu compiled by g++ with the fiber emulator (tests/attention/cuda_emulation)."""
+    """csrc/cuda/kernels.cu built by g++ with the fiber emulator (cuda_emulation/)."""
     from tests.attention.cuda_emulation import build_emulator
 
     return build_emulator(Path(tmp_path_factory.mktemp("emulator")))

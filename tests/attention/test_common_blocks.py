@@ -6,14 +6,13 @@ attention over a kept packing equals attention that packs for each call."""
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 
 import pytest
 import torch
 
-from blockserve.attention import cpu_kernels
 from blockserve.attention.common_blocks import PackedCommonBlocks
 from blockserve.attention.torch_backend import TorchAttentionBackend
+from blockserve.kernels import CpuKernels
 from tests.attention.cases import make_case, reference_attention
 from tests.attention.test_cpu_kernel import DTYPES
 from tests.attention.test_torch_backend import TOLERANCE
@@ -98,11 +97,11 @@ def test_packings_past_the_limit_are_made_for_each_call() -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_attention_over_a_kept_packing_equals_packing_per_call(
-    dtype: torch.dtype, cpu_kernels_dir: Path
+    dtype: torch.dtype, kernels: CpuKernels
 ) -> None:
     """Bit for bit, with the AMX tiles and without where the host has them (they read the
     same layout); a packing of another size (five blocks: 128 keys padded) is refused."""
-    ops = cpu_kernels.load(cpu_kernels_dir, dtype)
+    ops = kernels.loader.ops(dtype)
     assert ops is not None
     generator = torch.Generator().manual_seed(4)
     kv = torch.randn(2, 20, 16, 2, 64, generator=generator).to(dtype)
@@ -111,12 +110,12 @@ def test_attention_over_a_kept_packing_equals_packing_per_call(
     packed = ops.pack_common(kv[0], kv[1], ids)
     assert packed.shape == (2, 2, 64 * 64)  # 48 keys, padded to a whole block of 64
     for tiles in (True, False):
-        cpu_kernels.use_amx(tiles)
+        kernels.use_amx(tiles)
         try:
             fresh = ops.prefix_attention(q, kv[0], kv[1], ids, 0.125)
             kept = ops.prefix_attention(q, kv[0], kv[1], ids, 0.125, packed)
         finally:
-            cpu_kernels.use_amx(True)
+            kernels.use_amx(True)
         assert torch.equal(fresh[0], kept[0]) and torch.equal(fresh[1], kept[1])
     other = ops.pack_common(kv[0], kv[1], torch.tensor([1, 2, 3, 4, 5]))
     with pytest.raises(RuntimeError, match="packed must be pack_common's result"):
@@ -125,15 +124,18 @@ def test_attention_over_a_kept_packing_equals_packing_per_call(
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_steps_on_the_same_common_blocks_pack_them_once(
-    dtype: torch.dtype, cpu_kernels_dir: Path
+    dtype: torch.dtype, kernels: CpuKernels
 ) -> None:
     """Three decode steps over 4 common blocks: packed in the first, read as kept in the
     next two, each step's output what a backend packing every time gives, within tolerance of
     the reference; `forget_kv` makes the next step pack again."""
-    assert cpu_kernels.load(cpu_kernels_dir, dtype) is not None
+    assert kernels.loader.ops(dtype) is not None
     specs = [(64, 1), (64, 1), (70, 1), (99, 1), (65, 1)]
     case = make_case(specs, 6, 2, head_dim=64, dtype=dtype, shared_blocks=4, seed=3)
-    backend, packing = TorchAttentionBackend(), TorchAttentionBackend()
+    backend, packing = (
+        TorchAttentionBackend(kernels=kernels),
+        TorchAttentionBackend(kernels=kernels),
+    )
     packing.common_blocks.max_bytes = 0  # keeps nothing
     for _ in range(3):
         plan = backend.prepare(case.metadata)

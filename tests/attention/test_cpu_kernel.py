@@ -1,4 +1,4 @@
-"""Our CPU attention kernels (attention/cpu_attention.h), in both libraries (bf16 for
+"""Our CPU attention kernels (csrc/cpu/attention.h), in both libraries (bf16 for
 AVX512-BF16, on AMX tiles too where the CPU has them; f32 in its AVX2 build, and its AVX-512
 build where the CPU has AVX-512F): built by g++ into the
 cache dir, equal to a float64 reference within their dtype's rounding, refusing what they do
@@ -7,6 +7,7 @@ and prefills, the paged one for decodes."""
 
 from __future__ import annotations
 
+import functools
 import re
 import signal
 import subprocess
@@ -15,24 +16,27 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
-from blockserve.attention import cpu_build, cpu_kernels, cpu_loader
 from blockserve.attention.torch_backend import TorchAttentionBackend
+from blockserve.kernels import CpuKernels, KernelLoader
+from blockserve.kernels import build as cpu_build
+from blockserve.kernels.sources import source_dir
 from tests.attention.cases import make_case, reference_attention
 from tests.attention.test_torch_backend import TOLERANCE
 
 # Each library's tests run where the CPU has its instructions (and g++ is there to build it).
 NEEDS = {
     torch.bfloat16: pytest.mark.skipif(
-        not cpu_kernels.supported(torch.bfloat16),
+        not cpu_build.can_build(torch.bfloat16),
         reason="needs an x86 CPU with AVX512-BF16 and g++ (elsewhere torch's kernels serve)",
     ),
     torch.float32: pytest.mark.skipif(
-        not cpu_kernels.supported(torch.float32),
+        not cpu_build.can_build(torch.float32),
         reason="needs an x86 CPU with AVX2 and FMA, and g++ (elsewhere torch's kernels serve)",
     ),
 }
@@ -40,8 +44,8 @@ DTYPES = [
     pytest.param(dtype, id=name, marks=NEEDS[dtype])
     for dtype, name in ((torch.bfloat16, "bf16"), (torch.float32, "f32"))
 ]
-AMX = cpu_kernels.supported(torch.bfloat16) and torch.cpu.get_capabilities().get("amx_bf16")
-AVX512_F32 = cpu_kernels.supported(torch.float32) and any(
+AMX = cpu_build.can_build(torch.bfloat16) and torch.cpu.get_capabilities().get("amx_bf16")
+AVX512_F32 = cpu_build.can_build(torch.float32) and any(
     build.isa == "avx512" for build in cpu_build.runnable(torch.float32)
 )
 # The bf16 library's dense and prefix attention take two paths: AMX tiles where the CPU has
@@ -97,34 +101,35 @@ def test_a_build_replaces_its_installs_older_library_only(cache_dir: Path) -> No
     # before building: each build replaced its own older one alone.
     built = [
         cpu_build.library_path(cache_dir, dtype, build.isa).name
-        for dtype in cpu_kernels.LIBRARIES
-        if cpu_kernels.supported(dtype)
+        for dtype in cpu_build.LIBRARIES
+        if cpu_build.can_build(dtype)
         for build in cpu_build.runnable(dtype)
     ]
     assert built and names == sorted([*built, OTHER_INSTALL_KERNELS])
 
 
 @pytest.fixture(scope="module")
-def ops(cache_dir: Path, variant: tuple[torch.dtype, str]) -> Iterator[Any]:
+def ops(kernels: CpuKernels, cache_dir: Path, variant: tuple[torch.dtype, str]) -> Iterator[Any]:
     dtype, path = variant
     isa = path if dtype == torch.float32 else None
-    loaded = cpu_kernels.load(cache_dir, dtype, isa)
+    loaded = kernels.loader.load(cache_dir, dtype, isa)
     assert loaded is not None
     if dtype == torch.bfloat16:
-        assert cpu_kernels.use_amx(path == "tiles") == (path == "tiles")
+        assert kernels.use_amx(path == "tiles") == (path == "tiles")
     yield loaded
-    cpu_kernels.use_amx(True)  # the defaults: tiles, the widest build
-    cpu_kernels.load(cache_dir, dtype, cpu_build.target_for(dtype).isa)
+    kernels.use_amx(True)  # the defaults: tiles, the widest build
+    kernels.loader.load(cache_dir, dtype, cpu_build.target_for(dtype).isa)
 
 
 def test_tiles_are_used_exactly_where_the_cpu_has_amx(cache_dir: Path) -> None:
-    if not cpu_kernels.supported(torch.bfloat16):
-        assert not cpu_kernels.use_amx(True)  # no bf16 library to use them
+    kernels = CpuKernels()
+    if not cpu_build.can_build(torch.bfloat16):
+        assert not kernels.use_amx(True)  # no bf16 library to use them
         return
-    assert cpu_kernels.load(cache_dir, torch.bfloat16) is not None
-    assert cpu_kernels.use_amx(True) == bool(AMX)
-    assert not cpu_kernels.use_amx(False)
-    assert cpu_kernels.use_amx(True) == bool(AMX)
+    assert kernels.loader.load(cache_dir, torch.bfloat16) is not None
+    assert kernels.use_amx(True) == bool(AMX)
+    assert not kernels.use_amx(False)
+    assert kernels.use_amx(True) == bool(AMX)
 
 
 AVX2_HOST = {"avx": True, "avx2": True, "fma3": True}
@@ -170,10 +175,11 @@ def test_a_host_runs_the_widest_build_it_has_the_instructions_for(
 def test_both_float32_builds_pack_common_blocks_alike_and_agree(cache_dir: Path) -> None:
     """A packing kept across steps serves either build (the layout is the same); the two
     compute the same attention up to float32 rounding (their sums run in other orders)."""
-    narrow = cpu_kernels.load(cache_dir, torch.float32, "avx2")
-    wide = cpu_kernels.load(cache_dir, torch.float32, "avx512")
+    kernels = CpuKernels()
+    narrow = kernels.loader.load(cache_dir, torch.float32, "avx2")
+    wide = kernels.loader.load(cache_dir, torch.float32, "avx512")
     assert narrow is not None and wide is not None and narrow is not wide
-    assert cpu_kernels.loaded_isa(torch.float32) == "avx512"
+    assert kernels.loader.isa(torch.float32) == "avx512"
     generator = torch.Generator().manual_seed(12)
     kv = torch.randn(2, 90, 16, 3, 64, generator=generator)
     ids = torch.tensor([5, 80, 17, 3, 44, 61, 29])  # 112 keys: a partial group of 16 padded
@@ -194,8 +200,8 @@ def test_both_float32_builds_pack_common_blocks_alike_and_agree(cache_dir: Path)
 
 
 @pytest.fixture(scope="module")
-def kernel(ops: Any, dtype: torch.dtype) -> Kernel:
-    op = cpu_kernels.dense_attention(torch.zeros(1, 64, dtype=dtype))
+def kernel(kernels: CpuKernels, ops: Any, dtype: torch.dtype) -> Kernel:
+    op = kernels.dense_attention(torch.zeros(1, 64, dtype=dtype))
     assert op is ops.dense_attention
     return op
 
@@ -299,11 +305,11 @@ def test_dense_attention_continues_from_a_prior(kernel: Kernel, dtype: torch.dty
 
 
 def test_the_exp_polynomial_is_within_float32_rounding() -> None:
-    """The coefficients both libraries' exponentials use (cpu_exp2.h), evaluated as the
+    """The coefficients both libraries' exponentials use (exp2.h), evaluated as the
     kernels do (Horner's order, one rounding to float32 a step), give 2^f within 2.5e-7 of
     its value over [-0.5, 0.5]: about two float32 roundings, as the Taylor series of a degree
     more they replaced."""
-    header = (Path(cpu_build.__file__).parent / "cpu_exp2.h").read_text()
+    header = (source_dir("cpu") / "exp2.h").read_text()
     body = re.search(r"kExp2Poly\[kExp2Terms\] = \{([^}]*)\}", header)
     assert body is not None
     coefficients = [
@@ -358,6 +364,7 @@ def test_refuses_what_it_does_not_handle(
     ],
 )
 def test_the_backend_paths_use_it(
+    kernels: CpuKernels,
     kernel: Kernel,
     dtype: torch.dtype,
     monkeypatch: pytest.MonkeyPatch,
@@ -369,14 +376,14 @@ def test_the_backend_paths_use_it(
     attention."""
     calls: set[str] = set()
     for name in ("dense", "prefix", "decode"):
-        find = getattr(cpu_kernels, f"{name}_attention")
+        find = getattr(kernels, f"{name}_attention")
         monkeypatch.setattr(
-            cpu_kernels,
+            kernels,
             f"{name}_attention",
             lambda q, find=find, name=name: calls.add(name) or find(q),
         )
     case = make_case(specs, 6, 2, head_dim=64, dtype=dtype, shared_blocks=shared_blocks)
-    backend = TorchAttentionBackend()
+    backend = TorchAttentionBackend(kernels=kernels)
     out = backend.forward(
         case.query, case.key, case.value, case.kv_cache, backend.prepare(case.metadata)
     )
@@ -386,8 +393,8 @@ def test_the_backend_paths_use_it(
 
 
 @pytest.fixture(scope="module")
-def prefix(ops: Any, dtype: torch.dtype) -> Kernel:
-    op = cpu_kernels.prefix_attention(torch.zeros(1, 64, dtype=dtype))
+def prefix(kernels: CpuKernels, ops: Any, dtype: torch.dtype) -> Kernel:
+    op = kernels.prefix_attention(torch.zeros(1, 64, dtype=dtype))
     assert op is ops.prefix_attention
     return op
 
@@ -599,6 +606,7 @@ def test_paged_decode_refuses_what_it_does_not_handle(
     ],
 )
 def test_decodes_read_their_blocks_in_place(
+    kernels: CpuKernels,
     ops: Any,
     prefix: Kernel,
     paged: Kernel,
@@ -617,12 +625,12 @@ def test_decodes_read_their_blocks_in_place(
         return ops.decode_attention
 
     case = make_case(specs, 9, 3, head_dim=64, dtype=dtype, shared_blocks=shared_blocks)
-    backend = TorchAttentionBackend()
+    backend = TorchAttentionBackend(kernels=kernels)
     plan = backend.prepare(case.metadata)
     expected = reference_attention(case)
-    monkeypatch.setattr(cpu_kernels, "decode_attention", lambda q: None)
+    monkeypatch.setattr(kernels, "decode_attention", lambda q: None)
     without = backend.forward(case.query, case.key, case.value, case.kv_cache, plan)
-    monkeypatch.setattr(cpu_kernels, "decode_attention", counted)
+    monkeypatch.setattr(kernels, "decode_attention", counted)
     with_kernel = backend.forward(case.query, case.key, case.value, case.kv_cache, plan)
     assert calls == [dtype]
     for out in (without, with_kernel):
@@ -646,51 +654,60 @@ def test_decodes_read_their_blocks_in_place(
 
 
 def test_switched_off_torch_serves(
-    kernel: Kernel, prefix: Kernel, ops: Any, dtype: torch.dtype
+    kernels: CpuKernels, kernel: Kernel, prefix: Kernel, ops: Any, dtype: torch.dtype
 ) -> None:
     """Each switch takes out its kernels."""
     q, hidden = torch.zeros(2, 64, dtype=dtype), torch.zeros(2, 576, dtype=dtype)
 
     def served() -> tuple[bool, ...]:
         return (
-            cpu_kernels.dense_attention(q) is kernel,
-            cpu_kernels.prefix_attention(q) is prefix,
-            cpu_kernels.decode_attention(q) is ops.decode_attention,
-            cpu_kernels.layer_ops(hidden, head_dim=64) is not None,
+            kernels.dense_attention(q) is kernel,
+            kernels.prefix_attention(q) is prefix,
+            kernels.decode_attention(q) is ops.decode_attention,
+            kernels.layer_ops(hidden, head_dim=64) is not None,
         )
 
-    cpu_kernels.enable(False)
+    kernels.set_enabled(False)
     try:
         assert served() == (False, False, False, False)
-        cpu_kernels.enable(True, paged=False)
+        kernels.set_enabled(True, paged=False)
         assert served() == (True, True, False, True)
-        cpu_kernels.enable(True, layer=False)
+        kernels.set_enabled(True, layer=False)
         assert served() == (True, True, True, False)
-        cpu_kernels.enable(False, paged=True)  # the decodes' path runs prefix_attention
+        kernels.set_enabled(False, paged=True)  # the decodes' path runs prefix_attention
         assert served() == (False, False, False, False)
     finally:
-        cpu_kernels.enable(True)
+        kernels.set_enabled(True)
     assert served() == (True, True, True, True)
     # Not for another dtype, other head widths, or a hidden size off the 16-wide vectors.
-    assert cpu_kernels.dense_attention(q.half()) is None
-    assert cpu_kernels.decode_attention(q[:, :32]) is None
-    assert cpu_kernels.layer_ops(hidden.half(), head_dim=64) is None
-    assert cpu_kernels.layer_ops(hidden, head_dim=128) is None
-    assert cpu_kernels.layer_ops(hidden[:, :40], head_dim=64) is None
+    assert kernels.dense_attention(q.half()) is None
+    assert kernels.decode_attention(q[:, :32]) is None
+    assert kernels.layer_ops(hidden.half(), head_dim=64) is None
+    assert kernels.layer_ops(hidden, head_dim=128) is None
+    assert kernels.layer_ops(hidden[:, :40], head_dim=64) is None
 
 
 def test_a_later_load_uses_the_built_library(
-    kernel: Kernel, cache_dir: Path, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+    kernel: Kernel, cache_dir: Path, dtype: torch.dtype, tmp_path: Path
 ) -> None:
-    """Named by what it was built from, the library is found again, not rebuilt."""
-
-    def no_build(target: Path, dtype: torch.dtype, isa: str | None = None) -> None:
-        raise AssertionError(f"rebuilt {target}")
-
-    monkeypatch.setattr(cpu_loader, "_loaded", {})
-    monkeypatch.setattr(cpu_loader, "_isas", {})
-    monkeypatch.setattr(cpu_loader, "build", no_build)
-    assert cpu_kernels.load(cache_dir, dtype) is not None
+    """Named by what it was built from, the library is found again by a new process, not
+    rebuilt; in this process, whose torch has its operators, a new loader takes them from
+    torch and reads no file (an empty cache dir)."""
+    script = (
+        "import sys, torch\n"
+        "from pathlib import Path\n"
+        "from blockserve.kernels import loader\n"
+        "def no_build(*args): raise AssertionError('rebuilt')\n"
+        "loader.build = no_build\n"
+        f"ops = loader.KernelLoader().load(Path(sys.argv[1]), torch.{NAMES[dtype]})\n"
+        "print(ops is not None and ops.dense_attention is not None)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(cache_dir)], capture_output=True, text=True
+    )
+    assert done.returncode == 0 and done.stdout.split() == ["True"], done.stderr[-2000:]
+    assert KernelLoader().load(tmp_path, dtype) is not None
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_no_load_enters_torch_once_exit_began(
@@ -699,15 +716,12 @@ def test_no_load_enters_torch_once_exit_began(
     """A loader is a daemon thread; interpreter shutdown stops such a thread when it next
     takes the GIL, and inside torch's C++ that aborts the process. Once the exit hook ran, a
     load neither loads the library nor runs the callbacks waiting for it."""
-    monkeypatch.setattr(cpu_loader, "_loaded", {})
-    monkeypatch.setattr(cpu_loader, "_isas", {})
-    monkeypatch.setattr(cpu_loader, "_when_loaded", {})
-    monkeypatch.setattr(cpu_loader, "_exiting", False)
+    loader = KernelLoader()
     called: list[Any] = []
-    cpu_kernels.when_loaded(dtype, called.append)
-    cpu_loader._at_exit()
-    assert cpu_kernels.load(cache_dir, dtype) is None
-    assert called == [] and not cpu_kernels.loaded(dtype)
+    loader.when_loaded(dtype, called.append)
+    loader._at_exit()
+    assert loader.load(cache_dir, dtype) is None
+    assert called == [] and loader.ops(dtype) is None
 
 
 def test_a_process_that_exits_as_its_engine_starts_is_not_aborted() -> None:
@@ -724,11 +738,16 @@ def test_a_process_that_exits_as_its_engine_starts_is_not_aborted() -> None:
         assert "terminate called" not in done.stderr
 
 
-def test_a_build_cut_short_at_exit_leaves_nothing(tmp_path: Path, dtype: torch.dtype) -> None:
+def test_a_build_cut_short_at_exit_leaves_nothing(
+    tmp_path: Path, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A server stopped while the kernel builds: the compiler's process group ends and its
     scratch directory goes (the atexit hook), so neither runs on nor litters the cache."""
     target = cpu_build.library_path(tmp_path, dtype)
     failures: list[BaseException] = []
+    at_exit: list[functools.partial] = []  # what the build asked to run at exit
+    hooks = SimpleNamespace(register=at_exit.append, unregister=lambda hook: None)
+    monkeypatch.setattr(cpu_build, "atexit", hooks)
 
     def run() -> None:
         try:
@@ -739,11 +758,11 @@ def test_a_build_cut_short_at_exit_leaves_nothing(tmp_path: Path, dtype: torch.d
     thread = threading.Thread(target=run)
     thread.start()
     deadline = time.monotonic() + 30
-    while not cpu_build._builds and time.monotonic() < deadline:
+    while not at_exit and time.monotonic() < deadline:
         time.sleep(0.01)
-    processes = list(cpu_build._builds)
-    assert len(processes) == 1
-    cpu_build._stop_builds()
+    assert len(at_exit) == 1
+    processes = [at_exit[0].args[0]]
+    at_exit[0]()  # the interpreter exits
     thread.join(30)
     assert not thread.is_alive()
     assert len(failures) == 1 and processes[0].returncode == -signal.SIGKILL

@@ -10,7 +10,7 @@ import pytest
 
 from tests.attention.cuda_emulation import cuda_include_dir
 
-CSRC = Path(__file__).resolve().parents[2] / "csrc"
+CSRC = Path(__file__).resolve().parents[2] / "csrc" / "cuda"
 NVCC = shutil.which("nvcc")
 
 

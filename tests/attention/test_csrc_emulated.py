@@ -1,4 +1,4 @@
-"""csrc/kernels.cu run on the CPU through the fiber emulator (tests/attention/cuda_emulation):
+"""csrc/cuda/kernels.cu run on the CPU through the fiber emulator (tests/attention/cuda_emulation):
 the paged decode kernel equals the float64 reference and the torch backend for every head_dim
 it supports (16, 64, 128), GQA groups of 1 to 10 query heads, contexts that leave warps idle or
 end mid-step, unsplit and split (with empty splits), in float32, float16 and bfloat16;

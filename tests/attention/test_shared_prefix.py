@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blockserve.attention import cpu_kernels
 from blockserve.attention.shared_prefix import merge, num_common_blocks
 from blockserve.attention.torch_backend import TorchAttentionBackend
+from blockserve.kernels import CpuKernels
+from blockserve.kernels.build import can_build
 from tests.attention.cases import make_case, reference_attention
 from tests.attention.test_torch_backend import TOLERANCE
 
@@ -77,25 +78,22 @@ def test_prefill_chunks_on_a_shared_prefix_read_it_once(
     batch are read and written in place, others gathered. Only our kernels' variants build
     the CPU kernel libraries (the fixture), so torch's run on a GPU machine in seconds."""
     specs, first_token = CHUNKS[chunks]
-    ours = kernels == "ours" and cpu_kernels.supported(dtype)
+    ours = kernels == "ours" and can_build(dtype)
+    table = CpuKernels()
     if ours:
-        assert cpu_kernels.load(request.getfixturevalue("cpu_kernels_dir"), dtype) is not None
-    cpu_kernels.enable(ours)
-    try:
-        assert (cpu_kernels.dense_attention(torch.zeros(1, 64, dtype=dtype)) is not None) == ours
-        case = make_case(specs, 6, 2, head_dim=64, dtype=dtype, shared_blocks=3, seed=9)
-        backend = TorchAttentionBackend()
-        plan = backend.prepare(case.metadata)
-        assert plan.shared_prefix is not None
-        chunks_on_it = [row for row, (cached, n) in enumerate(specs) if cached and n > 1]
-        assert plan.shared_prefix.common_block_ids.tolist() == (
-            case.metadata.block_tables[chunks_on_it[0], :3].tolist()
-        )
-        shared = [specs[row][1] for row in chunks_on_it]
-        assert plan.shared_prefix.valid.sum().item() == sum(shared)
-        assert plan.shared_prefix.first_token == first_token
-        assert len(plan.prefills) == 1  # only the fresh prefill goes one by one
-        out = backend.forward(case.query, case.key, case.value, case.kv_cache, plan)
-        assert (out.double() - reference_attention(case)).abs().max().item() < TOLERANCE[dtype]
-    finally:
-        cpu_kernels.enable(True)
+        assert table.loader.load(request.getfixturevalue("cpu_kernels_dir"), dtype) is not None
+    assert (table.dense_attention(torch.zeros(1, 64, dtype=dtype)) is not None) == ours
+    case = make_case(specs, 6, 2, head_dim=64, dtype=dtype, shared_blocks=3, seed=9)
+    backend = TorchAttentionBackend(kernels=table)
+    plan = backend.prepare(case.metadata)
+    assert plan.shared_prefix is not None
+    chunks_on_it = [row for row, (cached, n) in enumerate(specs) if cached and n > 1]
+    assert plan.shared_prefix.common_block_ids.tolist() == (
+        case.metadata.block_tables[chunks_on_it[0], :3].tolist()
+    )
+    shared = [specs[row][1] for row in chunks_on_it]
+    assert plan.shared_prefix.valid.sum().item() == sum(shared)
+    assert plan.shared_prefix.first_token == first_token
+    assert len(plan.prefills) == 1  # only the fresh prefill goes one by one
+    out = backend.forward(case.query, case.key, case.value, case.kv_cache, plan)
+    assert (out.double() - reference_attention(case)).abs().max().item() < TOLERANCE[dtype]

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from blockserve.attention import cpu_kernels
+from blockserve.kernels import CpuKernels
 
 
 def small_ints(*shape: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
@@ -34,11 +34,11 @@ def int_linear(in_features: int, out_features: int, seed: int, dtype: torch.dtyp
     return linear
 
 
-def spy_on_rows(monkeypatch: pytest.MonkeyPatch, accessor: str) -> list[int]:
-    """Wrap `cpu_kernels.<accessor>` (tile_linear, vector_linear) so that each product the
-    kernel it hands out is given records its rows in the list returned."""
+def spy_on_rows(monkeypatch: pytest.MonkeyPatch, kernels: CpuKernels, accessor: str) -> list[int]:
+    """Wrap `kernels.<accessor>` (tile_linear, vector_linear) so that each product the kernel
+    it hands out is given records its rows in the list returned."""
     calls: list[int] = []
-    find = getattr(cpu_kernels, accessor)
+    find = getattr(kernels, accessor)
 
     def spying(*args: Any) -> Any:
         op = find(*args)
@@ -51,5 +51,5 @@ def spy_on_rows(monkeypatch: pytest.MonkeyPatch, accessor: str) -> list[int]:
 
         return call
 
-    monkeypatch.setattr(cpu_kernels, accessor, spying)
+    monkeypatch.setattr(kernels, accessor, spying)
     return calls

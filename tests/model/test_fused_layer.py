@@ -1,4 +1,4 @@
-"""Our fused layer operators (attention/cpu_layer_bf16.cpp, cpu_layer_f32.cpp): RMSNorm with
+"""Our fused layer operators (csrc/cpu/layer_ops_bf16.cpp, layer_ops_f32.cpp): RMSNorm with
 and without the residual add, the rotary embedding in place, SiLU-and-multiply, the argmax of
 greedy sampling and the K/V cache write. Each equals torch's composition in model/llama.py in
 its dtype bit for bit, or within a few steps of it where noted; each refuses what it does not
@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from blockserve.attention import cpu_kernels
 from blockserve.config import CacheConfig, ModelConfig
+from blockserve.kernels import CpuKernels
 from blockserve.model.llama import RMSNorm
 from blockserve.model.rope import RotaryEmbedding, apply_rotary
 from blockserve.runner.build import build_runner
@@ -25,23 +25,22 @@ from tests.runner.test_model_runner import all_logits, greedy_generate, mixed_ba
 from tests.tiny_models import save_tiny_model
 
 
-def load_ops(directory: Path, dtype: torch.dtype) -> Any:
-    assert cpu_kernels.load(directory, dtype) is not None
-    op = cpu_kernels.layer_ops(torch.zeros(1, 576, dtype=dtype), head_dim=64)
+def layer_ops(kernels: CpuKernels, dtype: torch.dtype) -> Any:
+    op = kernels.layer_ops(torch.zeros(1, 576, dtype=dtype), head_dim=64)
     assert op is not None
     return op
 
 
 @pytest.fixture(scope="module")
-def ops(cpu_kernels_dir: Path) -> Any:
+def ops(kernels: CpuKernels) -> Any:
     """The bf16 library's operators."""
-    return load_ops(cpu_kernels_dir, torch.bfloat16)
+    return layer_ops(kernels, torch.bfloat16)
 
 
 @pytest.fixture(scope="module")
-def ops32(cpu_kernels_dir: Path) -> Any:
+def ops32(kernels: CpuKernels) -> Any:
     """The float32 library's operators."""
-    return load_ops(cpu_kernels_dir, torch.float32)
+    return layer_ops(kernels, torch.float32)
 
 
 def bf16_steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -197,34 +196,36 @@ def test_write_kv_refuses_and_writes_nothing(ops: Any, change: str, message: str
 
 
 @NEEDS[torch.bfloat16]
-def test_the_kv_write_is_handed_out_only_where_it_applies(ops: Any) -> None:
-    """cpu_kernels.write_kv gives our op for the layout the backend passes, and None (two
+def test_the_kv_write_is_handed_out_only_where_it_applies(kernels: CpuKernels, ops: Any) -> None:
+    """CpuKernels.write_kv gives our op for the layout the backend passes, and None (two
     index_copy_ then) for another: heads not contiguous, int32 slots, layer operators off."""
     kv, slots, key, value, _ = kv_write_case(torch.bfloat16)
-    assert cpu_kernels.write_kv(kv, slots, key, value) is not None
-    assert cpu_kernels.write_kv(kv, slots, key.transpose(1, 2), value) is None
-    assert cpu_kernels.write_kv(kv, slots.int(), key, value) is None
-    cpu_kernels.enable(True, layer=False)
+    assert kernels.write_kv(kv, slots, key, value) is not None
+    assert kernels.write_kv(kv, slots, key.transpose(1, 2), value) is None
+    assert kernels.write_kv(kv, slots.int(), key, value) is None
+    kernels.set_enabled(True, layer=False)
     try:
-        assert cpu_kernels.write_kv(kv, slots, key, value) is None
+        assert kernels.write_kv(kv, slots, key, value) is None
     finally:
-        cpu_kernels.enable(True)
+        kernels.set_enabled(True)
 
 
 @NEEDS[torch.bfloat16]
-def test_the_argmax_kernel_is_handed_out_only_where_it_applies(ops: Any) -> None:
-    """cpu_kernels.argmax (what the sampler asks) gives the kernel for [rows, n] rows with
+def test_the_argmax_kernel_is_handed_out_only_where_it_applies(
+    kernels: CpuKernels, ops: Any
+) -> None:
+    """CpuKernels.argmax (what the sampler asks) gives the kernel for [rows, n] rows with
     unit stride, and None where torch.max must serve: another rank, no columns, a transposed
     view, the layer operators switched off."""
     x = torch.zeros(4, 32, dtype=torch.bfloat16)
-    assert cpu_kernels.argmax(x) is not None
+    assert kernels.argmax(x) is not None
     for other in (x[0], x[:, :0], x.t()):
-        assert cpu_kernels.argmax(other) is None
-    cpu_kernels.enable(True, layer=False)
+        assert kernels.argmax(other) is None
+    kernels.set_enabled(True, layer=False)
     try:
-        assert cpu_kernels.argmax(x) is None
+        assert kernels.argmax(x) is None
     finally:
-        cpu_kernels.enable(True)
+        kernels.set_enabled(True)
 
 
 @NEEDS[torch.float32]
@@ -333,20 +334,20 @@ def test_float32_refuses_what_it_does_not_handle(
 
 
 @pytest.fixture(scope="module", params=DTYPES)
-def runner(
-    request: pytest.FixtureRequest, cpu_kernels_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> ModelRunner:
-    """A tiny Llama whose heads are 64 wide (the kernels' width), in each library's dtype."""
+def runner(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> ModelRunner:
+    """A tiny Llama whose heads are 64 wide (the kernels' width), in each library's dtype,
+    once its kernels are loaded."""
     dtype = request.param
-    load_ops(cpu_kernels_dir, dtype)
     model_dir = save_tiny_model(
         tmp_path_factory.mktemp("tiny-llama-64"),
         hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1,
     )  # fmt: skip
-    return build_runner(
+    runner = build_runner(
         ModelConfig(model=str(model_dir), dtype=str(dtype).removeprefix("torch.")),
         CacheConfig(num_gpu_blocks_override=64),
     )
+    assert runner.kernels.loader.wait(timeout=600)
+    return runner
 
 
 def test_the_fused_forward_equals_the_unfused_one(
@@ -363,19 +364,20 @@ def test_the_fused_forward_equals_the_unfused_one(
         served.append(found is not None)
         return found
 
-    layer_ops = cpu_kernels.layer_ops
-    monkeypatch.setattr(cpu_kernels, "layer_ops", counted)
+    kernels = runner.kernels
+    layer_ops = kernels.layer_ops
+    monkeypatch.setattr(kernels, "layer_ops", counted)
     results = []
     generator = torch.Generator().manual_seed(8)
     prompts = [torch.randint(0, 300, (n,), generator=generator).tolist() for n in (5, 17, 40)]
     for on in (True, False):
-        cpu_kernels.enable(True, layer=on)
+        kernels.set_enabled(True, layer=on)
         try:
             all_logits(runner, batch.first)
             logits = all_logits(runner, batch.second)
             results.append((logits, greedy_generate(runner, prompts, 16)))
         finally:
-            cpu_kernels.enable(True)
+            kernels.set_enabled(True)
     assert served == [True] * 18 + [False] * 18  # 2 + 16 forwards each way
     (fused, fused_tokens), (unfused, unfused_tokens) = results
     assert fused.shape == unfused.shape == (29, 320)

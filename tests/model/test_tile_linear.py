@@ -1,4 +1,4 @@
-"""Our few-row products on AMX tiles (attention/cpu_linear_bf16.cpp) and the `PackedLinear`
+"""Our few-row products on AMX tiles (csrc/cpu/linear_bf16.cpp) and the `PackedLinear`
 path to them: exact where the float32 sums are, refusing what they do not handle, taken for
 up to `TILE_MAX_ROWS` rows of a layer that has its tile copy (oneDNN's products otherwise),
 and the copies made for a bf16 model once our kernels are loaded."""
@@ -13,10 +13,10 @@ import pytest
 import torch
 from torch import nn
 
-from blockserve.attention import cpu_kernels
 from blockserve.config import CacheConfig, ModelConfig
+from blockserve.kernels import CpuKernels
 from blockserve.model import packed
-from blockserve.model.packed import PackedLinear, pack_for_tiles
+from blockserve.model.packed import PackedLinear, pack_for_tiles, use_kernels
 from blockserve.runner.build import build_runner
 from tests.attention.test_cpu_kernel import AMX
 from tests.model import products
@@ -29,12 +29,12 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def ops(cpu_kernels_dir: Path) -> Iterator[Any]:
-    loaded = cpu_kernels.load(cpu_kernels_dir, torch.bfloat16)
+def ops(kernels: CpuKernels) -> Iterator[Any]:
+    loaded = kernels.loader.ops(torch.bfloat16)
     assert loaded is not None and loaded.has_amx()
-    assert cpu_kernels.use_amx(True)
+    assert kernels.use_amx(True)
     yield loaded
-    cpu_kernels.use_amx(True)  # the default, whatever a test left
+    kernels.use_amx(True)  # the default, whatever a test left
 
 
 def small_ints(*shape: int, seed: int) -> torch.Tensor:
@@ -91,15 +91,18 @@ def int_linear(in_features: int, out_features: int, seed: int) -> nn.Linear:
 
 
 @pytest.fixture
-def tile_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+def tile_calls(monkeypatch: pytest.MonkeyPatch, kernels: CpuKernels) -> list[int]:
     """The rows of each product the tile kernel was handed."""
-    return products.spy_on_rows(monkeypatch, "tile_linear")
+    return products.spy_on_rows(monkeypatch, kernels, "tile_linear")
 
 
-def test_a_packed_linear_takes_the_tiles_for_few_rows_only(ops: Any, tile_calls: list[int]):
+def test_a_packed_linear_takes_the_tiles_for_few_rows_only(
+    kernels: CpuKernels, ops: Any, tile_calls: list[int]
+) -> None:
     linear = int_linear(160, 96, seed=3)
     weight, bias = linear.weight.detach().clone(), linear.bias.detach().clone()
     layer = PackedLinear(linear)
+    use_kernels(layer, kernels)
     assert layer.tiles is None
     x = small_ints(packed.TILE_MAX_ROWS + 1, 160, seed=4)
     assert torch.equal(layer(x[:3]), exact(x[:3], weight, bias)) and tile_calls == []
@@ -110,25 +113,26 @@ def test_a_packed_linear_takes_the_tiles_for_few_rows_only(ops: Any, tile_calls:
     assert torch.equal(layer(x[:6].view(2, 3, 160)), exact(x[:6], weight, bias).view(2, 3, 96))
     assert tile_calls == [1, packed.TILE_MAX_ROWS, 6]  # more rows: oneDNN's product
 
-    assert not cpu_kernels.use_amx(False)
+    assert not kernels.use_amx(False)
     assert torch.equal(layer(x[:3]), exact(x[:3], weight, bias))
-    assert cpu_kernels.use_amx(True)
-    cpu_kernels.enable(True, products=False)  # oneDNN's products, the other kernels ours
+    assert kernels.use_amx(True)
+    kernels.set_enabled(True, products=False)  # oneDNN's products, the other kernels ours
     try:
         assert torch.equal(layer(x[:3]), exact(x[:3], weight, bias))
     finally:
-        cpu_kernels.enable(True)
+        kernels.set_enabled(True)
     assert tile_calls == [1, packed.TILE_MAX_ROWS, 6]
     assert torch.equal(layer(x[:3]), exact(x[:3], weight, bias))
     assert tile_calls == [1, packed.TILE_MAX_ROWS, 6, 3]
 
 
 def test_copies_only_layers_it_takes_within_the_memory_limit(
-    ops: Any, monkeypatch: pytest.MonkeyPatch
+    kernels: CpuKernels, ops: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     first, second = int_linear(160, 96, seed=5), int_linear(96, 100, seed=6)
     weights = [(m.weight.detach().clone(), m.bias.detach().clone()) for m in (first, second)]
     model = nn.Sequential(PackedLinear(first), PackedLinear(second))
+    use_kernels(model, kernels)
     monkeypatch.setattr(packed, "MAX_COPY_BYTES", 160 * 96 * 2 - 1)
     assert pack_for_tiles(model, ops) == 0 and model[0].tiles is None
     monkeypatch.setattr(packed, "MAX_COPY_BYTES", 160 * 96 * 2)
@@ -139,10 +143,10 @@ def test_copies_only_layers_it_takes_within_the_memory_limit(
 
 
 def test_a_bf16_model_gets_its_copies_and_decodes_as_with_onednn(
-    ops: Any, tmp_path: Path, tile_calls: list[int]
+    ops: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A tiny Llama whose projections are multiples of 32 wide: with our library loaded, each
-    layer the kernel takes has its copy when the runner is made; a decode batch
+    """A tiny Llama whose projections are multiples of 32 wide: once the runner's kernels are
+    loaded, each layer the kernel takes has its copy; a decode batch
     of 8 rows runs them on the tiles, its logits within bf16 rounding of oneDNN's."""
     model_dir = save_tiny_model(
         tmp_path, hidden_size=128, intermediate_size=256, num_attention_heads=2,
@@ -151,6 +155,8 @@ def test_a_bf16_model_gets_its_copies_and_decodes_as_with_onednn(
     runner = build_runner(
         ModelConfig(model=str(model_dir), dtype="bfloat16"), CacheConfig(num_gpu_blocks_override=16)
     )
+    assert runner.kernels.loader.wait(timeout=600)
+    tile_calls = products.spy_on_rows(monkeypatch, runner.kernels, "tile_linear")
     linears = [m for m in runner.model.modules() if isinstance(m, PackedLinear)]
     assert [m.tiles is not None for m in linears] == [m.out_features % 32 == 0 for m in linears]
     # 2 layers' 4 projections, and the LM head where the vocabulary is a multiple of 32
@@ -160,10 +166,10 @@ def test_a_bf16_model_gets_its_copies_and_decodes_as_with_onednn(
     with torch.inference_mode():
         tiles = layer.mlp(hidden)
         assert tile_calls == [8, 8]  # gate_up, down
-        cpu_kernels.use_amx(False)
+        runner.kernels.use_amx(False)
         try:
             onednn = layer.mlp(hidden)
         finally:
-            cpu_kernels.use_amx(True)
+            runner.kernels.use_amx(True)
     assert tile_calls == [8, 8]
     assert (tiles.float() - onednn.float()).abs().max() <= 2**-7 * onednn.float().abs().max()

@@ -1,4 +1,4 @@
-"""Our float32 products of few rows (attention/cpu_linear_f32.cpp), in each build of the f32
+"""Our float32 products of few rows (csrc/cpu/linear_f32.cpp), in each build of the f32
 library the host runs, and the `PackedLinear` path to them: exact where the float32 sums are,
 refusing what they do not handle, taken for up to `VECTOR_MAX_ROWS` rows of a layer whose
 copy the loaded build made (oneDNN's products otherwise), and the copies made for a float32
@@ -14,10 +14,11 @@ import pytest
 import torch
 from torch import nn
 
-from blockserve.attention import cpu_build, cpu_kernels
 from blockserve.config import CacheConfig, ModelConfig
+from blockserve.kernels import CpuKernels
+from blockserve.kernels import build as cpu_build
 from blockserve.model import packed
-from blockserve.model.packed import PackedLinear, pack_for_vectors
+from blockserve.model.packed import PackedLinear, pack_for_vectors, use_kernels
 from blockserve.runner.build import build_runner
 from tests.model import products
 from tests.model.products import exact
@@ -25,7 +26,7 @@ from tests.tiny_models import save_tiny_model
 
 BUILDS = [target.isa for target in cpu_build.runnable(torch.float32)]
 pytestmark = pytest.mark.skipif(
-    not cpu_kernels.supported(torch.float32),
+    not cpu_build.can_build(torch.float32),
     reason="needs an x86 CPU with AVX2 and FMA, and g++ (elsewhere oneDNN serves every product)",
 )
 
@@ -36,11 +37,11 @@ def isa(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture(scope="module")
-def ops(cpu_kernels_dir: Path, isa: str) -> Iterator[Any]:
-    loaded = cpu_kernels.load(cpu_kernels_dir, torch.float32, isa)
-    assert loaded is not None and cpu_kernels.loaded_isa(torch.float32) == isa
+def ops(kernels: CpuKernels, cpu_kernels_dir: Path, isa: str) -> Iterator[Any]:
+    loaded = kernels.loader.load(cpu_kernels_dir, torch.float32, isa)
+    assert loaded is not None and kernels.loader.isa(torch.float32) == isa
     yield loaded
-    cpu_kernels.load(cpu_kernels_dir, torch.float32, BUILDS[0])  # the widest, as served
+    kernels.loader.load(cpu_kernels_dir, torch.float32, BUILDS[0])  # the widest, as served
 
 
 def small_ints(*shape: int, seed: int) -> torch.Tensor:
@@ -100,19 +101,20 @@ def int_linear(in_features: int, out_features: int, seed: int) -> nn.Linear:
 
 
 @pytest.fixture
-def vector_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+def vector_calls(monkeypatch: pytest.MonkeyPatch, kernels: CpuKernels) -> list[int]:
     """The rows of each product the vector kernel was handed."""
-    return products.spy_on_rows(monkeypatch, "vector_linear")
+    return products.spy_on_rows(monkeypatch, kernels, "vector_linear")
 
 
 def test_a_packed_linear_takes_the_vectors_for_few_rows_of_its_build_only(
-    ops: Any, isa: str, cpu_kernels_dir: Path, vector_calls: list[int]
+    kernels: CpuKernels, ops: Any, isa: str, cpu_kernels_dir: Path, vector_calls: list[int]
 ) -> None:
     linear = int_linear(160, 96, seed=3)
     weight, bias = linear.weight.detach().clone(), linear.bias.detach().clone()
     layer = PackedLinear(linear)
+    use_kernels(layer, kernels)
     assert layer.vectors is None
-    most = cpu_kernels.VECTOR_MAX_ROWS
+    most = kernels.switches.vector_max_rows
     x = small_ints(most + 1, 160, seed=4)
     assert torch.equal(layer(x[:3]), exact(x[:3], weight, bias)) and vector_calls == []
 
@@ -122,27 +124,28 @@ def test_a_packed_linear_takes_the_vectors_for_few_rows_of_its_build_only(
     assert torch.equal(layer(x[:6].view(2, 3, 160)), exact(x[:6], weight, bias).view(2, 3, 96))
     assert vector_calls == [1, most, 6]  # more rows: oneDNN's product
 
-    cpu_kernels.enable(True, products=False)  # oneDNN's products, the other kernels ours
+    kernels.set_enabled(True, products=False)  # oneDNN's products, the other kernels ours
     try:
         assert torch.equal(layer(x[:3]), exact(x[:3], weight, bias))
     finally:
-        cpu_kernels.enable(True)
+        kernels.set_enabled(True)
     for other in BUILDS:  # another build loaded: its panels are not this one's
         if other != isa:
-            assert cpu_kernels.load(cpu_kernels_dir, torch.float32, other) is not None
+            assert kernels.loader.load(cpu_kernels_dir, torch.float32, other) is not None
             assert torch.equal(layer(x[:3]), exact(x[:3], weight, bias))
-            assert cpu_kernels.load(cpu_kernels_dir, torch.float32, isa) is ops
+            assert kernels.loader.load(cpu_kernels_dir, torch.float32, isa) is ops
     assert vector_calls == [1, most, 6]
     assert torch.equal(layer(x[:3]), exact(x[:3], weight, bias))
     assert vector_calls == [1, most, 6, 3]
 
 
 def test_copies_only_layers_it_takes_within_the_memory_limit(
-    ops: Any, isa: str, monkeypatch: pytest.MonkeyPatch
+    kernels: CpuKernels, ops: Any, isa: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     first, second = int_linear(160, 96, seed=5), int_linear(96, 100, seed=6)
     weights = [(m.weight.detach().clone(), m.bias.detach().clone()) for m in (first, second)]
     model = nn.Sequential(PackedLinear(first), PackedLinear(second))
+    use_kernels(model, kernels)
     monkeypatch.setattr(packed, "MAX_COPY_BYTES", 160 * 96 * 4 - 1)
     assert pack_for_vectors(model, ops, isa) == 0 and model[0].vectors is None
     monkeypatch.setattr(packed, "MAX_COPY_BYTES", 160 * 96 * 4)
@@ -153,10 +156,10 @@ def test_copies_only_layers_it_takes_within_the_memory_limit(
 
 
 def test_a_float32_model_gets_its_copies_and_decodes_as_with_onednn(
-    ops: Any, isa: str, tmp_path: Path, vector_calls: list[int]
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A tiny Llama whose projections are multiples of 32 wide: with our library loaded, each
-    layer the kernel takes has its copy, by the loaded build, when the runner is made; a
+    """A tiny Llama whose projections are multiples of 32 wide: once the runner's kernels are
+    loaded (the widest build), each layer the kernel takes has its copy by that build; a
     decode batch of 8 rows runs them on the vectors, within float32 rounding of oneDNN's."""
     model_dir = save_tiny_model(
         tmp_path, hidden_size=128, intermediate_size=256, num_attention_heads=2,
@@ -165,6 +168,9 @@ def test_a_float32_model_gets_its_copies_and_decodes_as_with_onednn(
     runner = build_runner(
         ModelConfig(model=str(model_dir), dtype="float32"), CacheConfig(num_gpu_blocks_override=16)
     )
+    assert runner.kernels.loader.wait(timeout=600)
+    vector_calls = products.spy_on_rows(monkeypatch, runner.kernels, "vector_linear")
+    isa = BUILDS[0]
     linears = [m for m in runner.model.modules() if isinstance(m, PackedLinear)]
     assert [m.vectors is not None for m in linears] == [m.out_features % 32 == 0 for m in linears]
     assert {m.vectors_isa for m in linears if m.vectors is not None} == {isa}
@@ -175,10 +181,10 @@ def test_a_float32_model_gets_its_copies_and_decodes_as_with_onednn(
     with torch.inference_mode():
         vectors = layer.mlp(hidden)
         assert vector_calls == [8, 8]  # gate_up, down
-        cpu_kernels.enable(True, products=False)
+        runner.kernels.set_enabled(True, products=False)
         try:
             onednn = layer.mlp(hidden)
         finally:
-            cpu_kernels.enable(True)
+            runner.kernels.set_enabled(True)
     assert vector_calls == [8, 8]
     torch.testing.assert_close(vectors, onednn, rtol=1e-5, atol=1e-5)

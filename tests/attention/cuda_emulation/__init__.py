@@ -1,4 +1,4 @@
-"""csrc/kernels.cu on the CPU: build the emulator library (emulate.cpp, which includes the
+"""csrc/cuda/kernels.cu on the CPU: build the emulator library (emulate.cpp, which includes the
 kernels) with g++ and load it with ctypes. See emulate.h for what emulation does and does not
 check."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-CSRC = HERE.parents[2] / "csrc"
+CSRC = HERE.parents[2] / "csrc" / "cuda"
 
 
 def cuda_include_dir() -> Path | None:
@@ -78,7 +78,7 @@ H100_MULTIPROCESSORS = 132
 
 
 class EmulatedOps:
-    """The extension's two calls as csrc/bindings.cpp makes them, on CPU tensors through the
+    """The extension's two calls as csrc/cuda/bindings.cpp makes them, on CPU tensors through the
     emulator: a drop-in `ops` for CudaAttentionBackend. Splits are chosen for an H100/H200's
     132 multiprocessors, as the bindings would there. `decode` is the launcher itself, with the
     split count given and its error code returned, for tests of the kernel."""

@@ -1,4 +1,4 @@
-// The fiber scheduler behind emulate.h, csrc/kernels.cu itself, and a C entry point per
+// The fiber scheduler behind emulate.h, csrc/cuda/kernels.cu itself, and a C entry point per
 // launcher for ctypes (tests/attention/test_csrc_emulated.py builds this with g++).
 
 #include "emulate.h"

@@ -1,4 +1,4 @@
-// Run CUDA kernels on the CPU, for tests: csrc/kernels.cu compiled by g++ with
+// Run CUDA kernels on the CPU, for tests: csrc/cuda/kernels.cu compiled by g++ with
 // -DBLOCKSERVE_CPU_EMULATION includes this after the CUDA headers.
 //
 // Each CUDA thread of a block is a fiber (ucontext) with its own stack; one OS thread runs them

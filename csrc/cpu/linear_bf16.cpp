@@ -20,7 +20,7 @@
 
 #include <cstdint>
 
-#include "cpu_amx.h"
+#include "amx.h"
 
 namespace {
 

@@ -1,6 +1,6 @@
 // The parts of our CPU attention operators that do not depend on the element type: argument
 // checks, the split into tasks across threads, the paged cache's addressing, online-softmax
-// state. Each library (cpu_dense_bf16.cpp for bfloat16 with AVX512-BF16, cpu_dense_f32.cpp
+// state. Each library (attention_bf16.cpp for bfloat16 with AVX512-BF16, attention_f32.cpp
 // for float32 with AVX2) supplies the arithmetic as a kernel policy K:
 //
 //   using Elem;                         uint16_t (bf16 bits) or float

@@ -1,5 +1,5 @@
 // Linear layers of few rows (decode steps) in float32: y = x · Wᵀ (+ bias), on `Vec`
-// (cpu_f32_common.h): eight lanes in the AVX2 build, sixteen in the AVX-512F one.
+// (f32.h): eight lanes in the AVX2 build, sixteen in the AVX-512F one.
 //
 // A decode step's products read every weight of the model once for a few dozen rows. On the
 // host measured, oneDNN's float32 products of a whole decode step of 1 to 64 rows read the
@@ -20,7 +20,7 @@
 #include <cstdint>
 #include <optional>
 
-#include "cpu_f32_common.h"
+#include "f32.h"
 
 namespace {
 

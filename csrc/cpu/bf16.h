@@ -1,12 +1,12 @@
-// Vector helpers shared by our AVX512-BF16 kernels (cpu_dense_bf16.cpp, cpu_layer_bf16.cpp);
-// their exponentials are in cpu_exp2.h.
+// Vector helpers shared by our AVX512-BF16 kernels (attention_bf16.cpp, layer_ops_bf16.cpp);
+// their exponentials are in exp2.h.
 #pragma once
 
 #include <immintrin.h>
 
 #include <cstdint>
 
-#include "cpu_exp2.h"
+#include "exp2.h"
 
 namespace blockserve_cpu {
 

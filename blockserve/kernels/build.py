@@ -1,16 +1,12 @@
-"""Building our CPU kernel libraries (attention/cpu_kernels.py loads them): which exist, what
-each is built from and for, whether this host can run it, and the g++ build itself.
-
-A build (~25 s, once per host, torch and sources) writes the library under
-`<cache dir>/cpu_kernels`, named by its build (dtype and instruction set), the torch install
-and a hash of its sources and flags, whole (another process may be loading it), and removes
-the install's older library of that build. A process that exits mid-build leaves neither a
-compiler nor a scratch directory behind.
-"""
+"""Our CPU kernel libraries: which exist, what each is built from (csrc/cpu) and for, whether
+this host can build and run it, and the g++ build, written whole under `<cache dir>/cpu_kernels`
+and named by its build, the torch install and a hash of its sources and flags. A process that
+exits mid-build leaves neither a compiler nor a scratch directory behind."""
 
 from __future__ import annotations
 
 import atexit
+import functools
 import hashlib
 import os
 import shutil
@@ -21,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from blockserve.kernels.sources import source_dir
 
 COMMON_FLAGS = ("-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-w")
 
@@ -42,11 +40,11 @@ class Library:
 
     name: str
     dtype: torch.dtype
-    sources: tuple[str, ...]  # files next to this module; .cpp ones are compiled
+    sources: tuple[str, ...]  # files in csrc/cpu; .cpp ones are compiled
     targets: tuple[Target, ...]  # the widest first: a host runs the first it can
 
     def paths(self) -> tuple[Path, ...]:
-        return tuple(Path(__file__).with_name(name) for name in self.sources)
+        return tuple(source_dir("cpu") / name for name in self.sources)
 
 
 F32_FLAGS = ("-mavx2", "-mfma", "-ffp-contract=off")
@@ -55,8 +53,8 @@ LIBRARIES = {
     for library in (
         Library(
             "bf16", torch.bfloat16,
-            ("cpu_dense_bf16.cpp", "cpu_layer_bf16.cpp", "cpu_linear_bf16.cpp",
-             "cpu_bf16_common.h", "cpu_exp2.h", "cpu_amx.h", "cpu_attention.h", "cpu_layer.h"),
+            ("attention_bf16.cpp", "layer_ops_bf16.cpp", "linear_bf16.cpp",
+             "bf16.h", "exp2.h", "amx.h", "attention.h", "layer_ops.h"),
             (Target("bf16", "avx512-bf16",
                     ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
                      "-mfma", "-mamx-tile", "-mamx-bf16"),  # AMX used only where the CPU has it
@@ -64,8 +62,8 @@ LIBRARIES = {
         ),
         Library(
             "f32", torch.float32,
-            ("cpu_dense_f32.cpp", "cpu_layer_f32.cpp", "cpu_linear_f32.cpp", "cpu_f32_common.h",
-             "cpu_exp2.h", "cpu_attention.h", "cpu_layer.h"),
+            ("attention_f32.cpp", "layer_ops_f32.cpp", "linear_f32.cpp", "f32.h",
+             "exp2.h", "attention.h", "layer_ops.h"),
             # The attention and product kernels compute on sixteen lanes where the CPU has
             # AVX-512F.
             (Target("f32_avx512", "avx512",
@@ -76,8 +74,6 @@ LIBRARIES = {
         ),
     )
 }  # fmt: skip
-
-_builds: dict[subprocess.Popen, Path] = {}  # running compiles → their scratch directories
 
 
 def runnable(dtype: torch.dtype) -> tuple[Target, ...]:
@@ -103,7 +99,7 @@ def target_for(dtype: torch.dtype, isa: str | None = None) -> Target:
     )
 
 
-def supported(dtype: torch.dtype) -> bool:
+def can_build(dtype: torch.dtype) -> bool:
     """Whether `dtype`'s library can run here: an x86 CPU with the instructions of one of its
     builds, a g++ to build with, and not switched off by `BLOCKSERVE_CPU_ATTENTION_KERNEL=0`
     (to compare against torch's kernels)."""
@@ -154,7 +150,8 @@ def build(target: Path, dtype: torch.dtype, isa: str | None = None) -> None:
     process = subprocess.Popen(  # its own process group: g++ runs cc1plus and ld under it
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
-    _builds[process] = scratch
+    stop = functools.partial(_stop, process, scratch)
+    atexit.register(stop)  # a process that exits mid-build (a server stopped while starting)
     try:
         _, errors = process.communicate(timeout=600)
         if process.returncode != 0:
@@ -165,20 +162,13 @@ def build(target: Path, dtype: torch.dtype, isa: str | None = None) -> None:
             if stale != target:
                 stale.unlink(missing_ok=True)
     finally:
-        _stop(process, scratch)
+        stop()
+        atexit.unregister(stop)
 
 
 def _stop(process: subprocess.Popen, scratch: Path) -> None:
     """End a build (if it still runs) and remove its scratch directory."""
-    _builds.pop(process, None)
     if process.poll() is None:
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()
     shutil.rmtree(scratch, ignore_errors=True)
-
-
-@atexit.register
-def _stop_builds() -> None:
-    """A process that exits mid-build (a server stopped while starting) leaves nothing."""
-    for process, scratch in list(_builds.items()):
-        _stop(process, scratch)

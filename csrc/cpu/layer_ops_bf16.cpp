@@ -1,10 +1,10 @@
 // The elementwise math of a Llama layer, fused, for bfloat16 on x86 CPUs with AVX512-BF16:
 // RMSNorm (alone, or after the residual add), the rotary embedding of q and k in place, and
-// SiLU(gate) * up; and the argmax of greedy sampling and the K/V cache write (cpu_layer.h).
+// SiLU(gate) * up; and the argmax of greedy sampling and the K/V cache write (layer_ops.h).
 // An eager forward spends ~20 torch operators a layer on these, each a pass over memory and a
 // dispatch; here each is one pass.
 //
-// The operators' shapes are in cpu_layer.h. Every result equals torch's bf16 composition
+// The operators' shapes are in layer_ops.h. Every result equals torch's bf16 composition
 // (model/llama.py) to the bit where that rounds the same intermediates: each value is rounded
 // to bf16 wherever torch's operator would write a bf16 tensor (RMSNorm's normalized x before
 // the weight, each rotary product), and computed in float32 in between. Two places may differ
@@ -20,8 +20,8 @@
 #include <cstdint>
 #include <cstring>
 
-#include "cpu_bf16_common.h"
-#include "cpu_layer.h"
+#include "bf16.h"
+#include "layer_ops.h"
 
 namespace {
 

@@ -1,5 +1,5 @@
 // Attention for x86 CPUs with AVX512-BF16: the bfloat16 arithmetic of the operators in
-// cpu_attention.h (which has their shapes and contracts), bfloat16 in, float32 out.
+// attention.h (which has their shapes and contracts), bfloat16 in, float32 out.
 //
 // Both products of dense and prefix attention use `vdpbf16ps` (bf16 pairs multiplied and
 // summed into float32 lanes), which torch's own CPU flash attention does not, so scores are
@@ -20,9 +20,9 @@
 
 #include <array>
 
-#include "cpu_amx.h"
-#include "cpu_attention.h"
-#include "cpu_bf16_common.h"
+#include "amx.h"
+#include "attention.h"
+#include "bf16.h"
 
 namespace {
 

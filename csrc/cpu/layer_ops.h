@@ -1,4 +1,4 @@
-// What our fused layer operators (cpu_layer_bf16.cpp, cpu_layer_f32.cpp) share whatever the
+// What our fused layer operators (layer_ops_bf16.cpp, layer_ops_f32.cpp) share whatever the
 // element type: the argument checks, the split of rows across threads, the op schemas. Each
 // library supplies the arithmetic of one row as a layer policy L:
 //
@@ -24,7 +24,7 @@
 //
 // Rows have unit stride along their last dimension, a multiple of 16 (a whole number of
 // vectors in either library), except argmax_rows' (any n ≥ 1). Internal linkage, as in
-// cpu_attention.h.
+// attention.h.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -1,5 +1,5 @@
-// Attention for x86 CPUs in float32: the arithmetic of the operators in cpu_attention.h
-// (which has their shapes and contracts), on `Vec` (cpu_f32_common.h): eight lanes with AVX2
+// Attention for x86 CPUs in float32: the arithmetic of the operators in attention.h
+// (which has their shapes and contracts), on `Vec` (f32.h): eight lanes with AVX2
 // and FMA, the build for every x86-64 host this project runs on, sixteen in the build for
 // hosts with AVX-512F. Models served in float32 (hosts without native bf16) get the same
 // operators as bf16 ones: a shared prefix's common blocks and each decode's own blocks read
@@ -19,8 +19,8 @@
 
 #include <immintrin.h>
 
-#include "cpu_attention.h"
-#include "cpu_f32_common.h"
+#include "attention.h"
+#include "f32.h"
 
 namespace {
 

@@ -1,5 +1,5 @@
 // The elementwise math of a Llama layer, fused, for float32 on x86 CPUs with AVX2 and FMA:
-// the same operators as cpu_layer_bf16.cpp (shapes in cpu_layer.h), for models served
+// the same operators as layer_ops_bf16.cpp (shapes in layer_ops.h), for models served
 // in float32. Each is one pass over memory where torch's float32 composition (model/llama.py)
 // is several operators.
 //
@@ -12,8 +12,8 @@
 #include <cmath>
 #include <cstdint>
 
-#include "cpu_f32_common.h"
-#include "cpu_layer.h"
+#include "f32.h"
+#include "layer_ops.h"
 
 namespace {
 

@@ -1,4 +1,4 @@
-// Vector helpers shared by our float32 kernels (cpu_dense_f32.cpp, cpu_layer_f32.cpp): eight
+// Vector helpers shared by our float32 kernels (attention_f32.cpp, layer_ops_f32.cpp): eight
 // float32 lanes to a register with AVX2 and FMA, and `Vec`, the widest vector the library is
 // built for: sixteen lanes in its AVX-512F build (hosts that have it), else those eight.
 #pragma once
@@ -7,9 +7,9 @@
 
 #include <cstdint>
 
-#include "cpu_exp2.h"
+#include "exp2.h"
 
-// The torch.ops namespace of the build's operators (cpu_build.py names each build's).
+// The torch.ops namespace of the build's operators (blockserve/kernels/build.py names each build's).
 #ifndef BLOCKSERVE_F32_OPS
 #define BLOCKSERVE_F32_OPS blockserve_cpu_f32
 #endif
@@ -20,7 +20,7 @@ constexpr int64_t kLanes = 8;
 
 // exp(x) for x <= 0 (scores minus their running maximum, minus a magnitude): 2^(x log2 e)
 // split into an integer power, built in the exponent bits, and 2^f for f in [-0.5, 0.5]
-// (cpu_exp2.h). Arguments below -87 give ~1e-38, which a caller zeroes where it matters
+// (exp2.h). Arguments below -87 give ~1e-38, which a caller zeroes where it matters
 // (masked keys).
 inline __m256 exp_nonpositive(__m256 x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));

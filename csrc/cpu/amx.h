@@ -1,4 +1,4 @@
-// AMX tiles for our bf16 kernels (cpu_dense_bf16.cpp, cpu_linear_bf16.cpp): asking Linux for
+// AMX tiles for our bf16 kernels (attention_bf16.cpp, linear_bf16.cpp): asking Linux for
 // them, switching them in and out, and the one tile configuration both libraries' users load.
 #pragma once
 

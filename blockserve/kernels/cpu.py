@@ -1,0 +1,164 @@
+"""The typed operator table of our CPU kernels (csrc/cpu): for a tensor, the loaded kernel
+that serves it or None, where torch's operators serve with the same result up to rounding.
+Two libraries, bf16 (AVX512-BF16, AMX tiles where present) and f32 (AVX2, or AVX-512F);
+docs/cpu-kernels.md says what each operator computes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from blockserve.kernels.build import LIBRARIES
+from blockserve.kernels.loader import KernelLoader
+
+HEAD_DIM = 64
+VECTOR_MAX_ROWS = 128  # the most rows a float32 product takes our vector kernel for
+MAX_DECODE_GROUP = 8  # query heads per KV head that paged_decode takes
+
+
+def fits_model(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether a model on `device` in `dtype` with `head_dim` would use our kernels."""
+    return device.type == "cpu" and dtype in LIBRARIES and head_dim == HEAD_DIM
+
+
+@dataclass(slots=True)
+class KernelSwitches:
+    """Which of the loaded kernels serve (benchmarks and tests compare them with torch's)."""
+
+    attention: bool = True  # dense and prefix attention
+    paged: bool = True  # the decodes' one-call attention
+    layer: bool = True  # RMSNorm, rotary, SiLU, argmax, the K/V write
+    products: bool = True  # few-row products (bf16 on AMX tiles, float32 on vectors)
+    tiles: bool = True  # AMX tiles where the CPU has them
+    vector_max_rows: int = VECTOR_MAX_ROWS
+
+
+class CpuKernels:
+    """Our kernels for one runner: a loader and the switches. A fresh one has nothing loaded
+    and gives None everywhere (torch serves)."""
+
+    def __init__(self, loader: KernelLoader | None = None) -> None:
+        self.loader = loader if loader is not None else KernelLoader()
+        self.switches = KernelSwitches()
+
+    def set_enabled(
+        self,
+        on: bool,
+        *,
+        paged: bool | None = None,
+        layer: bool | None = None,
+        products: bool | None = None,
+    ) -> None:
+        """Switch the loaded kernels out (torch serves) and back in; `paged`, `layer` and
+        `products` switch those alone (default: as `on`)."""
+        self.switches.attention = on
+        self.switches.paged = on if paged is None else paged
+        self.switches.layer = on if layer is None else layer
+        self.switches.products = on if products is None else products
+
+    def use_amx(self, on: bool) -> bool:
+        """Run bf16 attention and few-row products on AMX tiles (the default where the CPU has
+        AMX-BF16) or not; whether the tiles are now in use."""
+        self.switches.tiles = on
+        ops = self.loader.ops(torch.bfloat16)
+        return ops is not None and bool(ops.use_amx(on))
+
+    def _attention_ops(self, x: torch.Tensor, *, paged: bool = False) -> Any:
+        """The loaded operators for tensors like `x` (head dimension last), or None."""
+        if not self.switches.attention or (paged and not self.switches.paged):
+            return None
+        if not fits_model(x.device, x.dtype, x.shape[-1]):
+            return None
+        return self.loader.ops(x.dtype)
+
+    def dense_attention(self, q: torch.Tensor) -> Callable[..., Any] | None:
+        """For query rows like `q` against keys given whole."""
+        ops = self._attention_ops(q)
+        return None if ops is None else ops.dense_attention
+
+    def prefix_attention(self, q: torch.Tensor) -> Callable[..., Any] | None:
+        """For rows like `q` against whole blocks read in place (a shared prefix's)."""
+        ops = self._attention_ops(q)
+        return None if ops is None else ops.prefix_attention
+
+    def pack_common(self, q: torch.Tensor) -> Callable[..., torch.Tensor] | None:
+        """The packing of whole cached blocks for `prefix_attention` (its `packed`)."""
+        ops = self._attention_ops(q)
+        return None if ops is None else ops.pack_common
+
+    def decode_attention(self, q: torch.Tensor) -> Callable[..., torch.Tensor] | None:
+        """A decode step's attention in one call: the common blocks, then each sequence's own
+        blocks read in place, continuing from there."""
+        ops = self._attention_ops(q, paged=True)
+        return None if ops is None else ops.decode_attention
+
+    def layer_ops(self, hidden: torch.Tensor, head_dim: int) -> Any:
+        """The fused layer operators for an eager forward on `hidden` (hidden size a multiple
+        of 16, a model `fits_model` names)."""
+        if (
+            not self.switches.layer
+            or hidden.shape[-1] % 16
+            or not fits_model(hidden.device, hidden.dtype, head_dim)
+        ):
+            return None
+        return self.loader.ops(hidden.dtype)
+
+    def argmax(self, x: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """torch.max's indices along the last dimension (the first of equal maxima, the first
+        NaN) for [rows, n] tensors, n ≥ 1, unit stride along it."""
+        if (
+            not self.switches.layer
+            or x.device.type != "cpu"
+            or x.dim() != 2
+            or x.shape[1] == 0
+            or x.stride(1) != 1
+        ):
+            return None
+        ops = self.loader.ops(x.dtype)
+        return None if ops is None else ops.argmax_rows
+
+    def write_kv(
+        self, kv_cache: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> Callable[..., None] | None:
+        """A step's K and V ([tokens, kv_heads, dim], heads contiguous) written into a layer's
+        contiguous CPU cache at int64 `slots` in one call."""
+        if (
+            not self.switches.layer
+            or kv_cache.device.type != "cpu"
+            or not kv_cache.is_contiguous()
+            or slots.dtype != torch.int64
+            or any(t.stride(-1) != 1 or t.stride(-2) != t.shape[-1] for t in (key, value))
+        ):
+            return None
+        ops = self.loader.ops(key.dtype)
+        return None if ops is None else ops.write_kv_
+
+    def tile_linear(self, x: torch.Tensor) -> Callable[..., torch.Tensor] | None:
+        """The bf16 product of few rows on AMX tiles, where the CPU has AMX-BF16."""
+        if (
+            not self.loader.has_tiles
+            or not (self.switches.tiles and self.switches.products)
+            or x.dtype != torch.bfloat16
+            or x.device.type != "cpu"
+        ):
+            return None
+        return self.loader.ops(torch.bfloat16).tile_linear
+
+    def vector_linear(self, x: torch.Tensor, isa: str | None) -> Callable[..., torch.Tensor] | None:
+        """The float32 product of at most `vector_max_rows` rows over a weight packed by the
+        `isa` build (each build packs for its own vector width), that build being loaded."""
+        ops = self.loader.ops(torch.float32)
+        if (
+            ops is None
+            or not self.switches.products
+            or x.dtype != torch.float32
+            or x.device.type != "cpu"
+            or isa is None
+            or self.loader.isa(torch.float32) != isa
+            or x.shape[0] > self.switches.vector_max_rows
+        ):
+            return None
+        return ops.vector_linear
