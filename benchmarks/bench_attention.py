@@ -148,7 +148,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--backends", nargs="+", default=["triton", "cuda", "torch"])
     parser.add_argument("--sweep", action="store_true", help="also time triton's parameters")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/attention.json"))
+    out = Path("benchmarks/results/attention/attention.json")
+    parser.add_argument("--out", type=Path, default=out)
     args = parser.parse_args()
     started = time.perf_counter()
     failed: dict[str, str] = {}

@@ -216,7 +216,7 @@ def main() -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tag", default="", help="added to the output files' names")
-    parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results/cluster"))
     args = parser.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     total = args.replicas * args.blocks_per_replica

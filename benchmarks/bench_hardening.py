@@ -10,7 +10,7 @@ sigterm     8 long streams, then SIGTERM with a 1 s drain: how each stream ended
 fuzz        schemathesis over every operation (50 examples per operation and phase):
             test cases per operation, failures, errors
 
-  .venv/bin/python benchmarks/bench_hardening.py --out benchmarks/results/hardening.json
+  .venv/bin/python benchmarks/bench_hardening.py --out benchmarks/results/hardening/hardening.json
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ id-race       a stream under request_id "same" hangs up after one chunk, another
 explain-guess --cache-salt-per-key with two keys: tenant A sends a prompt; tenant B asks for a
               cache explanation of A's first block (a right guess) and of a wrong one
 
-  .venv/bin/python benchmarks/bench_hostile.py --out benchmarks/results/hostile.json
+  .venv/bin/python benchmarks/bench_hostile.py --out benchmarks/results/hostile/hostile.json
 """
 
 from __future__ import annotations

@@ -283,7 +283,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--wall", type=float, help="a measured shared-prefix run, seconds")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/matmul.json"))
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/matmul/matmul.json"))
     parser.add_argument("--decode-only", action="store_true")
     args = parser.parse_args()
     # bf16 where the host computes it natively; elsewhere its generic path would take minutes

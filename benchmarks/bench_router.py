@@ -60,7 +60,7 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--hash-algo", default="sha256")
     parser.add_argument("--repeats", type=int, default=50)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/router.json"))
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/router/router.json"))
     args = parser.parse_args()
     rng = random.Random(0)
     tokens = tuple(rng.randrange(50000) for _ in range(args.prompt_tokens))

@@ -275,7 +275,7 @@ def main() -> None:
         "--compare-caching", action="store_true", help="run with caching on and off"
     )
     parser.add_argument("--server-args", default="", help="extra flags for the started server")
-    parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results/serving"))
     args = parser.parse_args()
 
     args.out_dir.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,8 @@ The step time is (wall of 17 output tokens − wall of 1) / 16, so prefill and t
 fall out; the prompts (C shared + 32 own random token ids) are cached before timing. The
 default model, the host's `--dtype auto`.
 
-    .venv/bin/python benchmarks/bench_shared_decode.py --out benchmarks/results/shared_decode.json
+    .venv/bin/python benchmarks/bench_shared_decode.py \
+        --out benchmarks/results/shared_decode/shared_decode.json
 """
 
 from __future__ import annotations

@@ -228,7 +228,9 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument(
-        "--out", type=Path, default=Path("benchmarks/results/structured_outputs.json")
+        "--out",
+        type=Path,
+        default=Path("benchmarks/results/structured_outputs/structured_outputs.json"),
     )
     args = parser.parse_args()
     from transformers import AutoTokenizer

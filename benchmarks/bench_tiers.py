@@ -254,7 +254,7 @@ def main() -> None:
     parser.add_argument("--device-blocks", type=int, default=160)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--decode-tokens", type=int, default=32)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/tiers.json"))
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/tiers/tiers.json"))
     args = parser.parse_args()
     results: dict[str, Any] = {
         "machine": platform.processor() or platform.machine(),

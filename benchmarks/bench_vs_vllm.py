@@ -217,7 +217,7 @@ def main() -> None:
     workloads = [*WORKLOADS, "serving"]
     parser.add_argument("--workload", nargs="+", choices=workloads, default=workloads)
     parser.add_argument("--rates", nargs="+", type=float, default=[1.0, 4.0, 16.0], help="chats/s")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/vs_vllm.json"))
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/vs_vllm/vs_vllm.json"))
     parser.add_argument("--dry-run", action="store_true", help="blockserve only, on --model-dir")
     parser.add_argument("--model-dir", help="default: the embedded model as a HF directory")
     parser.add_argument("--dtype", help="default: what --dtype auto picks on this host")

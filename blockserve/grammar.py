@@ -266,7 +266,7 @@ _BIT = torch.arange(32, dtype=torch.int32)
 def mask_rows(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     """`logits[rows]` to -inf where the bitmask (token t is bit t % 32 of word t // 32, the
     layout llguidance and xgrammar share) has a 0. Unpacked with tensor ops, every row at
-    once: on the CPU this took half the time of xgrammar's own kernel (docs/benchmarks.md)."""
+    once (docs/benchmarks/features.md compares it with xgrammar's kernel)."""
     index = torch.tensor(rows, device=logits.device)
     words = bitmask.index_select(0, index)
     bits = _BIT.to(logits.device)

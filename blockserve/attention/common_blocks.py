@@ -2,9 +2,9 @@
 
 Every decode step of sequences that share a cached prefix attends to the same common blocks
 (shared_prefix.py). Our kernel reads K and V in its own layout, which it packs from the paged
-cache on every call: on the shared-prefix workload's decode step that packing took ~2 ms of
-~37 (docs/benchmarks.md). This keeps each layer's packed blocks (`pack_common`) from one step
-to the next while the blocks stay the same and nothing writes into them.
+cache on every call (docs/cpu-kernels.md). This keeps each layer's packed blocks
+(`pack_common`) from one step to the next while the blocks stay the same and nothing writes
+into them.
 
 A block's K and V change only when something writes into it: a step's forward, at the slots
 of its slot mapping, or a writer outside the forward (the KV tiers' loads), which must call

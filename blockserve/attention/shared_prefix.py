@@ -38,9 +38,8 @@ def attend(
 
 
 # torch's fused CPU attention kernel, in the variant that also returns the log-sum-exp (the
-# public scaled_dot_product_attention drops it). Measured on the shared-prefix decode step
-# (64 queries × 3 KV heads over 1,024 common keys, bf16): 1.15 ms against 3.66 ms for
-# explicit float32 scores. Absent (other builds, other devices) → the explicit path.
+# public scaled_dot_product_attention drops it): faster than explicit float32 scores
+# (docs/benchmarks/core.md). Absent (other builds, other devices) → the explicit path.
 _FUSED_CPU_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
@@ -147,9 +146,7 @@ def rows_to_share(
     median one. Another row would pad every row's queries to its chunk, or cut the blocks they
     share to its cache: the request computing, in this very step, the prefix the others find
     cached (they share its blocks as they are hashed) is such a row when part of that prefix
-    was cached before (a 992-token chunk on 64 cached tokens beside 33 rows of 32 on 1,024
-    padded all 34 to 992 queries; docs/benchmarks.md, "On an AVX2-only host"). It is attended
-    on its own."""
+    was cached before. It is attended on its own."""
     if len(rows) < 3:  # no median to stand apart from
         return rows, token_starts
     chunks = [metadata.query_lens_cpu[r] for r in rows]

@@ -7,7 +7,7 @@ them share (a common prompt prefix) are read once for all queries; each sequence
 blocks are read in place by our paged-decode kernel (bf16 or float32: blockserve/kernels)
 or else gathered whole into a workspace reused by every layer, their softmax continuing from
 the common blocks' result (merged by log-sum-exp where torch's kernels serve). Each prefill
-sequence gets its own call. Measured choices: docs/benchmarks.md ("Model executor").
+sequence gets its own call. Measured choices: docs/benchmarks/core.md.
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ text may quote a request), health turns false.
 `from_config` builds the engine on the thread that will step it, so that one thread runs all
 of the engine's torch work. torch's CPU ops fan out over an OpenMP team per calling thread; a
 second, idle team (left by loading the model on another thread) puts the process over its core
-count, and OpenMP then lets the stepping team's workers sleep between ops instead of spinning.
-Measured on 2 vCPUs: the same decode 1.7× slower (docs/benchmarks.md, "Against vLLM-CPU").
+count, and OpenMP then lets the stepping team's workers sleep between ops instead of spinning
+(docs/benchmarks/vs-vllm.md measured the cost).
 """
 
 from __future__ import annotations

@@ -1,30 +1,8 @@
-"""Linear layers with their weights reordered once into oneDNN's blocked layout (CPU).
-
-`F.linear` hands oneDNN the row-major weight on every call; a weight reordered once at load
-into oneDNN's own layout is faster on this model's shapes. `benchmarks/bench_matmul.py`
-measures both (docs/benchmarks.md, "Compute floor"): the small decode and LM-head products
-gain most. Results equal `F.linear`'s bit for bit in bfloat16 and within float32 rounding
-(accumulation order) in float32.
-
-Where the CPU has AMX-BF16, a bf16 model's products of up to `TILE_MAX_ROWS` rows (decode
-steps) run on our tile kernel instead (csrc/cpu/linear_bf16.cpp), over a second copy of
-each weight in tile order made once our kernels are loaded (`pack_for_tiles`): those products
-read every weight for a few rows, and ours read them faster (docs/benchmarks.md, "Decode
-products on AMX tiles"). Its sums are float32 too, in another order: its results are within
-bf16 rounding of oneDNN's, not equal to them. The copy doubles the linear weights' memory, so
-it is made only for models whose linear weights fit in `MAX_COPY_BYTES`.
-
-A float32 model's products of up to `VECTOR_MAX_ROWS` rows (kernels/cpu.py) run likewise on our
-vector kernel (csrc/cpu/linear_f32.cpp) over a copy of each weight in panel order
-(`pack_for_vectors`), made by the f32 build that runs it: oneDNN's float32 products of few
-rows read the weights well below the memory's speed (docs/benchmarks.md, "Float32 on
-AVX-512F"). Its sums run in another order: within float32 rounding of oneDNN's.
-
-Under `torch.compile` the product goes through `blockserve::packed_linear`, an operator of our
-own that inductor calls as an opaque kernel: inductor lowers oneDNN's linear only over weights
-it has frozen into the graph itself (its `freezing` mode), while ours are packed at load and
-stay inputs of the graph (model/compile.py). Compiled graphs use oneDNN's products only.
-"""
+"""Linear layers over weights reordered once into oneDNN's blocked layout (CPU), equal to
+`F.linear` bit for bit in bf16 and within rounding in float32. Few-row products (decode steps)
+run on our tile kernel (bf16, AMX) or vector kernel (float32) over a second copy of each weight
+made once our kernels load; under `torch.compile` oneDNN's, through `blockserve::packed_linear`.
+Why and how fast: docs/cpu-kernels.md."""
 
 from __future__ import annotations
 
@@ -56,8 +34,8 @@ def _packed_linear(
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-# A thin registration: torch.library.custom_op's wrapper cost ~20 us a call, measured on the
-# decode-sized product; this one ~5 us.
+# A thin registration: torch.library.custom_op's wrapper costs more per call than the
+# decode-sized product can spare.
 _LIBRARY.impl("packed_linear", _packed_linear, "CompositeExplicitAutograd")
 
 

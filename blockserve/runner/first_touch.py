@@ -1,23 +1,8 @@
-"""Keeps first touches of memory out of the model's steps on a CPU.
-
-A page of anonymous memory is mapped in by its first write. That fault costs a microsecond or
-two on a typical host; on a VM whose host backs guest memory only when the guest first touches
-it (and takes freed memory back within seconds), 15-60 us. A step that writes fresh pages
-stalls on them (docs/benchmarks.md, "What a first touch costs"). Two sources, two remedies:
-
-- The KV cache (an anonymous mapping, kv_cache.py): the pool hands never-used blocks out in
-  ascending order (the free queue starts as blocks 1..n), so `KVPagePopulator` keeps the
-  pages of the next blocks past the highest one written mapped in, from a thread of the
-  lowest CPU priority. `madvise(MADV_POPULATE_WRITE)` (Linux 5.14) maps pages in without
-  writing them: it may run while a step writes the same blocks, and changes no byte.
-- A step's temporaries (torch allocates them with malloc): glibc returns freed memory to the
-  OS when the top of its heap holds more than a threshold, and serves larger allocations from
-  their own mappings, unmapped when freed; the next step faults the same sizes in again.
-  `keep_freed_memory()` raises both limits, so freed temporaries stay mapped for the next.
-
-Where the calls are missing (not Linux, not glibc, an older kernel), pages are left to the
-writes that need them, as before.
-"""
+"""Keeps first touches of memory out of the model's steps on a CPU: `KVPagePopulator` maps
+the KV cache's next never-used blocks in ahead of the steps (madvise, on an idle-priority
+thread), and `keep_freed_memory` has glibc keep freed temporaries mapped for the next step.
+Where the calls are missing, pages are left to the writes that need them. Why:
+docs/cpu-kernels.md; figures: docs/benchmarks/cpu-kernels.md."""
 
 from __future__ import annotations
 
@@ -37,7 +22,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 MADV_POPULATE_WRITE = 23  # linux/mman.h; Python's mmap module names it from 3.13 only
-CALL_BYTES = 64 << 10  # a madvise call: 16 pages, ~1 ms even at 60 us a page
+CALL_BYTES = 64 << 10  # a madvise call: 16 pages, so that one call stays short
 
 Madvise = Callable[[int, int], bool]  # (address, length) → mapped
 

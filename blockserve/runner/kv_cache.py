@@ -1,14 +1,7 @@
-"""KV cache tensors: how many blocks fit a budget, and their allocation.
-
-Layout per layer (see attention/metadata.py): [2, num_blocks, block_size, num_kv_heads, head_dim].
-
-On a CPU the caches are one anonymous mapping, which the OS hands out zeroed, page by
-page on first write, instead of a `torch.zeros` that writes every byte before the engine can
-start: on a 2-vCPU VM, zeroing the default 2 GiB was most of the engine's build, the first
-touch of each page being dear there (docs/benchmarks.md, "On an AVX2-only host"). The pages
-the next steps will write are mapped in ahead of them by first_touch.py, a bounded window past
-the highest block written, so a run that never fills the cache never commits all of it.
-"""
+"""KV cache tensors: how many blocks fit a budget, and their allocation. Layout per layer
+(attention/metadata.py): [2, num_blocks, block_size, num_kv_heads, head_dim]. On a CPU the
+caches are one anonymous mapping, zero without a write, each page mapped in when first written
+(or ahead of the steps, by first_touch.py), so start-up never writes the whole cache."""
 
 from __future__ import annotations
 
