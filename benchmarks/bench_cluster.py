@@ -28,8 +28,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.bench_serving import RequestResult, one_request, percentiles
 from benchmarks.report import emit
+from blockserve.bench.server_process import ServerProcess
 from blockserve.cluster.policies import DEFAULT_PREFIX_WEIGHT
-from tests.server.server_process import ServerProcess
 
 VOCAB_LOW, VOCAB_HIGH = 100, 40000
 

@@ -1,6 +1,6 @@
 """What mapping in a page of anonymous memory costs on this host: the first write to fresh
 memory, the same again at once (memory just freed), again after a pause, and
-madvise(MADV_POPULATE_WRITE) from one and two threads (what runner/first_touch.py uses).
+madvise(MADV_POPULATE_WRITE) from one and two threads (what runner/page_mapping.py uses).
 
 On a VM whose host backs guest memory lazily, and takes freed memory back (free page
 reporting), "fresh" and "after a pause" cost far more than "at once".

@@ -29,7 +29,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.report import run_sections
-from tests.server.server_process import ServerProcess, read_metric
+from blockserve.bench.server_process import ServerProcess, read_metric
 from tests.server.test_fuzz import run_schemathesis
 
 SERVER_ARGS = ["--dtype", "float32"]

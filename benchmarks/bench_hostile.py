@@ -32,8 +32,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.report import run_sections
+from blockserve.bench.server_process import ServerProcess
 from tests.hostile_inputs import lark_chain, ref_chain
-from tests.server.server_process import ServerProcess
 
 SERVER_ARGS = ["--dtype", "float32"]
 INNOCENT = {"prompt": "Once upon a time", "max_tokens": 150, "ignore_eos": True, "stream": True}

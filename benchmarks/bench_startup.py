@@ -20,7 +20,7 @@ from pathlib import Path
 from report import emit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.server.server_process import ServerProcess  # the test harness starts servers
+from blockserve.bench.server_process import ServerProcess
 
 
 def time_start(cache_dir: str, log: Path, flags: list[str]) -> float:

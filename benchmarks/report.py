@@ -1,43 +1,17 @@
-"""Shared by the benchmark scripts: print the JSON result and keep a copy, stamped with the
-CPU's vector extensions (bf16 matmul is ~100x slower on an AVX2-only host than with
-AVX512-BF16, so a figure means little without them)."""
+"""Shared by the benchmark scripts: the harness of `blockserve bench` (the host stamp and the
+JSON out: blockserve/bench/harness.py), and sections run against started servers."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+from blockserve.bench.harness import cpu_flags, emit
 
-
-def cpu_flags() -> list[str]:
-    """Which of CPU_FLAGS this host's processor has (empty where /proc/cpuinfo is absent)."""
-    try:
-        words = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return []
-    return [flag for flag in CPU_FLAGS if flag in words]
-
-
-def emit(results: dict[str, Any], out: Path | None) -> None:
-    """Print `results` as JSON, with the host's CPU flags, torch's ISA level and threads, and
-    when `out` is given write it there too."""
-    import torch
-
-    host = {
-        "cpu_flags": cpu_flags(),
-        "isa": torch.backends.cpu.get_cpu_capability(),
-        "threads": torch.get_num_threads(),
-    }
-    text = json.dumps({**results, **host}, indent=2)
-    print(text)
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text + "\n")
+__all__ = ["cpu_flags", "emit", "run_sections"]
 
 
 def run_sections(

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 from bench_serving import VOCAB_HIGH, VOCAB_LOW, RequestResult, one_request, summarize
 
-from tests.server.server_process import ServerProcess
+from blockserve.bench.server_process import ServerProcess
 
 
 @dataclass(frozen=True)

@@ -100,6 +100,7 @@ LAYERS = (
     ("server",),
     ("cluster",),
     ("replay",),
+    ("bench",),
     ("cli",),
 )
 RANK = {part: rank for rank, parts in enumerate(LAYERS) for part in parts}

@@ -14,8 +14,8 @@ from pathlib import Path
 import jsonschema
 import pytest
 
+from blockserve.bench.server_process import ServerProcess
 from tests.server.conftest import tiny_server
-from tests.server.server_process import ServerProcess
 
 README = (Path(__file__).parents[1] / "README.md").read_text()
 

@@ -1,5 +1,5 @@
 """Routing policies: which replica serves a request. One copy of the scoring, used by the Ray
-Serve router (cluster/router.py) and by the cluster replay (replay/cluster.py).
+Serve router (cluster/router.py) and by the cluster replay (replay/cluster_sim.py).
 
 A policy sees each candidate's load (requests in flight) and its own per-replica state; it
 returns the candidates best first and is told where each request went and when it finished.

@@ -1,6 +1,6 @@
 """What a routing policy sees and says: the request as hashed blocks, each candidate's load,
 and the policy protocol the Ray Serve router (cluster/router.py) and the cluster replay
-(replay/cluster.py) drive."""
+(replay/cluster_sim.py) drive."""
 
 from __future__ import annotations
 

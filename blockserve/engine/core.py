@@ -30,13 +30,14 @@ from blockserve.engine.outputs import (
 )
 from blockserve.engine.reports import kv_cache_report, miss_ratio_report
 from blockserve.engine.request import EngineCoreRequest, SampleId
-from blockserve.engine.tiers import create_kv_tiers, filled_blocks, tier_stats
+from blockserve.engine.tier_feed import create_kv_tiers, filled_blocks, tier_stats
 from blockserve.errors import InvalidConfigError
 from blockserve.events.publisher import create_event_publisher
 from blockserve.runner.build import build_runner
-from blockserve.runner.first_touch import blocks_per_step
+from blockserve.runner.page_mapping import blocks_per_step
+from blockserve.sched.output import RequestUpdate
 from blockserve.sched.request import Request, RequestStatus
-from blockserve.sched.scheduler import RequestUpdate, Scheduler
+from blockserve.sched.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 

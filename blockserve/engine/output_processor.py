@@ -20,7 +20,7 @@ from blockserve.engine.core import EngineCoreOutputs
 from blockserve.engine.detokenizer import IncrementalDetokenizer
 from blockserve.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from blockserve.engine.request import EngineCoreRequest, SampleId, ValidatedRequest
-from blockserve.sched.scheduler import RequestUpdate
+from blockserve.sched.output import RequestUpdate
 
 
 @dataclass

@@ -8,7 +8,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from blockserve.cluster.policies import DEFAULT_PREFIX_WEIGHT, make_policy
-from blockserve.replay.cluster import (
+from blockserve.replay.cluster_sim import (
     DEFAULT_SERVICE,
     ClusterReplayResult,
     ClusterShape,

@@ -25,16 +25,16 @@ from blockserve.model.loader import (
 from blockserve.model.packed import pack_once_loaded, use_kernels
 from blockserve.model.sampler import Sampler
 from blockserve.platform import probe_host, warn_if_slow
-from blockserve.runner.first_touch import KVPagePopulator, keep_freed_memory
 from blockserve.runner.kv_cache import allocate_kv_caches, num_blocks_for
 from blockserve.runner.model_runner import ModelRunner, RunnerParts
+from blockserve.runner.page_mapping import KVPagePopulator, keep_freed_memory
 
 
 def build_runner(
     model_config: ModelConfig, cache_config: CacheConfig, kv_blocks_per_step: int = 0
 ) -> ModelRunner:
     """`kv_blocks_per_step`: the most never-used blocks a step can take; on a CPU their pages
-    are mapped in ahead of the steps (first_touch.py). 0: left to first writes."""
+    are mapped in ahead of the steps (page_mapping.py). 0: left to first writes."""
     name = model_config.device
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,7 +1,7 @@
 """KV cache tensors: how many blocks fit a budget, and their allocation. Layout per layer
 (attention/metadata.py): [2, num_blocks, block_size, num_kv_heads, head_dim]. On a CPU the
 caches are one anonymous mapping, zero without a write, each page mapped in when first written
-(or ahead of the steps, by first_touch.py), so start-up never writes the whole cache."""
+(or ahead of the steps, by page_mapping.py), so start-up never writes the whole cache."""
 
 from __future__ import annotations
 

@@ -23,8 +23,8 @@ from blockserve.model.compile import CompileReport, mark_token_dim_dynamic
 from blockserve.model.loader import LoadedModel
 from blockserve.model.sampler import Sampler, SamplerOutput, SamplingBatch, SamplingRow
 from blockserve.platform import HostCapabilities
-from blockserve.runner.first_touch import KVPagePopulator
 from blockserve.runner.inputs import ModelInputs, prepare_inputs
+from blockserve.runner.page_mapping import KVPagePopulator
 from blockserve.sampling_params import SamplingParams
 from blockserve.sched.output import (
     ModelRunnerOutput,

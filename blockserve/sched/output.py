@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from blockserve.core.kv_cache_manager import RequestId
 from blockserve.sampling_params import SamplingParams
+from blockserve.sched.request import RequestStatus
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,3 +79,14 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[RequestId, int] = field(default_factory=dict)
     logprobs: dict[RequestId, TokenLogprobs] = field(default_factory=dict)
     failed: dict[RequestId, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestUpdate:
+    """What one step did to one request: its new token (if any) and whether it finished."""
+
+    request_id: RequestId
+    new_token_ids: tuple[int, ...]
+    status: RequestStatus
+    logprobs: TokenLogprobs | None = None
+    stop_reason: int | str | None = None  # the stop token id, when one ended it

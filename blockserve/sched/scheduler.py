@@ -12,34 +12,17 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import dataclass
 
 from blockserve.config import SchedulerConfig
 from blockserve.core.events import KVEventBatch
 from blockserve.core.kv_cache_manager import KVCacheManager, RequestId
+from blockserve.sched.batch import batch_for_runner
 from blockserve.sched.fair_share import FairShare
-from blockserve.sched.loading import TierLoader, TierLoads
-from blockserve.sched.output import (
-    ModelRunnerOutput,
-    NewRequestData,
-    ScheduledRequest,
-    SchedulerOutput,
-    TokenLogprobs,
-)
+from blockserve.sched.output import ModelRunnerOutput, RequestUpdate, SchedulerOutput
 from blockserve.sched.queues import create_request_queue, priority_key
 from blockserve.sched.request import Request, RequestStatus
 from blockserve.sched.stops import check_stop
-
-
-@dataclass(frozen=True, slots=True)
-class RequestUpdate:
-    """What one step did to one request: its new token (if any) and whether it finished."""
-
-    request_id: RequestId
-    new_token_ids: tuple[int, ...]
-    status: RequestStatus
-    logprobs: TokenLogprobs | None = None
-    stop_reason: int | str | None = None  # the stop token id, when one ended it
+from blockserve.sched.tier_loads import TierLoader, TierLoads
 
 
 class Scheduler:
@@ -242,34 +225,10 @@ class Scheduler:
     def _build_output(
         self, num_scheduled: dict[RequestId, int], new_ids: set[RequestId]
     ) -> SchedulerOutput:
-        scheduled = []
-        for request in self.running:
-            num_new = num_scheduled.get(request.request_id)
-            if num_new is None:
-                continue
-            start = request.num_computed_tokens
-            end = start + num_new
-            new_data = None
-            if request.request_id in new_ids or request.request_id in self._loaded:
-                self._loaded.discard(request.request_id)
-                new_data = NewRequestData(
-                    tuple(request.prompt_token_ids),
-                    tuple(request.output_token_ids),
-                    request.sampling_params,
-                )
-            scheduled.append(
-                ScheduledRequest(
-                    request_id=request.request_id,
-                    token_ids=tuple(request.all_token_ids[start:end]),
-                    num_computed_tokens=start,
-                    block_ids=tuple(self.kv_cache_manager.get_block_ids(request.request_id)),
-                    sample=end == request.num_tokens,
-                    new_request=new_data,
-                )
-            )
-            # Optimistic: the runner computes these tokens before the next schedule().
-            request.num_computed_tokens = end
-        output = SchedulerOutput(tuple(scheduled), frozenset(self.finished_request_ids))
+        first_sent = new_ids | self._loaded
+        self._loaded -= first_sent
+        scheduled = batch_for_runner(self.running, num_scheduled, first_sent, self.kv_cache_manager)
+        output = SchedulerOutput(scheduled, frozenset(self.finished_request_ids))
         self.finished_request_ids = set()
         return output
 

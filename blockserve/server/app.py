@@ -23,6 +23,7 @@ from blockserve.errors import InvalidRequestError
 from blockserve.server.auth import RequireApiKey
 from blockserve.server.drain import Drain, RefuseWhileDraining
 from blockserve.server.errors import install_error_handlers, openapi_schema
+from blockserve.server.http_run import ServingContext
 from blockserve.server.limits import BodySizeLimit
 from blockserve.server.metrics import ServerMetrics, log_stats_periodically
 from blockserve.server.openai_routes import (
@@ -37,7 +38,6 @@ from blockserve.server.protocol import (
     TokenizeRequest,
 )
 from blockserve.server.request_limits import RequestLimits
-from blockserve.server.runs import ServingContext
 
 # A completion answers JSON, or with "stream": true an event stream.
 GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {

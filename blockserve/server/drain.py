@@ -1,7 +1,7 @@
 """Draining on SIGTERM: refuse new work at once, let running requests finish until a deadline,
 then end what is left with an error its client can read.
 
-`Drain` counts the runs in flight (server/runs.py registers each) and holds two flags: whether a
+`Drain` counts the runs in flight (server/http_run.py registers each) and holds two flags: whether a
 drain has begun (new requests and /health answer 503 from then on) and whether its deadline has
 passed (running requests then end with a 503 error: an SSE error event, or a JSON body).
 """

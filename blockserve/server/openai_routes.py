@@ -16,9 +16,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from blockserve.engine.outputs import CompletionOutput
 from blockserve.errors import InvalidRequestError
+from blockserve.server.http_run import HttpRun, ServingContext, final_outputs, stream_response
 from blockserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from blockserve.server.responses import TokenText, chat_logprobs, completion_logprobs, usage
-from blockserve.server.runs import Run, ServingContext, final_outputs, stream_response
 from blockserve.server.tools import (
     ToolCallStream,
     ToolPlan,
@@ -55,7 +55,7 @@ async def create_completion(
     params = body.sampling_params(None, body.logprobs, body.constraint(), ctx.default_sampling)
     prompts = body.prompts()
     ctx.check_limits(params, len(prompts))
-    run = Run(ctx, body.request_id or f"cmpl-{uuid.uuid4().hex}", prompts)
+    run = HttpRun(ctx, body.request_id or f"cmpl-{uuid.uuid4().hex}", prompts)
     salt = ctx.cache_salt(request, body.cache_salt)
     await run.start(params, body.priority, salt, request, body.return_cache_explanation)
     created = int(time.time())
@@ -148,7 +148,7 @@ async def create_chat_completion(
     constraint = plan.constraint or body.constraint()
     params = body.sampling_params(default, num_logprobs, constraint, ctx.default_sampling)
     ctx.check_limits(params, 1)
-    run = Run(ctx, body.request_id or f"chatcmpl-{uuid.uuid4().hex}", [prompt])
+    run = HttpRun(ctx, body.request_id or f"chatcmpl-{uuid.uuid4().hex}", [prompt])
     salt = ctx.cache_salt(request, body.cache_salt)
     await run.start(params, body.priority, salt, request, body.return_cache_explanation)
     created = int(time.time())

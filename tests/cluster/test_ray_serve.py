@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.server_process import ServerProcess
+from blockserve.bench.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 BLOCK_SIZE = 4

@@ -8,7 +8,7 @@ import pytest
 
 from blockserve import LLM, SamplingParams
 from blockserve.errors import InvalidRequestError
-from blockserve.runner.first_touch import KVPagePopulator
+from blockserve.runner.page_mapping import KVPagePopulator
 from blockserve.sampling_params import StructuredOutputsParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

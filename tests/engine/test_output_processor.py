@@ -8,8 +8,8 @@ from blockserve.engine.core import EngineCoreOutputs
 from blockserve.engine.output_processor import OutputProcessor
 from blockserve.engine.request import RequestSpec, SampleId, ValidatedRequest
 from blockserve.sampling_params import SamplingParams
+from blockserve.sched.output import RequestUpdate
 from blockserve.sched.request import RequestStatus
-from blockserve.sched.scheduler import RequestUpdate
 
 RUNNING, LENGTH = RequestStatus.RUNNING, RequestStatus.FINISHED_LENGTH_CAPPED
 

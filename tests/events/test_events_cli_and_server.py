@@ -11,8 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from blockserve.bench.server_process import ServerProcess, free_port
 from tests.server.conftest import TINY_ARGS
-from tests.server.server_process import ServerProcess, free_port
 
 
 @pytest.mark.slow

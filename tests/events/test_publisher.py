@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from blockserve.bench.server_process import free_port
 from blockserve.core.events import AllBlocksCleared, KVEventBatch
 from blockserve.events.config import KVEventsConfig
 from blockserve.events.publisher import NullEventPublisher, create_event_publisher
 from blockserve.events.zmq_publisher import ZmqEventPublisher
-from tests.server.server_process import free_port
 
 
 def test_events_off_give_the_null_publisher() -> None:

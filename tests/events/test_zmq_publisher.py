@@ -11,6 +11,7 @@ import pytest
 import zmq
 
 from blockserve import LLM, SamplingParams
+from blockserve.bench.server_process import free_port
 from blockserve.core.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -21,7 +22,6 @@ from blockserve.core.hashing import HASH_FUNCTIONS, block_hash_to_uint64, hash_b
 from blockserve.events.config import KVEventsConfig
 from blockserve.events.subscriber import CacheMirror, KVEventSubscriber
 from blockserve.events.zmq_publisher import ZmqEventPublisher
-from tests.server.server_process import free_port
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
 

@@ -18,7 +18,7 @@ from blockserve.config import SchedulerConfig
 from blockserve.core.events import BlockRemoved, BlockStored, KVEventRecorder
 from blockserve.core.hashing import BlockHash, BlockHasher, RequestBlockHasher
 from blockserve.core.kv_cache_manager import KVCacheManager
-from blockserve.engine.tiers import filled_blocks
+from blockserve.engine.tier_feed import filled_blocks
 from blockserve.kv_tiers import BlockShape, DiskStore, HostStore
 from blockserve.kv_tiers.offload import KVTiers, Tier
 from blockserve.sampling_params import SamplingParams

@@ -12,23 +12,20 @@ from pathlib import Path
 from tests.replay.test_simulate import HAND_TRACE
 
 
+def write_hand_trace(path: Path) -> Path:
+    """HAND_TRACE as a Mooncake-format JSONL file at `path`."""
+    rows = (
+        {"timestamp": 0, "input_length": r.input_length, "output_length": 0,
+         "hash_ids": list(r.hash_ids)}
+        for r in HAND_TRACE
+    )  # fmt: skip
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
 def test_replay_command_writes_table_json_and_plot(tmp_path: Path) -> None:
     """`blockserve replay` prints the table and writes replay.json and replay.png."""
-    path = tmp_path / "trace.jsonl"
-    path.write_text(
-        "".join(
-            json.dumps(
-                {
-                    "timestamp": 0,
-                    "input_length": r.input_length,
-                    "output_length": 0,
-                    "hash_ids": list(r.hash_ids),
-                }
-            )
-            + "\n"
-            for r in HAND_TRACE
-        )
-    )
+    path = write_hand_trace(tmp_path / "trace.jsonl")
     out = subprocess.run(
         [
             sys.executable,

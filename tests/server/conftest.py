@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.server.server_process import ServerProcess
+from blockserve.bench.server_process import ServerProcess
 
 TINY_ARGS = ["--dtype", "float32", "--num-gpu-blocks-override", "256", "--enable-debug-endpoints"]
 

@@ -15,12 +15,12 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 import blockserve
+from blockserve.bench.server_process import ServerProcess
 from blockserve.config import ServerConfig
 from blockserve.engine.client import ModelInfo
 from blockserve.platform import probe_host
 from blockserve.server.app import build_app
 from tests.server.conftest import tiny_server
-from tests.server.server_process import ServerProcess
 
 
 @pytest.fixture(scope="module")

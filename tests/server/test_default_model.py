@@ -7,8 +7,8 @@ from pathlib import Path
 import openai
 import pytest
 
+from blockserve.bench.server_process import ServerProcess
 from tests.model.test_loader import QUESTION
-from tests.server.server_process import ServerProcess
 
 
 @pytest.mark.slow

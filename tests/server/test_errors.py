@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.server.server_process import ServerProcess
+from blockserve.bench.server_process import ServerProcess
 
 CASES = [
     ("bad JSON", "/v1/completions", b"{not json", 400, "not valid JSON"),

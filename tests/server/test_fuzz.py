@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.server.server_process import ServerProcess
+from blockserve.bench.server_process import ServerProcess
 
 MAX_EXAMPLES = 50  # per operation and phase; the seed makes a failure reproducible
 SEED = 1

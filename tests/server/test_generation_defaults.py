@@ -10,8 +10,8 @@ from pathlib import Path
 import openai
 import pytest
 
+from blockserve.bench.server_process import ServerProcess
 from tests.server.conftest import tiny_server
-from tests.server.server_process import ServerProcess
 
 CONFIG = {"temperature": 0, "max_new_tokens": 6}
 

@@ -14,9 +14,9 @@ from typing import Any
 import httpx
 import pytest
 
+from blockserve.bench.server_process import ServerProcess
 from tests.hostile_inputs import lark_chain, ref_chain
 from tests.server.conftest import tiny_server
-from tests.server.server_process import ServerProcess
 
 NUM_RACES = 24
 

@@ -14,9 +14,9 @@ import httpx
 import pytest
 
 from blockserve import LLM, SamplingParams
+from blockserve.bench.server_process import ServerProcess, read_metric
 from blockserve.core.hashing import BlockHasher
 from tests.server.conftest import TINY_ARGS
-from tests.server.server_process import ServerProcess, read_metric
 
 PROMPT = [(t * 3) % 290 + 5 for t in range(80)]  # 5 full blocks, 4 hittable
 PROMPTS = [[(t * 7 + k) % 300 + 10 for t in range(160)] for k in range(6)]  # 10 blocks each

@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from blockserve.bench.server_process import ServerProcess, read_metric
 from tests.server.conftest import tiny_server
-from tests.server.server_process import ServerProcess, read_metric
 
 NUM_CLIENTS = 64
 NUM_DISCONNECTS = 10

@@ -8,7 +8,7 @@ import json
 import openai
 import pytest
 
-from tests.server.server_process import ServerProcess
+from blockserve.bench.server_process import ServerProcess
 from tests.tiny_models import make_tokenizer
 
 PROMPT_33 = list(range(10, 43))

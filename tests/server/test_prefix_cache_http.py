@@ -8,8 +8,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from blockserve.bench.server_process import ServerProcess, read_metric
 from tests.server.conftest import tiny_server
-from tests.server.server_process import ServerProcess, read_metric
 
 PROMPT_33 = list(range(100, 133))
 METRIC_NAMES = [

@@ -11,8 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from blockserve.bench.server_process import ServerProcess, read_metric
 from tests.server.conftest import TINY_ARGS
-from tests.server.server_process import ServerProcess, read_metric
 
 
 def test_start_up_log_and_sigterm_exit(tiny_llama_dir: Path, tmp_path: Path) -> None:

@@ -13,8 +13,8 @@ import jsonschema
 import openai
 import pytest
 
+from blockserve.bench.server_process import ServerProcess
 from tests.server.conftest import tiny_server
-from tests.server.server_process import ServerProcess
 
 # Enums and booleans only: even the tiny random model finishes these in a few tokens.
 WEATHER = {

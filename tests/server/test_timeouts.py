@@ -15,8 +15,8 @@ import pytest
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from blockserve.bench.server_process import free_port
 from blockserve.server.timeouts import with_header_deadline
-from tests.server.server_process import free_port
 from tests.server.test_hostile_requests import read_until_closed
 
 DEADLINE_S = 0.5

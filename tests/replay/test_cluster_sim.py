@@ -11,7 +11,7 @@ import pytest
 from blockserve.cli import main
 from blockserve.cluster.policies import make_policy
 from blockserve.errors import InvalidConfigError
-from blockserve.replay.cluster import ClusterShape, ServiceModel, replay_cluster
+from blockserve.replay.cluster_sim import ClusterShape, ServiceModel, replay_cluster
 from blockserve.replay.trace import TraceRequest, block_layouts
 
 B = 4

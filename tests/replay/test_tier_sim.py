@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from blockserve.errors import InvalidConfigError
-from blockserve.replay.tiers import parse_tiers, replay_tiers, run_tiers
+from blockserve.replay.tier_sim import parse_tiers, replay_tiers, run_tiers
 from blockserve.replay.trace import TraceRequest, block_layouts
 
 B = 4  # tokens per trace block

@@ -1,4 +1,5 @@
-"""A real `blockserve serve` process on 127.0.0.1 and a free port, for the server tests."""
+"""A real `blockserve serve` (or another server's CLI) in a subprocess on 127.0.0.1 and a free
+port, ready once /health answers: for `blockserve bench serve`, the benchmarks and the tests."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ def read_metric(url: str, name: str) -> float:
     """The value of `blockserve:<name>` (its first series) from /metrics."""
     text = httpx.get(f"{url}/metrics").text
     match = re.search(rf"^blockserve:{name}\{{[^}}]*\}} (\S+)$", text, re.MULTILINE)
-    assert match is not None, f"{name} is not in /metrics"
+    if match is None:
+        raise LookupError(f"{name} is not in /metrics")
     return float(match.group(1))
 
 

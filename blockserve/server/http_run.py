@@ -1,7 +1,7 @@
 """One HTTP request's engine requests, driven as one: submitted together, merged into one
 stream of outputs, aborted together when the client leaves, and rendered as SSE.
 
-`Run` fans a request's prompts out to the engine client and back in; `final_outputs` drives it
+`HttpRun` fans a request's prompts out to the engine client and back in; `final_outputs` drives it
 to the end for a JSON answer (watching for a disconnect); `stream_response` turns it into an
 event stream whose closing aborts what still runs.
 """
@@ -80,7 +80,7 @@ class ServingContext:
             raise ModelNotFoundError(f"The model `{model}` does not exist.")
 
 
-class Run:
+class HttpRun:
     """One HTTP request's engine requests, merged into one stream of (prompt index, output).
 
     `request_id` is the response's `id`: the client's label if it gave one, echoed and never
@@ -230,7 +230,7 @@ async def until_disconnected(task: asyncio.Future[T], request: Request, drain: D
             task.cancel()
 
 
-async def final_outputs(run: Run, request: Request) -> list[RequestOutput]:
+async def final_outputs(run: HttpRun, request: Request) -> list[RequestOutput]:
     """Drive the run to completion; abort everything if the client goes away."""
     finals: dict[int, RequestOutput] = {}
 
@@ -250,7 +250,7 @@ async def final_outputs(run: Run, request: Request) -> list[RequestOutput]:
 
 
 def stream_response(
-    run: Run,
+    run: HttpRun,
     n: int,
     make_chunk: Callable[
         [int, CompletionOutput, tuple[str, int, int, bool]], dict[str, Any] | None

@@ -1,4 +1,4 @@
-"""A Run over a scripted engine client: prompts submitted together, outputs merged by prompt,
+"""An HttpRun over a scripted engine client: prompts submitted together, outputs merged by prompt,
 a refusal closes every stream, a failed request is a 500, a stream ends with [DONE]."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from blockserve.engine.outputs import CompletionOutput, EngineStats, RequestMetr
 from blockserve.engine.request import RequestSpec
 from blockserve.errors import ClientDisconnectedError, InvalidRequestError, RequestFailedError
 from blockserve.sampling_params import SamplingParams
+from blockserve.server.http_run import HttpRun, ServingContext, final_outputs, stream_response
 from blockserve.server.metrics import ServerMetrics
-from blockserve.server.runs import Run, ServingContext, final_outputs, stream_response
 
 
 def snapshot(request_id: str, text: str, finished: bool, error: str | None = None) -> RequestOutput:
@@ -74,10 +74,10 @@ class LeavesAfter:
         return self.polls < 0
 
 
-def make_run(client: ScriptedClient, prompts: list[tuple[int, ...]]) -> Run:
+def make_run(client: ScriptedClient, prompts: list[tuple[int, ...]]) -> HttpRun:
     metrics = ServerMetrics(client, "m")  # type: ignore[arg-type]
     ctx = ServingContext(client, "m", None, metrics)  # type: ignore[arg-type]
-    return Run(ctx, "cmpl-1", prompts)  # type: ignore[arg-type]
+    return HttpRun(ctx, "cmpl-1", prompts)  # type: ignore[arg-type]
 
 
 def test_every_prompt_runs_and_finals_come_in_prompt_order() -> None:

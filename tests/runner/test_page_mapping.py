@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from blockserve.model.arch import LlamaArchConfig
-from blockserve.runner import first_touch
-from blockserve.runner.first_touch import KVPagePopulator, blocks_per_step, keep_freed_memory
+from blockserve.runner import page_mapping
 from blockserve.runner.kv_cache import allocate_kv_caches
+from blockserve.runner.page_mapping import KVPagePopulator, blocks_per_step, keep_freed_memory
 from tests.model.test_arch import BASE
 from tests.runner.test_kv_cache import resident_pages
 
@@ -117,7 +117,7 @@ def test_without_the_call_nothing_is_mapped_and_writes_still_work(
 ) -> None:
     """Where madvise(MADV_POPULATE_WRITE) is missing, map_now says False at once, the thread
     ends, and the cache is left to its writes."""
-    monkeypatch.setattr(first_touch, "_load_madvise", lambda: None)
+    monkeypatch.setattr(page_mapping, "_load_madvise", lambda: None)
     caches = kv_caches()
     populator = KVPagePopulator(caches, ahead=8)
     assert populator.map_now(4) is False

@@ -1,0 +1,219 @@
+"""The client side of `blockserve bench serve`: token-id datasets (random, shared-prefix,
+multi-turn), streaming requests against an OpenAI-compatible server, and their latencies."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+VOCAB_LOW, VOCAB_HIGH = 100, 40000
+
+
+@dataclass
+class RequestResult:
+    ttft: float
+    itls: list[float]
+    e2e: float
+    prompt_tokens: int
+    output_tokens: int
+    cached_tokens: int
+
+
+@dataclass
+class Conversation:
+    turns: list[list[int]]  # the new tokens of each user turn
+    history: list[int] = field(default_factory=list)
+
+
+def shared_prefix_prompts(args: argparse.Namespace, rng: random.Random) -> list[list[int]]:
+    prompts = []
+    for _ in range(args.num_groups):
+        system = [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(args.system_len)]
+        for _ in range(args.prompts_per_group):
+            prompts.append(
+                system + [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(args.question_len)]
+            )
+    rng.shuffle(prompts)
+    return prompts
+
+
+def random_prompts(args: argparse.Namespace, rng: random.Random) -> list[list[int]]:
+    length = args.system_len + args.question_len
+    return [
+        [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(length)]
+        for _ in range(args.num_prompts)
+    ]
+
+
+async def one_request(
+    client: httpx.AsyncClient,
+    url: str,
+    prompt: list[int],
+    output_len: int,
+    extra: dict | None = None,
+) -> tuple[RequestResult, list[int]]:
+    """Stream one completion (`extra`: more body fields); returns its timings and the
+    answer's token ids (multi-turn)."""
+    body = {
+        **(extra or {}),
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "return_token_ids": True,
+    }
+    start = time.perf_counter()
+    arrivals: list[float] = []
+    usage: dict = {}
+    answer: list[int] = []
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            if chunk["choices"] and chunk["choices"][0].get("token_ids"):
+                # A token arrived (its text may still be incomplete): TTFT and ITL count tokens.
+                answer += chunk["choices"][0]["token_ids"]
+                arrivals.append(time.perf_counter())
+    end = time.perf_counter()
+    ttft = (arrivals[0] if arrivals else end) - start
+    itls = [b - a for a, b in itertools.pairwise(arrivals)]
+    result = RequestResult(
+        ttft,
+        itls,
+        end - start,
+        usage.get("prompt_tokens", len(prompt)),
+        usage.get("completion_tokens", 0),
+        usage.get("prompt_tokens_details", {}).get("cached_tokens", 0),
+    )
+    return result, answer
+
+
+async def run_load(args: argparse.Namespace, url: str) -> tuple[list[RequestResult], float]:
+    """`args.dataset` against `url`: every request's result, and the wall time of them all."""
+    rng = random.Random(args.seed)
+    results: list[RequestResult] = []
+    limits = httpx.Limits(max_connections=max(args.concurrency, 64))
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        start = time.perf_counter()
+        if args.dataset == "multi-turn":
+            await converse(client, url, args, rng, results)
+        else:
+            prompts = (
+                shared_prefix_prompts(args, rng)
+                if args.dataset == "shared-prefix"
+                else random_prompts(args, rng)
+            )
+            await send(client, url, prompts, args, rng, results)
+        return results, time.perf_counter() - start
+
+
+async def converse(
+    client: httpx.AsyncClient,
+    url: str,
+    args: argparse.Namespace,
+    rng: random.Random,
+    results: list[RequestResult],
+) -> None:
+    """`--num-prompts` conversations of `--turns` turns, each resending its history so far;
+    at most `--concurrency` requests in flight."""
+    conversations = [
+        Conversation(
+            [
+                [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(args.question_len)]
+                for _ in range(args.turns)
+            ]
+        )
+        for _ in range(args.num_prompts)
+    ]
+    semaphore = asyncio.Semaphore(args.concurrency)
+
+    async def one(conversation: Conversation) -> None:
+        for turn in conversation.turns:
+            conversation.history += turn
+            async with semaphore:
+                result, answer = await one_request(
+                    client, url, conversation.history, args.output_len
+                )
+            results.append(result)
+            conversation.history += answer
+
+    await asyncio.gather(*(one(c) for c in conversations))
+
+
+async def send(
+    client: httpx.AsyncClient,
+    url: str,
+    prompts: list[list[int]],
+    args: argparse.Namespace,
+    rng: random.Random,
+    results: list[RequestResult],
+) -> None:
+    """Every prompt: Poisson arrivals at `--request-rate`, else `--concurrency` clients."""
+    if args.request_rate:
+        tasks = []
+        for prompt in prompts:
+            tasks.append(asyncio.create_task(one_request(client, url, prompt, args.output_len)))
+            await asyncio.sleep(rng.expovariate(args.request_rate))
+        results.extend(r for r, _ in await asyncio.gather(*tasks))
+        return
+    queue: asyncio.Queue[list[int]] = asyncio.Queue()
+    for prompt in prompts:
+        queue.put_nowait(prompt)
+
+    async def worker() -> None:
+        while not queue.empty():
+            result, _ = await one_request(client, url, queue.get_nowait(), args.output_len)
+            results.append(result)
+
+    await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    ordered = sorted(values)
+
+    def pick(q: float) -> float:
+        return round(ordered[min(int(q * len(ordered)), len(ordered) - 1)] * 1e3, 1)
+
+    return {
+        "mean_ms": round(statistics.mean(values) * 1e3, 1),
+        "p50_ms": pick(0.5),
+        "p90_ms": pick(0.9),
+        "p99_ms": pick(0.99),
+    }
+
+
+def summarize(results: list[RequestResult], wall: float, hit_rate: float | None) -> dict:
+    tpots = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in results if r.output_tokens > 1]
+    output_tokens = sum(r.output_tokens for r in results)
+    return {
+        "requests": len(results),
+        "wall_s": round(wall, 2),
+        "request_throughput_per_s": round(len(results) / wall, 3),
+        "output_tokens_per_s": round(output_tokens / wall, 1),
+        "total_tokens_per_s": round(
+            (output_tokens + sum(r.prompt_tokens for r in results)) / wall, 1
+        ),
+        "ttft": percentiles([r.ttft for r in results]),
+        "tpot": percentiles(tpots),
+        "itl": percentiles([x for r in results for x in r.itls]),
+        "e2e": percentiles([r.e2e for r in results]),
+        "cached_tokens_reported": sum(r.cached_tokens for r in results),
+        "server_prefix_cache_hit_rate": hit_rate,
+        "ttft_samples_s": [round(r.ttft, 4) for r in results],
+    }

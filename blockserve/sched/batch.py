@@ -1,0 +1,48 @@
+"""What the runner is told each step: for each running request the scheduler gave tokens to,
+the tokens to compute, where its blocks are, whether to sample, and (the first time the runner
+sees it) its prompt and sampling parameters. Advances each request's computed tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from blockserve.core.kv_cache_manager import KVCacheManager, RequestId
+from blockserve.sched.output import NewRequestData, ScheduledRequest
+from blockserve.sched.request import Request
+
+
+def batch_for_runner(
+    running: list[Request],
+    num_scheduled: dict[RequestId, int],
+    first_sent: Collection[RequestId],
+    kv_cache_manager: KVCacheManager,
+) -> tuple[ScheduledRequest, ...]:
+    """The step's requests in running order; `first_sent`: those the runner has not seen (new,
+    or back from a tier load), sent with their prompt and sampling parameters."""
+    scheduled = []
+    for request in running:
+        num_new = num_scheduled.get(request.request_id)
+        if num_new is None:
+            continue
+        start = request.num_computed_tokens
+        end = start + num_new
+        new_data = None
+        if request.request_id in first_sent:
+            new_data = NewRequestData(
+                tuple(request.prompt_token_ids),
+                tuple(request.output_token_ids),
+                request.sampling_params,
+            )
+        scheduled.append(
+            ScheduledRequest(
+                request_id=request.request_id,
+                token_ids=tuple(request.all_token_ids[start:end]),
+                num_computed_tokens=start,
+                block_ids=tuple(kv_cache_manager.get_block_ids(request.request_id)),
+                sample=end == request.num_tokens,
+                new_request=new_data,
+            )
+        )
+        # Optimistic: the runner computes these tokens before the next schedule().
+        request.num_computed_tokens = end
+    return tuple(scheduled)
