@@ -1,9 +1,7 @@
-"""The frozen configs the engine is built from, and the server's options.
-
-The engine's configs are plain data: `EngineArgs` (engine/args.py) declares, validates and
-builds them, so nothing here checks them twice. Nothing here touches disk or network or
-imports below this layer: the choice lists that several layers share live here.
-"""
+"""The frozen configs the engine is built from, and the server's options. The engine's configs are
+plain data: `EngineArgs` (engine/args.py) declares, validates and builds them, so nothing here
+checks them twice. Nothing here touches disk or network or imports below this layer: the choice
+lists that several layers share live here."""
 
 from __future__ import annotations
 

@@ -1,27 +1,4 @@
-"""Structured outputs through llguidance: a constraint checked once, a matcher per sample.
-
-`GrammarCompiler` turns a request's `StructuredOutputsParams` into an llguidance matcher and
-refuses, naming the field, a constraint over its limits (grammar_limits.py) or one that does
-not compile, panics the library or fails its first mask. The input processor calls it on a
-tokenizer thread; the compile itself runs on a worker thread with a large stack and a time
-limit, so a bad constraint is a 400 before the request is queued. The compiled matcher is kept
-(the latest 256), and the model runner copies it for each sample when it first runs: the
-engine thread compiles only a constraint that has left that cache (within the same limits).
-
-Each step, `apply_token_masks` asks the matchers of the constrained rows for their next-token
-bitmask and masks those rows' logits to -inf in place; rows without a constraint are not
-touched, and a batch without one costs a single check. After sampling, each matcher consumes
-its token.
-
-llguidance over xgrammar (what vLLM uses by default), both measured on this CPU by
-benchmarks/bench_structured_outputs.py: xgrammar 0.2.9 computes masks faster, but a string
-with `maxLength` or `minLength` lets it emit raw control characters (which no strict JSON
-parser takes) and no escapes at all (its open issue #800); llguidance keeps such strings valid
-JSON, and its masks (tens of microseconds) are small beside a model step.
-
-The grammar's end is any of the model's EOS tokens: when the constraint is satisfied the mask
-leaves only those, and the scheduler stops the sample as for any EOS.
-"""
+"""Structured outputs through llguidance: a constraint checked once, a matcher per sample."""
 
 from __future__ import annotations
 
@@ -59,7 +36,30 @@ T = TypeVar("T")
 
 class GrammarCompiler:
     """Builds constraints for one tokenizer; thread-safe, with the vocabulary scan (~0.3 s)
-    done on first use, so only servers that see a constrained request pay it."""
+    done on first use, so only servers that see a constrained request pay it.
+
+    `GrammarCompiler` turns a request's `StructuredOutputsParams` into an llguidance matcher and
+    refuses, naming the field, a constraint over its limits (grammar_limits.py) or one that does
+    not compile, panics the library or fails its first mask. The input processor calls it on a
+    tokenizer thread; the compile itself runs on a worker thread with a large stack and a time
+    limit, so a bad constraint is a 400 before the request is queued. The compiled matcher is
+    kept (the latest 256), and the model runner copies it for each sample when it first runs:
+    the engine thread compiles only a constraint that has left that cache (within the same
+    limits).
+
+    Each step, `apply_token_masks` asks the matchers of the constrained rows for their
+    next-token bitmask and masks those rows' logits to -inf in place; rows without a constraint
+    are not touched, and a batch without one costs a single check. After sampling, each matcher
+    consumes its token.
+
+    llguidance over xgrammar (what vLLM uses by default): xgrammar 0.2.9 computes masks faster,
+    but a string with `maxLength` or `minLength` lets it emit raw control characters (which no
+    strict JSON parser takes) and no escapes at all (its open issue #800); llguidance keeps such
+    strings valid JSON (docs/benchmarks/features.md has both measured).
+
+    The grammar's end is any of the model's EOS tokens: when the constraint is satisfied the
+    mask leaves only those, and the scheduler stops the sample as for any EOS.
+    """
 
     def __init__(
         self,

@@ -1,10 +1,5 @@
 """Options declared once: a dataclass field carries its help, choices and check, and both the
-command line and keyword arguments are generated from it.
-
-`option(...)` builds such a field; `add_arguments` turns a dataclass's options into argparse
-flags (kebab-case, vLLM's names), `from_namespace` reads them back, and `validate` checks every
-value, raising InvalidConfigError that names the field and its flag. Imports no torch.
-"""
+command line and keyword arguments are generated from it."""
 
 from __future__ import annotations
 
@@ -23,7 +18,12 @@ Check = Callable[[Any], str | None]  # a problem to report, or None when the val
 
 @dataclass(frozen=True, slots=True)
 class Option:
-    """What a field means to a user: its help, its allowed values, its extra check."""
+    """What a field means to a user: its help, its allowed values, its extra check.
+
+    `option(...)` builds such a field; `add_arguments` turns a dataclass's options into argparse
+    flags (kebab-case, vLLM's names), `from_namespace` reads them back, and `validate` checks
+    every value, raising InvalidConfigError that names the field and its flag. Imports no torch.
+    """
 
     help: str
     choices: tuple[str, ...] | None = None

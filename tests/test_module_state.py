@@ -62,3 +62,14 @@ def test_the_check_finds_globals_containers_and_locks() -> None:
         "    global name\n"
     )
     assert mutable_state(source) == ["global name", "_cache = ...", "_lock = ...", "_seen = ..."]
+
+
+def test_module_docstrings_state_their_contract_in_four_lines() -> None:
+    """How a module works belongs to its classes' docstrings or the docs, not its header."""
+    long = {
+        str(path.relative_to(PACKAGE)): lines
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if (doc := ast.get_docstring(ast.parse(path.read_text()), clean=False))
+        and (lines := doc.strip().count("\n") + 1) > 4
+    }
+    assert long == {}

@@ -1,18 +1,4 @@
-"""A shared prefix's common blocks, packed once for our prefix kernel and kept across steps.
-
-Every decode step of sequences that share a cached prefix attends to the same common blocks
-(shared_prefix.py). Our kernel reads K and V in its own layout, which it packs from the paged
-cache on every call (docs/cpu-kernels.md). This keeps each layer's packed blocks
-(`pack_common`) from one step to the next while the blocks stay the same and nothing writes
-into them.
-
-A block's K and V change only when something writes into it: a step's forward, at the slots
-of its slot mapping, or a writer outside the forward (the KV tiers' loads), which must call
-`forget`. `begin_step` (each step's plan, before its forward) drops every kept block set that
-the step does not use or that its slot mapping writes into, and everything after a `forget`.
-A block set is one plan's common blocks, in order; a step uses at most two (its decodes' and
-its prefill chunks' on a shared prefix).
-"""
+"""A shared prefix's common blocks, packed once for our prefix kernel and kept across steps."""
 
 from __future__ import annotations
 
@@ -29,7 +15,21 @@ BlockSet = tuple[int, ...]
 
 
 class PackedCommonBlocks:
-    """Per block set and layer (its KV cache tensor), `pack_common`'s result."""
+    """Per block set and layer (its KV cache tensor), `pack_common`'s result.
+
+    Every decode step of sequences that share a cached prefix attends to the same common blocks
+    (shared_prefix.py). Our kernel reads K and V in its own layout, which it packs from the
+    paged cache on every call (docs/cpu-kernels.md). This keeps each layer's packed blocks
+    (`pack_common`) from one step to the next while the blocks stay the same and nothing writes
+    into them.
+
+    A block's K and V change only when something writes into it: a step's forward, at the slots
+    of its slot mapping, or a writer outside the forward (the KV tiers' loads), which must call
+    `forget`. `begin_step` (each step's plan, before its forward) drops every kept block set
+    that the step does not use or that its slot mapping writes into, and everything after a
+    `forget`. A block set is one plan's common blocks, in order; a step uses at most two (its
+    decodes' and its prefill chunks' on a shared prefix).
+    """
 
     def __init__(self, max_bytes: int = MAX_BYTES) -> None:
         self.max_bytes = max_bytes

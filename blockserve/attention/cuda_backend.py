@@ -1,9 +1,7 @@
-"""The cuda attention backend: csrc/ kernels for writing K/V and for decode attention.
-
-Prefill queries go through torch's fused attention on the device (the same code as the torch
-backend); decodes through csrc's paged decode kernel. The extension is built on first use,
-only where CUDA and a compiler exist; a CPU-only install never builds or needs it.
-"""
+"""The cuda attention backend: csrc/ kernels for writing K/V and for decode attention. Prefill
+queries go through torch's fused attention on the device (the same code as the torch backend);
+decodes through csrc's paged decode kernel. The extension is built on first use, only where CUDA
+and a compiler exist; a CPU-only install never builds or needs it."""
 
 from __future__ import annotations
 

@@ -1,16 +1,7 @@
-"""`AttentionMetadata`: where one step's tokens sit in the paged KV cache.
-
-Built once per step by the runner and passed explicitly to the model (no forward-context
-globals). Every backend reads the same fields; each may derive its own plan from them once per
-step (`AttentionBackend.prepare`).
-
-KV cache layout, per layer (the one place it is defined):
-
-    kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]   (0 = keys, 1 = values)
-
-so `kv_cache[0].view(-1, num_kv_heads, head_dim)[slot]` is the key at `slot`, where
-`slot = block_id * block_size + position % block_size`.
-"""
+"""`AttentionMetadata`: where one step's tokens sit in the paged KV cache. Built once per step by
+the runner and passed explicitly to the model (no forward-context globals). Every backend reads
+the same fields; each may derive its own plan from them once per step
+(`AttentionBackend.prepare`)."""
 
 from __future__ import annotations
 
@@ -25,6 +16,13 @@ class AttentionMetadata:
     """The flat batch's layout. Sequences appear in batch order; sequence i owns query tokens
     `query_start_loc[i] : query_start_loc[i + 1]`, at absolute positions
     `seq_lens[i] - query_lens[i] ... seq_lens[i] - 1`.
+
+    KV cache layout, per layer (the one place it is defined):
+
+        kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]   (0 = keys, 1 = values)
+
+    so `kv_cache[0].view(-1, num_kv_heads, head_dim)[slot]` is the key at `slot`, where `slot =
+    block_id * block_size + position % block_size`.
     """
 
     slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each new token's K/V

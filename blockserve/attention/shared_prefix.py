@@ -1,15 +1,4 @@
-"""Attention for many sequences extending one shared cached prefix, reading that prefix once.
-
-When several prefill chunks of one step sit on top of the same cached blocks (a shared system
-prompt: each request computes its own question on top of it), per-sequence attention reads
-the prefix once per sequence. Here every query of every such sequence meets the common blocks
-in one matmul per KV head, each sequence's own tokens in one batched matmul, and the two
-softmaxes are merged by their log-sum-exp (as in cascade attention); our CPU kernel instead
-continues each row's softmax over its own tokens from the common blocks' result:
-
-    sequence r: | common blocks (all queries see all of them) | own blocks (causal)  |
-                0                                      common_len             seq_len_r
-"""
+"""Attention for many sequences extending one shared cached prefix, reading that prefix once."""
 
 from __future__ import annotations
 
@@ -158,6 +147,17 @@ def rows_to_share(
 
 @dataclass(frozen=True, slots=True)
 class SharedPrefixPlan:
+    """When several prefill chunks of one step sit on top of the same cached blocks (a shared
+    system prompt: each request computes its own question on top of it), per-sequence attention
+    reads the prefix once per sequence. Here every query of every such sequence meets the common
+    blocks in one matmul per KV head, each sequence's own tokens in one batched matmul, and the
+    two softmaxes are merged by their log-sum-exp (as in cascade attention); our CPU kernel
+    instead continues each row's softmax over its own tokens from the common blocks' result:
+
+        sequence r: | common blocks (all queries see all of them) | own blocks (causal)  |
+                    0                                      common_len             seq_len_r
+    """
+
     token_index: torch.Tensor  # [rows, max_queries]: flat-batch index (padding → 0)
     valid: torch.Tensor  # [rows, max_queries] bool
     common_block_ids: torch.Tensor  # [num_common]

@@ -1,14 +1,4 @@
-"""The torch attention backend: the CPU path and the reference every other backend must match.
-
-Handles any mix in one batch: fresh prefills, prefill chunks on cached prefix blocks (causal
-among the new tokens, full over the prefix) and single-token decodes, with GQA. Its per-step
-plan is built once by `prepare` and passed to every layer. Decodes are batched: blocks all of
-them share (a common prompt prefix) are read once for all queries; each sequence's other
-blocks are read in place by our paged-decode kernel (bf16 or float32: blockserve/kernels)
-or else gathered whole into a workspace reused by every layer, their softmax continuing from
-the common blocks' result (merged by log-sum-exp where torch's kernels serve). Each prefill
-sequence gets its own call. Measured choices: docs/benchmarks/core.md.
-"""
+"""The torch attention backend: the CPU path and the reference every other backend must match."""
 
 from __future__ import annotations
 
@@ -106,7 +96,17 @@ class TorchAttentionBackend:
     (common_blocks.py; `forget_kv` when something else writes into the cache).
     Decodes that share blocks take the shared-prefix path when it saves at least
     `min_shared_decode_tokens` key reads, (decodes − 1) × common tokens: by default always, as
-    it measured no slower at any batch (bench_shared_decode.py forces either path)."""
+    it measured no slower at any batch (bench_shared_decode.py forces either path).
+
+    Handles any mix in one batch: fresh prefills, prefill chunks on cached prefix blocks (causal
+    among the new tokens, full over the prefix) and single-token decodes, with GQA. Its per-step
+    plan is built once by `prepare` and passed to every layer. Decodes are batched: blocks all
+    of them share (a common prompt prefix) are read once for all queries; each sequence's other
+    blocks are read in place by our paged-decode kernel (bf16 or float32: blockserve/kernels) or
+    else gathered whole into a workspace reused by every layer, their softmax continuing from
+    the common blocks' result (merged by log-sum-exp where torch's kernels serve). Each prefill
+    sequence gets its own call. Measured choices: docs/benchmarks/core.md.
+    """
 
     name = "torch"
 

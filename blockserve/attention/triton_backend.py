@@ -1,10 +1,4 @@
-"""The triton attention backend: one launch writes K/V, one launch attends the whole batch.
-
-Per step, `prepare` keeps the metadata; the launch shape (how query tokens are tiled, how many
-KV splits) depends on the model's head grouping too, so it is worked out on the first layer's
-call and reused by every other layer of the step. Matches the torch backend
-(tests/attention/test_triton_backend.py, under TRITON_INTERPRET=1 on the CPU).
-"""
+"""The triton attention backend: one launch writes K/V, one launch attends the whole batch."""
 
 from __future__ import annotations
 
@@ -262,6 +256,12 @@ def _merge_splits(
 
 
 class TritonAttentionBackend:
+    """Per step, `prepare` keeps the metadata; the launch shape (how query tokens are tiled, how
+    many KV splits) depends on the model's head grouping too, so it is worked out on the first
+    layer's call and reused by every other layer of the step. Matches the torch backend
+    (tests/attention/test_triton_backend.py, under TRITON_INTERPRET=1 on the CPU).
+    """
+
     name = "triton"
 
     def forget_kv(self) -> None:

@@ -1,28 +1,27 @@
-"""Triton kernels: writing K/V into the paged cache, and unified paged attention.
-
-Unified means one launch serves the whole flat batch: prefill chunks on top of cached prefix
-blocks and single-token decodes alike. Each program owns one KV head and a tile of up to
-BLOCK_Q consecutive query tokens of one sequence; its BLOCK_M rows are those tokens times the
-QUERIES_PER_KV query heads that share the KV head (row r is token r // QUERIES_PER_KV, head
-r % QUERIES_PER_KV of the group), so each K/V tile is read once per group, not once per query
-head. Keys are walked TILE_N at a time, gathered through the block table, with an online
-softmax in float32 (scores, running max, running sum and the accumulator): float16/bfloat16
-inputs never lose precision in the reduction. Causality is by absolute position: query i of a
-sequence with `num_cached` earlier tokens sees keys 0..num_cached+i.
-
-Split-KV: when the batch has too few (tile, KV head) programs to fill the device (a few long
-decodes), a third grid axis cuts each program's key range into NUM_SPLITS parts; each part
-writes its unnormalised accumulator, max and sum in float32, and `merge_splits_kernel`
-combines them. With NUM_SPLITS == 1 the attention kernel writes the output itself.
-
-Under TRITON_INTERPRET=1 these run on the CPU (float32/float16; the interpreter computes
-bfloat16 wrongly), which is how CI tests them; CI also compiles them for sm_90.
-"""
+"""Triton kernels: writing K/V into the paged cache, and unified paged attention."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+# Unified means one launch serves the whole flat batch: prefill chunks on top of cached prefix
+# blocks and single-token decodes alike. Each program owns one KV head and a tile of up to BLOCK_Q
+# consecutive query tokens of one sequence; its BLOCK_M rows are those tokens times the
+# QUERIES_PER_KV query heads that share the KV head (row r is token r // QUERIES_PER_KV, head r %
+# QUERIES_PER_KV of the group), so each K/V tile is read once per group, not once per query head.
+# Keys are walked TILE_N at a time, gathered through the block table, with an online softmax in
+# float32 (scores, running max, running sum and the accumulator): float16/bfloat16 inputs never
+# lose precision in the reduction. Causality is by absolute position: query i of a sequence with
+# `num_cached` earlier tokens sees keys 0..num_cached+i.
+#
+# Split-KV: when the batch has too few (tile, KV head) programs to fill the device (a few long
+# decodes), a third grid axis cuts each program's key range into NUM_SPLITS parts; each part
+# writes its unnormalised accumulator, max and sum in float32, and `merge_splits_kernel` combines
+# them. With NUM_SPLITS == 1 the attention kernel writes the output itself.
+#
+# Under TRITON_INTERPRET=1 these run on the CPU (float32/float16; the interpreter computes
+# bfloat16 wrongly), which is how CI tests them; CI also compiles them for sm_90.
 
 
 @triton.jit

@@ -1,17 +1,5 @@
 """HTTP serving benchmark in the spirit of `vllm bench serve`: streaming clients against a real
-`blockserve serve`, latency percentiles, throughput, and the server's prefix-cache hit rate.
-
-Datasets (token-id prompts, so lengths are exact; `ignore_eos` makes outputs exact too):
-  random         independent random prompts
-  shared-prefix  G groups × P prompts: a per-group system prompt + a distinct question each
-  multi-turn     C conversations × T turns: each turn resends the whole conversation so far
-
-Load: a fixed number of concurrent clients (--concurrency) or Poisson arrivals (--request-rate).
-With --compare-caching the script starts two servers itself (prefix caching on, then off) and
-plots both TTFT distributions; otherwise pass --url of a running server.
-
-    blockserve bench serve --dataset shared-prefix --compare-caching
-"""
+`blockserve serve`, latency percentiles, throughput, and the server's prefix-cache hit rate."""
 
 from __future__ import annotations
 
@@ -20,6 +8,17 @@ import asyncio
 import json
 import re
 from pathlib import Path
+
+# Datasets (token-id prompts, so lengths are exact; `ignore_eos` makes outputs exact too):
+#   random         independent random prompts
+#   shared-prefix  G groups × P prompts: a per-group system prompt + a distinct question each
+#   multi-turn     C conversations × T turns: each turn resends the whole conversation so far
+#
+# Load: a fixed number of concurrent clients (--concurrency) or Poisson arrivals (--request-rate).
+# With --compare-caching the script starts two servers itself (prefix caching on, then off) and
+# plots both TTFT distributions; otherwise pass --url of a running server.
+#
+#     blockserve bench serve --dataset shared-prefix --compare-caching
 
 
 def server_hit_rate(url: str) -> float | None:

@@ -1,15 +1,4 @@
-"""The Ray Serve application: N `EngineReplica`s behind an OpenAI-compatible ingress.
-
-    client ──HTTP──> Ray Serve proxy ──> Ingress (FastAPI routes of server/app.py, tokenizes)
-                                            │ DeploymentHandle; the router picks the replica
-                                            ▼
-                              EngineReplica × N (one engine each, KV events on its own port)
-
-Two ways in: `blockserve serve --replicas N` (cluster/launch.py) and Ray's own
-`serve run blockserve.cluster.app:build_app key=value ...` / `serve deploy CONFIG.yaml`, whose
-`args` are `build_app`'s: any `blockserve serve` option by its field name (`model`,
-`block_size`, `replicas`, `router`, `port`, ...).
-"""
+"""The Ray Serve application: N `EngineReplica`s behind an OpenAI-compatible ingress."""
 
 from __future__ import annotations
 
@@ -40,7 +29,18 @@ ROUTER_CLASSES = {
 
 
 class Ingress:
-    """The HTTP front: blockserve's own FastAPI app over a `ClusterEngineClient`."""
+    """The HTTP front: blockserve's own FastAPI app over a `ClusterEngineClient`.
+
+        client ──HTTP──> Ray Serve proxy ──> Ingress (FastAPI routes of server/app.py, tokenizes)
+                                                │ DeploymentHandle; the router picks the replica
+                                                ▼
+                                  EngineReplica × N (one engine each, KV events on its own port)
+
+    Two ways in: `blockserve serve --replicas N` (cluster/launch.py) and Ray's own `serve run
+    blockserve.cluster.app:build_app key=value ...` / `serve deploy CONFIG.yaml`, whose `args`
+    are `build_app`'s: any `blockserve serve` option by its field name (`model`, `block_size`,
+    `replicas`, `router`, `port`, ...).
+    """
 
     # Ray Serve awaits an async constructor; mypy cannot know.
     async def __init__(  # type: ignore[misc]

@@ -1,10 +1,4 @@
-"""`ClusterEngineClient`: the `EngineClient` of the ingress, backed by N engine replicas.
-
-The HTTP app (server/app.py) runs unchanged on top of it. Prompts are tokenized here, once,
-so the router can hash them and the replicas receive token ids; each replica validates the
-request again as it would alone. A replica that dies before a request's first output gets
-the request again elsewhere; one that dies mid-stream ends it with a clean 503.
-"""
+"""`ClusterEngineClient`: the `EngineClient` of the ingress, backed by N engine replicas."""
 
 from __future__ import annotations
 
@@ -30,7 +24,13 @@ MAX_ATTEMPTS = 3  # a request is sent again while no output reached the client
 
 
 class ClusterEngineClient(PoolTokenizing):
-    """Implements `EngineClient` over a deployment handle of `EngineReplica`s."""
+    """Implements `EngineClient` over a deployment handle of `EngineReplica`s.
+
+    The HTTP app (server/app.py) runs unchanged on top of it. Prompts are tokenized here, once,
+    so the router can hash them and the replicas receive token ids; each replica validates the
+    request again as it would alone. A replica that dies before a request's first output gets
+    the request again elsewhere; one that dies mid-stream ends it with a clean 503.
+    """
 
     def __init__(self, replicas: DeploymentHandle, front: FrontEnd, tokenizer_workers: int) -> None:
         self.replicas = replicas.options(stream=True)

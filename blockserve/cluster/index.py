@@ -1,10 +1,4 @@
-"""`PrefixIndex`: what one replica holds in its prefix cache, as a router sees it.
-
-Two sources, read together: the replica's KV events (a `CacheMirror`, exact up to the events
-in transit) and credits — the blocks of requests just routed to it, which it is about to
-compute and will announce only after its next step. Credits expire; events never do. Owns no
-sockets and no clock: the caller feeds events and passes the time.
-"""
+"""`PrefixIndex`: what one replica holds in its prefix cache, as a router sees it."""
 
 from __future__ import annotations
 
@@ -23,6 +17,11 @@ class PrefixIndex:
     Credits are bounded by `max_credits` (oldest dropped first) and live `credit_ttl_s`
     seconds: long enough for the replica to compute the blocks and publish them, short enough
     that a credit for blocks it never stored (an aborted request) stops attracting traffic.
+
+    Two sources, read together: the replica's KV events (a `CacheMirror`, exact up to the events
+    in transit) and credits — the blocks of requests just routed to it, which it is about to
+    compute and will announce only after its next step. Credits expire; events never do. Owns no
+    sockets and no clock: the caller feeds events and passes the time.
     """
 
     def __init__(self, max_credits: int, credit_ttl_s: float = DEFAULT_CREDIT_TTL_S) -> None:

@@ -1,9 +1,7 @@
-"""`blockserve serve --replicas N`: join (or start) Ray, deploy the application, wait.
-
-Ray Serve's proxy takes the HTTP port (`--host`, `--port`); the application is named
-"blockserve" and served at "/". On SIGINT or SIGTERM the application and, when this process
-started it, the local Ray instance are shut down.
-"""
+"""`blockserve serve --replicas N`: join (or start) Ray, deploy the application, wait. Ray Serve's
+proxy takes the HTTP port (`--host`, `--port`); the application is named "blockserve" and served
+at "/". On SIGINT or SIGTERM the application and, when this process started it, the local Ray
+instance are shut down."""
 
 from __future__ import annotations
 

@@ -1,15 +1,5 @@
 """Routing policies: which replica serves a request. One copy of the scoring, used by the Ray
-Serve router (cluster/router.py) and by the cluster replay (replay/cluster_sim.py).
-
-A policy sees each candidate's load (requests in flight) and its own per-replica state; it
-returns the candidates best first and is told where each request went and when it finished.
-It owns no sockets, threads or clock: callers pass `now`, and feed KV events into
-`KVAwarePolicy.index(...)`.
-
-- `kv`: exact prefix overlap from the replicas' KV events against the work queued on each
-  (below);
-- `pow2`, `round-robin`, `text-prefix`: the baselines (cluster/baselines.py).
-"""
+Serve router (cluster/router.py) and by the cluster replay (replay/cluster_sim.py)."""
 
 from __future__ import annotations
 
@@ -50,6 +40,15 @@ class KVAwarePolicy:
     the one with fewer cached and credited blocks (new prefixes spread to emptier caches),
     then in turn (a start that rotates through the order given). A request shorter than one
     block has no overlap anywhere: the shortest queue wins.
+
+    A policy sees each candidate's load (requests in flight) and its own per-replica state; it
+    returns the candidates best first and is told where each request went and when it finished.
+    It owns no sockets, threads or clock: callers pass `now`, and feed KV events into
+    `KVAwarePolicy.index(...)`.
+
+    - `kv`: exact prefix overlap from the replicas' KV events against the work queued on each
+      (below);
+    - `pow2`, `round-robin`, `text-prefix`: the baselines (cluster/baselines.py).
     """
 
     name = "kv"

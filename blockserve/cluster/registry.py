@@ -1,10 +1,7 @@
-"""The blockserve routers running in this process, for `GET /cluster/replicas`.
-
-Not in router.py: Ray Serve ships a custom router's module to each replica by value, so the
-router's own module globals are a private copy that code importing `blockserve.cluster.router`
-never sees. This module is imported by reference, so the router and the ingress's routes
-share it.
-"""
+"""The blockserve routers running in this process, for `GET /cluster/replicas`. Not in router.py:
+Ray Serve ships a custom router's module to each replica by value, so the router's own module
+globals are a private copy that code importing `blockserve.cluster.router` never sees. This
+module is imported by reference, so the router and the ingress's routes share it."""
 
 from __future__ import annotations
 

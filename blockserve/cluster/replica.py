@@ -1,10 +1,4 @@
-"""`EngineReplica`: one engine inside one Ray Serve replica, publishing its KV events.
-
-The replica takes token ids (the ingress tokenized them), streams `RequestOutput`s back, and
-advertises where its KV events are published through Ray Serve's routing stats, which the
-router polls. Events go out on two ports chosen by the OS on this node, so any number of
-replicas can share a machine. Holds no routing logic.
-"""
+"""`EngineReplica`: one engine inside one Ray Serve replica, publishing its KV events."""
 
 from __future__ import annotations
 
@@ -66,7 +60,13 @@ def advertised(endpoint: str | None, host: str) -> str | None:
 
 
 class EngineReplica:
-    """The body of the replica deployment (cluster/app.py applies Ray's decorator)."""
+    """The body of the replica deployment (cluster/app.py applies Ray's decorator).
+
+    The replica takes token ids (the ingress tokenized them), streams `RequestOutput`s back, and
+    advertises where its KV events are published through Ray Serve's routing stats, which the
+    router polls. Events go out on two ports chosen by the OS on this node, so any number of
+    replicas can share a machine. Holds no routing logic.
+    """
 
     def __init__(self, engine_args: EngineArgs, threads: int) -> None:
         import ray

@@ -1,12 +1,4 @@
-"""Ray Serve request routers running blockserve's policies (cluster/policies.py).
-
-`PolicyRouter` runs any policy on Ray Serve's `RequestRouter` API: it counts each replica's
-requests in flight from this router (its load), asks the policy for a ranking, and tells the
-policy where requests went and when they ended. `KVCacheAwareRouter` adds the replicas' KV
-events: for every replica that advertises an event endpoint (its routing stats), a subscriber
-on one background thread keeps that replica's `PrefixIndex` current — gaps replayed, a replica
-that died dropped at once, a restarted one followed from an empty index.
-"""
+"""Ray Serve request routers running blockserve's policies (cluster/policies.py)."""
 
 from __future__ import annotations
 
@@ -39,7 +31,15 @@ _MAX_UNROUTED = 10_000
 class PolicyRouter(FIFOMixin, RequestRouter):
     """A blockserve policy on Ray Serve. `request_router_kwargs`: policy (a name from
     cluster/policies.py), block_size, hash_algo, hash_seed (None: the engines' default),
-    prefix_weight and max_blocks_per_replica (kv)."""
+    prefix_weight and max_blocks_per_replica (kv).
+
+    `PolicyRouter` runs any policy on Ray Serve's `RequestRouter` API: it counts each replica's
+    requests in flight from this router (its load), asks the policy for a ranking, and tells the
+    policy where requests went and when they ended. `KVCacheAwareRouter` adds the replicas' KV
+    events: for every replica that advertises an event endpoint (its routing stats), a
+    subscriber on one background thread keeps that replica's `PrefixIndex` current — gaps
+    replayed, a replica that died dropped at once, a restarted one followed from an empty index.
+    """
 
     def initialize_state(self, **kwargs: Any) -> None:
         self.block_size: int = kwargs.get("block_size", 16)

@@ -1,9 +1,7 @@
-"""The block pool: every physical KV block, its reference count, and the prefix-cache map.
-
-Owns allocation (with lazy eviction of cached blocks), reference counting, the hash→block map
-and the KV events those changes produce. Must not know about scheduling or request text; it sees
-a request only through `CacheableRequest` when registering its full blocks.
-"""
+"""The block pool: every physical KV block, its reference count, and the prefix-cache map. Owns
+allocation (with lazy eviction of cached blocks), reference counting, the hash→block map and the
+KV events those changes produce. Must not know about scheduling or request text; it sees a
+request only through `CacheableRequest` when registering its full blocks."""
 
 from __future__ import annotations
 

@@ -1,14 +1,7 @@
-"""KV cache events on vLLM's wire format, and the recorder the block pool emits them into.
-
-Owns the msgspec structs (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`, `KVEventBatch`)
-and `KVEventRecorder`. Decides nothing about when events happen (the block pool does) or how
-they travel (blockserve/events/ publishes them).
-
-Wire format (msgpack): a batch is an array `[ts, [event, ...], data_parallel_rank]`; each event
-is a map tagged by class name, `{"type": "BlockStored", "block_hashes": [...], ...}`, with
-fields at their default omitted. Hashes travel as uint64 ints by default (the last 8 bytes of
-the digest, big-endian) or as the raw digest bytes.
-"""
+"""KV cache events on vLLM's wire format, and the recorder the block pool emits them into. Owns the
+msgspec structs (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`, `KVEventBatch`) and
+`KVEventRecorder`. Decides nothing about when events happen (the block pool does) or how they
+travel (blockserve/events/ publishes them)."""
 
 from __future__ import annotations
 
@@ -19,6 +12,11 @@ import msgspec
 
 from blockserve.core.hashing import BlockHash, block_hash_to_uint64
 from blockserve.errors import InvalidConfigError
+
+# Wire format (msgpack): a batch is an array `[ts, [event, ...], data_parallel_rank]`; each event
+# is a map tagged by class name, `{"type": "BlockStored", "block_hashes": [...], ...}`, with
+# fields at their default omitted. Hashes travel as uint64 ints by default (the last 8 bytes of
+# the digest, big-endian) or as the raw digest bytes.
 
 ExternalBlockHash = int | bytes
 MEDIUM_GPU = "GPU"

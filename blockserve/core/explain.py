@@ -1,9 +1,7 @@
-"""Why a request's prefix-cache match stopped where it did: one reason per request that asks.
-
-Owns a bounded history of recently evicted hashes and an index of the token content of cached
-first blocks, both kept from the pool's listener calls (O(1) per eviction, one small hash per
-stored chain). Must not change the cache; the diagnosis itself runs only for requests that ask.
-"""
+"""Why a request's prefix-cache match stopped where it did: one reason per request that asks. Owns a
+bounded history of recently evicted hashes and an index of the token content of cached first
+blocks, both kept from the pool's listener calls (O(1) per eviction, one small hash per stored
+chain). Must not change the cache; the diagnosis itself runs only for requests that ask."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""KV cache blocks and the free queue that orders them for reuse.
-
-Owns `KVCacheBlock` (one physical block's bookkeeping) and `FreeBlockQueue`, an intrusive
-doubly-linked list threaded through the blocks themselves, so that taking a cached block out of
-the middle of the queue on a prefix hit is O(1). Knows nothing of hashing policy or requests.
-"""
+"""KV cache blocks and the free queue that orders them for reuse. Owns `KVCacheBlock` (one physical
+block's bookkeeping) and `FreeBlockQueue`, an intrusive doubly-linked list threaded through the
+blocks themselves, so that taking a cached block out of the middle of the queue on a prefix hit
+is O(1). Knows nothing of hashing policy or requests."""
 
 from __future__ import annotations
 

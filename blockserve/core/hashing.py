@@ -1,13 +1,7 @@
-"""Chained block hashing, byte-identical to vLLM's prefix-cache keys.
-
-Owns the four hash algorithms, NONE_HASH seeding, the extra keys of a block (LoRA name,
-multimodal items, cache salt, prompt embeddings) and the incremental hasher that a request
-uses as its tokens complete blocks. Holds no module-level mutable state: the seed lives in a
-`BlockHasher` instance. Must not import torch.
-
-    block i hash = H((parent, tuple(token_ids[B*i : B*(i+1)]), extra_keys_or_None))
-    parent       = hash of block i-1, or NONE_HASH = H(seed) for block 0
-"""
+"""Chained block hashing, byte-identical to vLLM's prefix-cache keys. Owns the four hash algorithms,
+NONE_HASH seeding, the extra keys of a block (LoRA name, multimodal items, cache salt, prompt
+embeddings) and the incremental hasher that a request uses as its tokens complete blocks. Holds
+no module-level mutable state: the seed lives in a `BlockHasher` instance. Must not import torch."""
 
 from __future__ import annotations
 
@@ -179,6 +173,9 @@ class BlockHasher:
 
     `seed=None` resolves as vLLM does (see `resolve_seed`). The instance is immutable after
     construction, so one hasher can be shared by the engine and by routers that hash prompts.
+
+        block i hash = H((parent, tuple(token_ids[B*i : B*(i+1)]), extra_keys_or_None))
+        parent       = hash of block i-1, or NONE_HASH = H(seed) for block 0
     """
 
     __slots__ = ("algo", "hash_fn", "none_hash", "random_seed")

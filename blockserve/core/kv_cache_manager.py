@@ -1,9 +1,7 @@
-"""The KV cache manager: the scheduler's only door to the block pool.
-
-Owns each request's block list, prefix-cache lookup, slot allocation (registering full blocks in
-the cache at schedule time) and the prefix-cache statistics. Must not touch tensors or make
-scheduling decisions: `allocate_slots` answers "does it fit", the scheduler decides what to do.
-"""
+"""The KV cache manager: the scheduler's only door to the block pool. Owns each request's block
+list, prefix-cache lookup, slot allocation (registering full blocks in the cache at schedule
+time) and the prefix-cache statistics. Must not touch tensors or make scheduling decisions:
+`allocate_slots` answers "does it fit", the scheduler decides what to do."""
 
 from __future__ import annotations
 

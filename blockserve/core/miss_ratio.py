@@ -1,9 +1,7 @@
 """An online miss-ratio curve: the prefix-cache hit rate an LRU cache of any other size would have
-had on the traffic seen so far, from one pass over the block hashes.
-
-Owns a sampled LRU stack of block hashes and a histogram of reuse distances. Must not touch the
-pool: the KV cache manager reports admissions and releases to it, and it only reads hashes.
-"""
+had on the traffic seen so far, from one pass over the block hashes. Owns a sampled LRU stack of
+block hashes and a histogram of reuse distances. Must not touch the pool: the KV cache manager
+reports admissions and releases to it, and it only reads hashes."""
 
 from __future__ import annotations
 

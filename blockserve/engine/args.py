@@ -1,10 +1,4 @@
-"""`EngineArgs`: every engine option, declared once.
-
-Each field carries its default, choices, help and check; `blockserve serve` generates its
-flags from these fields (vLLM's names, kebab-case) and `LLM(**kwargs)` takes exactly these
-keywords. Both build the frozen configs through `create_configs()`, which validates once.
-Imports no torch: the CLI builds its parser from this module.
-"""
+"""`EngineArgs`: every engine option, declared once."""
 
 from __future__ import annotations
 
@@ -61,7 +55,13 @@ def _share(value: float) -> str | None:
 
 @dataclass(frozen=True, slots=True)
 class EngineArgs:
-    """The engine's options; `create_configs()` checks them and builds an `EngineConfig`."""
+    """The engine's options; `create_configs()` checks them and builds an `EngineConfig`.
+
+    Each field carries its default, choices, help and check; `blockserve serve` generates its
+    flags from these fields (vLLM's names, kebab-case) and `LLM(**kwargs)` takes exactly these
+    keywords. Both build the frozen configs through `create_configs()`, which validates once.
+    Imports no torch: the CLI builds its parser from this module.
+    """
 
     model: str | None = option(
         None,

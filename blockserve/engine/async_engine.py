@@ -1,21 +1,5 @@
 """`AsyncEngine`: an `LLMEngine` on its own thread, with per-request async streams; the
-`EngineClient` the HTTP server uses.
-
-Requests are checked and tokenized on a small pool of worker threads (engine/tokenizer_pool.py),
-off the event loop and off the engine thread, so a refusal costs the engine nothing and a long
-prompt costs only its own latency. One background thread owns the engine: it
-applies queued adds and aborts between steps, steps while there is work, and leaves a stats
-snapshot after each step, so the engine is never touched concurrently. Outputs travel to the
-loop thread-safely. A request whose stream is closed early (client gone) is aborted. An error
-that escapes a step marks the engine dead: every stream fails (with the error's type only: its
-text may quote a request), health turns false.
-
-`from_config` builds the engine on the thread that will step it, so that one thread runs all
-of the engine's torch work. torch's CPU ops fan out over an OpenMP team per calling thread; a
-second, idle team (left by loading the model on another thread) puts the process over its core
-count, and OpenMP then lets the stepping team's workers sleep between ops instead of spinning
-(docs/benchmarks/vs-vllm.md measured the cost).
-"""
+`EngineClient` the HTTP server uses."""
 
 from __future__ import annotations
 
@@ -94,7 +78,23 @@ def _finish() -> None:
 
 class AsyncEngine(PoolTokenizing):
     """Implements `EngineClient`: generate, abort, tokenize, health, model info, stats, KV
-    report."""
+    report.
+
+    Requests are checked and tokenized on a small pool of worker threads
+    (engine/tokenizer_pool.py), off the event loop and off the engine thread, so a refusal costs
+    the engine nothing and a long prompt costs only its own latency. One background thread owns
+    the engine: it applies queued adds and aborts between steps, steps while there is work, and
+    leaves a stats snapshot after each step, so the engine is never touched concurrently.
+    Outputs travel to the loop thread-safely. A request whose stream is closed early (client
+    gone) is aborted. An error that escapes a step marks the engine dead: every stream fails
+    (with the error's type only: its text may quote a request), health turns false.
+
+    `from_config` builds the engine on the thread that will step it, so that one thread runs all
+    of the engine's torch work. torch's CPU ops fan out over an OpenMP team per calling thread;
+    a second, idle team (left by loading the model on another thread) puts the process over its
+    core count, and OpenMP then lets the stepping team's workers sleep between ops instead of
+    spinning (docs/benchmarks/vs-vllm.md measured the cost).
+    """
 
     def __init__(
         self, engine: LLMEngine, tokenizer_workers: int = 2, thread: EngineThread | None = None

@@ -1,14 +1,4 @@
-"""A conversation to prompt token ids through the model's chat template, without role injection.
-
-A chat template writes each message's content between the special tokens that mark turns
-(`<|im_start|>user\\n ... <|im_end|>`). Tokenizing the rendered text as one string would turn
-special-token text *inside* a message into real special tokens, so a user could close their
-turn and forge a system message. Here the content stays plain text: the template's own text is
-tokenized with special tokens, each message's content with them split into ordinary pieces.
-
-A conversation whose contents hold no special-token text (nearly all) is tokenized as one
-string, exactly as before, so its prompt (and the cached blocks it hits) do not change.
-"""
+"""A conversation to prompt token ids through the model's chat template, without role injection."""
 
 from __future__ import annotations
 
@@ -17,6 +7,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from blockserve.errors import InvalidRequestError
+
+# A chat template writes each message's content between the special tokens that mark turns
+# (`<|im_start|>user\n ... <|im_end|>`). Tokenizing the rendered text as one string would turn
+# special-token text *inside* a message into real special tokens, so a user could close their turn
+# and forge a system message. Here the content stays plain text: the template's own text is
+# tokenized with special tokens, each message's content with them split into ordinary pieces.
+#
+# A conversation whose contents hold no special-token text (nearly all) is tokenized as one
+# string, exactly as before, so its prompt (and the cached blocks it hits) do not change.
 
 Message = dict[str, str]
 

@@ -1,10 +1,4 @@
-"""`EngineCore`: the scheduler, the model runner and KV-event publishing, token ids in and out.
-
-Owns the one step loop body: schedule, run the model, update the scheduler, publish the step's
-KV events. Knows no text, no `n` and no HTTP: its surface is plain data (`EngineCoreRequest`
-in, `EngineCoreOutputs` out), so it could run in a process of its own. A failing model step
-fails the requests in it, never the core.
-"""
+"""`EngineCore`: the scheduler, the model runner and KV-event publishing, token ids in and out."""
 
 from __future__ import annotations
 
@@ -73,7 +67,13 @@ class CoreInfo:
 
 
 class EngineCore:
-    """Add requests, call `step()` while `has_unfinished_requests()`; abort at any time."""
+    """Add requests, call `step()` while `has_unfinished_requests()`; abort at any time.
+
+    Owns the one step loop body: schedule, run the model, update the scheduler, publish the
+    step's KV events. Knows no text, no `n` and no HTTP: its surface is plain data
+    (`EngineCoreRequest` in, `EngineCoreOutputs` out), so it could run in a process of its own.
+    A failing model step fails the requests in it, never the core.
+    """
 
     def __init__(self, config: EngineConfig) -> None:
         sched = config.scheduler

@@ -1,9 +1,7 @@
-"""Incremental detokenization with stop strings.
-
-Owns one sample's text: decodes new tokens without re-decoding the whole output, finds stop
-strings even when they span token boundaries, and holds back the tail that could still become
-a stop string so a stream never shows text that is later cut.
-"""
+"""Incremental detokenization with stop strings. Owns one sample's text: decodes new tokens without
+re-decoding the whole output, finds stop strings even when they span token boundaries, and holds
+back the tail that could still become a stop string so a stream never shows text that is later
+cut."""
 
 from __future__ import annotations
 

@@ -1,12 +1,4 @@
-"""Default sampling parameters from the model's `generation_config.json`, as vLLM reads them.
-
-`--generation-config auto` (the default) reads the file in the model's directory; `vllm` reads
-nothing (every default is the API's); any other value is a directory holding the file, or the
-file itself. Of the file, the keys that shape sampling are kept: `temperature`, `top_p`,
-`top_k`, `min_p`, `repetition_penalty`, and `max_new_tokens`, which becomes `max_tokens`. A
-request's own value wins over each; `max_tokens` is a cap as well as a default (vLLM gives a
-request the least of its own `max_tokens`, the room left in the context and this value).
-"""
+"""Default sampling parameters from the model's `generation_config.json`, as vLLM reads them."""
 
 from __future__ import annotations
 
@@ -16,6 +8,13 @@ from pathlib import Path
 from typing import Any
 
 from blockserve.errors import InvalidConfigError
+
+# `--generation-config auto` (the default) reads the file in the model's directory; `vllm` reads
+# nothing (every default is the API's); any other value is a directory holding the file, or the
+# file itself. Of the file, the keys that shape sampling are kept: `temperature`, `top_p`,
+# `top_k`, `min_p`, `repetition_penalty`, and `max_new_tokens`, which becomes `max_tokens`. A
+# request's own value wins over each; `max_tokens` is a cap as well as a default (vLLM gives a
+# request the least of its own `max_tokens`, the room left in the context and this value).
 
 # generation_config.json's key -> the request field it is the default of
 _KEYS = {

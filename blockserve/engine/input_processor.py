@@ -1,10 +1,4 @@
-"""`InputProcessor`: the one place a request is checked and tokenized.
-
-Every rule a request must meet lives here (prompt and token range, context length, priority
-under the policy, salt, unsupported features, duplicate id); the output processor, the engine
-core and the scheduler below trust what passes. A refusal raises InvalidRequestError naming the
-field and changes nothing. Any thread may call it: its tokenizer serves many at once.
-"""
+"""`InputProcessor`: the one place a request is checked and tokenized."""
 
 from __future__ import annotations
 
@@ -21,7 +15,14 @@ from blockserve.model.tokenizer import Tokenizer
 
 @dataclass(frozen=True)
 class InputProcessor:
-    """Checks specs against one engine's limits: its vocabulary, context and policy."""
+    """Checks specs against one engine's limits: its vocabulary, context and policy.
+
+    Every rule a request must meet lives here (prompt and token range, context length, priority
+    under the policy, salt, unsupported features, duplicate id); the output processor, the
+    engine core and the scheduler below trust what passes. A refusal raises InvalidRequestError
+    naming the field and changes nothing. Any thread may call it: its tokenizer serves many at
+    once.
+    """
 
     tokenizer: Tokenizer
     vocab_size: int

@@ -1,10 +1,7 @@
-"""`LLMEngine`: the synchronous engine, an input processor, an engine core and an output
-processor joined; `build_engine` wires all of it from the configs.
-
-Requests go in as `RequestSpec`s (checked once, by the input processor) and come out as
-`RequestOutput`s. The offline `LLM` drives it directly; `AsyncEngine` drives it from a thread.
-Speaks no HTTP.
-"""
+"""`LLMEngine`: the synchronous engine, an input processor, an engine core and an output processor
+joined; `build_engine` wires all of it from the configs. Requests go in as `RequestSpec`s
+(checked once, by the input processor) and come out as `RequestOutput`s. The offline `LLM` drives
+it directly; `AsyncEngine` drives it from a thread. Speaks no HTTP."""
 
 from __future__ import annotations
 

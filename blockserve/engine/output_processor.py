@@ -1,10 +1,4 @@
-"""`OutputProcessor`: from the core's token updates to `RequestOutput`s.
-
-Owns everything per request above the core: fanning a request out into its `n` samples and
-back in, incremental detokenization and stop strings, the request's timing and token
-counters. It never calls the core: samples that a stop string ends are handed back for the
-caller to abort. Runs on the engine's thread.
-"""
+"""`OutputProcessor`: from the core's token updates to `RequestOutput`s."""
 
 from __future__ import annotations
 
@@ -70,7 +64,13 @@ class ProcessedOutputs:
 
 
 class OutputProcessor:
-    """Tracks every live request; `in` tells whether a request id is live."""
+    """Tracks every live request; `in` tells whether a request id is live.
+
+    Owns everything per request above the core: fanning a request out into its `n` samples and
+    back in, incremental detokenization and stop strings, the request's timing and token
+    counters. It never calls the core: samples that a stop string ends are handed back for the
+    caller to abort. Runs on the engine's thread.
+    """
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer

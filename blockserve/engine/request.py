@@ -1,11 +1,5 @@
 """The request types that cross the engine: what a caller asks for, what passed validation,
-and what the engine core runs.
-
-`RequestSpec` is built by the HTTP layer and by `LLM`; `InputProcessor` turns it into a
-`ValidatedRequest` (the one place requests are checked); the output processor fans that out
-into one `EngineCoreRequest` per sample, keyed by a structured `SampleId`. All three are
-frozen plain data: they can cross a thread or a process as they are.
-"""
+and what the engine core runs."""
 
 from __future__ import annotations
 
@@ -21,7 +15,13 @@ Prompt = str | tuple[int, ...]
 
 @dataclass(frozen=True, slots=True)
 class RequestSpec:
-    """One generation request as a caller states it. `prompt` is text or token ids."""
+    """One generation request as a caller states it. `prompt` is text or token ids.
+
+    `RequestSpec` is built by the HTTP layer and by `LLM`; `InputProcessor` turns it into a
+    `ValidatedRequest` (the one place requests are checked); the output processor fans that out
+    into one `EngineCoreRequest` per sample, keyed by a structured `SampleId`. All three are
+    frozen plain data: they can cross a thread or a process as they are.
+    """
 
     request_id: str
     prompt: Prompt

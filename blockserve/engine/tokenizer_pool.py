@@ -1,11 +1,4 @@
-"""`TokenizerPool`: tokenizing and chat templating off the event loop and off the engine thread.
-
-Tokenizing a long prompt takes a while (about 0.5 s per MB of text here): on the event loop it
-would stall every other request's I/O, on the engine thread every step. A few worker threads do
-it instead, all with the one `InputProcessor`: its tokenizer serves many threads at once
-(model/tokenizer.py). The Rust tokenizer lets go of the GIL while it encodes, so the loop keeps
-serving meanwhile: a big prompt costs its own latency, not its neighbours'.
-"""
+"""`TokenizerPool`: tokenizing and chat templating off the event loop and off the engine thread."""
 
 from __future__ import annotations
 
@@ -24,7 +17,14 @@ T = TypeVar("T")
 class TokenizerPool:
     """Runs `fn(processor)` on one of `workers` threads, with at most `max_pending` calls
     queued or running: past that a call is refused (ServerOverloadedError, a 503 with
-    Retry-After) rather than queued behind work it would wait seconds for."""
+    Retry-After) rather than queued behind work it would wait seconds for.
+
+    Tokenizing a long prompt takes a while (up to seconds for megabytes of text): on the event loop
+    it would stall every other request's I/O, on the engine thread every step. A few worker
+    threads do it instead, all with the one `InputProcessor`: its tokenizer serves many threads
+    at once (model/tokenizer.py). The Rust tokenizer lets go of the GIL while it encodes, so the
+    loop keeps serving meanwhile: a big prompt costs its own latency, not its neighbours'.
+    """
 
     def __init__(self, processor: InputProcessor, workers: int, max_pending: int = 0) -> None:
         if workers < 1:

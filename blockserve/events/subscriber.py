@@ -1,10 +1,4 @@
-"""Following a server's KV events: gap detection, replay, and a mirror of its cached hashes.
-
-`KVEventSubscriber` yields batches strictly in sequence order, without duplicates: when a
-sequence number is skipped (a late join, a dropped message) it asks the replay socket for the
-missing batches first. `CacheMirror` applies batches to a set of hashes — the per-server index
-a KV-aware router keeps.
-"""
+"""Following a server's KV events: gap detection, replay, and a mirror of its cached hashes."""
 
 from __future__ import annotations
 
@@ -38,7 +32,13 @@ class ReplayUnavailableError(RuntimeError):
 
 
 class KVEventSubscriber:
-    """Receives `(seq, batch)` in order from a publisher's PUB (and ROUTER) sockets."""
+    """Receives `(seq, batch)` in order from a publisher's PUB (and ROUTER) sockets.
+
+    `KVEventSubscriber` yields batches strictly in sequence order, without duplicates: when a
+    sequence number is skipped (a late join, a dropped message) it asks the replay socket for
+    the missing batches first. `CacheMirror` applies batches to a set of hashes — the per-server
+    index a KV-aware router keeps.
+    """
 
     def __init__(
         self,

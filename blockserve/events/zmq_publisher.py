@@ -1,15 +1,4 @@
-"""`ZmqEventPublisher`: KV event batches on a ZMQ PUB socket, with a ROUTER replay socket.
-
-Wire format (vLLM's): multipart `[topic, seq as 8-byte big-endian, msgpack payload]`, seq from
-0 and +1 per batch. Replay: a client sends an 8-byte big-endian start seq (behind an empty
-delimiter frame, as REQ sockets send it) and receives `[seq, payload]` for every buffered batch
-from there, then `[-1 as signed 8 bytes, b""]`.
-
-The engine step never waits on the network: `publish` numbers and encodes the batch, keeps it
-in the replay buffer, and hands it to a background thread through a bounded queue. When that
-queue is full the batch is not sent live, but stays replayable: a subscriber sees the gap in
-sequence numbers and fills it through replay.
-"""
+"""`ZmqEventPublisher`: KV event batches on a ZMQ PUB socket, with a ROUTER replay socket."""
 
 from __future__ import annotations
 
@@ -37,6 +26,17 @@ def binds(endpoint: str) -> bool:
 
 
 class ZmqEventPublisher:
+    """Wire format (vLLM's): multipart `[topic, seq as 8-byte big-endian, msgpack payload]`, seq
+    from 0 and +1 per batch. Replay: a client sends an 8-byte big-endian start seq (behind an
+    empty delimiter frame, as REQ sockets send it) and receives `[seq, payload]` for every
+    buffered batch from there, then `[-1 as signed 8 bytes, b""]`.
+
+    The engine step never waits on the network: `publish` numbers and encodes the batch, keeps
+    it in the replay buffer, and hands it to a background thread through a bounded queue. When
+    that queue is full the batch is not sent live, but stays replayable: a subscriber sees the
+    gap in sequence numbers and fills it through replay.
+    """
+
     def __init__(self, config: KVEventsConfig) -> None:
         self.config = config
         self._context = zmq.Context()

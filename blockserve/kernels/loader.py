@@ -1,9 +1,5 @@
 """Loading our CPU kernel libraries into torch, building them first where needed, on a thread
-of their own when an engine starts so that start-up does not wait; and what waits for them.
-
-The loader thread is a daemon (exit never waits for a build), so it must not be inside torch's
-C++ when the interpreter shuts down: at exit the loader waits for it to come out and lets it not
-go back in."""
+of their own when an engine starts so that start-up does not wait; and what waits for them."""
 
 from __future__ import annotations
 
@@ -35,7 +31,12 @@ def _registered(namespace: str) -> bool:
 class KernelLoader:
     """The libraries loaded through this loader: each dtype's operators (a torch.ops
     namespace) and the instruction set of its build. torch holds a build's operators once a
-    process: a loader finds them there if another loaded them."""
+    process: a loader finds them there if another loaded them.
+
+    The loader thread is a daemon (exit never waits for a build), so it must not be inside
+    torch's C++ when the interpreter shuts down: at exit the loader waits for it to come out and
+    lets it not go back in.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # one load (and build) at a time

@@ -1,17 +1,4 @@
-"""`DiskStore`: blocks as files in a directory, bounded in bytes, least recently used out first.
-
-One file per block, `blocks/<first two hex digits>/<hash hex>.kv`: a 24-byte header (magic,
-format version, payload length, xxh3-64 checksum of the payload) and the block's bytes. A block
-is written to a temporary name in the same folder and renamed over its final name, so a reader
-(or a process that starts after a SIGKILL mid-write) sees the whole file or none; leftover
-temporary files are deleted when the store opens. A file whose size, header or checksum is
-wrong is deleted when found — on open for a wrong size, on read otherwise — and read as a miss.
-
-The LRU order lives in memory and is rebuilt on open from the files' modification times, which
-the store sets itself on every write and read, so the order survives a restart. Files are not
-fsynced: a crash of the process loses nothing written, a crash of the machine may lose recent
-blocks, never corrupt one that is served (the checksum sees to that).
-"""
+"""`DiskStore`: blocks as files in a directory, bounded in bytes, least recently used out first."""
 
 from __future__ import annotations
 
@@ -39,6 +26,20 @@ _TEMP = ".tmp"
 
 
 class DiskStore:
+    """One file per block, `blocks/<first two hex digits>/<hash hex>.kv`: a 24-byte header (magic,
+    format version, payload length, xxh3-64 checksum of the payload) and the block's bytes. A
+    block is written to a temporary name in the same folder and renamed over its final name, so
+    a reader (or a process that starts after a SIGKILL mid-write) sees the whole file or none;
+    leftover temporary files are deleted when the store opens. A file whose size, header or
+    checksum is wrong is deleted when found — on open for a wrong size, on read otherwise — and
+    read as a miss.
+
+    The LRU order lives in memory and is rebuilt on open from the files' modification times,
+    which the store sets itself on every write and read, so the order survives a restart. Files
+    are not fsynced: a crash of the process loses nothing written, a crash of the machine may
+    lose recent blocks, never corrupt one that is served (the checksum sees to that).
+    """
+
     def __init__(self, root: Path | str, shape: BlockShape, capacity_bytes: int) -> None:
         self.root = Path(root)
         self.shape = shape

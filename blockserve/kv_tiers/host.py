@@ -1,10 +1,4 @@
-"""`HostStore`: blocks in host memory, bounded in bytes, least recently used out first.
-
-With a CUDA device the blocks sit in pinned memory, so a copy to or from the device runs
-without a staging copy. On a CPU device the device tier already is host memory: a host tier
-only moves blocks from one part of RAM to another, and the same RAM would serve better as a
-bigger device tier (more blocks, no copy on a hit); it is allowed, for testing and for symmetry.
-"""
+"""`HostStore`: blocks in host memory, bounded in bytes, least recently used out first."""
 
 from __future__ import annotations
 
@@ -17,6 +11,13 @@ from blockserve.kv_tiers.store import BlockShape, StoreStats, capacity_in_blocks
 
 
 class HostStore:
+    """With a CUDA device the blocks sit in pinned memory, so a copy to or from the device runs
+    without a staging copy. On a CPU device the device tier already is host memory: a host tier
+    only moves blocks from one part of RAM to another, and the same RAM would serve better as a
+    bigger device tier (more blocks, no copy on a hit); it is allowed, for testing and for
+    symmetry.
+    """
+
     def __init__(self, shape: BlockShape, capacity_bytes: int, pin_memory: bool = False) -> None:
         self.shape = shape
         self.capacity_bytes = capacity_bytes

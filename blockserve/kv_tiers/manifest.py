@@ -1,19 +1,4 @@
-"""The disk tier's directory: its fingerprint, its lock, and whether its blocks may be reused.
-
-A block on disk is only the right KV for its hash under the exact conditions it was computed
-in. `manifest.json` records them — the model's content hash, the KV dtype, the block size, the
-hash algorithm and its NONE_HASH (which carries the seed), the layer count, KV heads and head
-dimension — and a server opening the directory compares them with its own:
-
-- the same fingerprint: the blocks are served at once (a warm restart);
-- a different one: the directory is left alone and the disk tier is off, with one log line,
-  unless `clear_on_mismatch`, which empties it and starts over;
-- a hash seed that is random per process (xxhash without PYTHONHASHSEED): no later process
-  can reuse a block, so the directory is marked not reusable and emptied by the next start.
-
-One process at a time owns a directory (an exclusive `flock` on `lock`, held until closed):
-two writers would evict each other's blocks out from under their indexes.
-"""
+"""The disk tier's directory: its fingerprint, its lock, and whether its blocks may be reused."""
 
 from __future__ import annotations
 
@@ -69,7 +54,22 @@ def model_content_hash(model_dir: Path) -> str:
 
 @dataclass(slots=True)
 class DiskDirectory:
-    """An opened disk-tier directory; `usable` False when its fingerprint did not match."""
+    """An opened disk-tier directory; `usable` False when its fingerprint did not match.
+
+    A block on disk is only the right KV for its hash under the exact conditions it was computed
+    in. `manifest.json` records them — the model's content hash, the KV dtype, the block size,
+    the hash algorithm and its NONE_HASH (which carries the seed), the layer count, KV heads and
+    head dimension — and a server opening the directory compares them with its own:
+
+    - the same fingerprint: the blocks are served at once (a warm restart);
+    - a different one: the directory is left alone and the disk tier is off, with one log line,
+      unless `clear_on_mismatch`, which empties it and starts over;
+    - a hash seed that is random per process (xxhash without PYTHONHASHSEED): no later process
+      can reuse a block, so the directory is marked not reusable and emptied by the next start.
+
+    One process at a time owns a directory (an exclusive `flock` on `lock`, held until closed):
+    two writers would evict each other's blocks out from under their indexes.
+    """
 
     root: Path
     usable: bool

@@ -1,21 +1,4 @@
-"""`KVTiers`: the stores below the device, fed and read in the background.
-
-Write path: after a step, the engine hands over the blocks the step filled (`store`). Blocks
-that every tier already holds, or that are queued already, are skipped; the rest are copied
-out of the device cache in one gather (a memory copy, the only part a step waits for) and put
-into each tier that lacks them by a writer thread. Copies queued beyond `max_pending_bytes`
-are dropped and counted, so a slow disk costs hits, never step time.
-
-Read path: the scheduler asks which tier holds the blocks after a request's device hit
-(`lookup`: in-memory indexes only), allocates device blocks for them and calls `start_load`.
-A loader thread, separate from the writer so a write backlog never delays a request, reads
-each block (host first) into its device block and stops at the first one that is missing or
-damaged; `finished_loads` tells the scheduler how many leading blocks arrived. A block read
-from the disk is kept in the host tier too (promotion).
-
-Every block a tier stores or drops is recorded as a KV event with that tier's medium ("CPU",
-"DISK"), so a router knows what each replica can restore.
-"""
+"""`KVTiers`: the stores below the device, fed and read in the background."""
 
 from __future__ import annotations
 
@@ -66,7 +49,24 @@ class _Load:
 
 
 class KVTiers:
-    """The tiers below one device cache, top (host) first; see the module docstring."""
+    """The tiers below one device cache, top (host) first; see the module docstring.
+
+    Write path: after a step, the engine hands over the blocks the step filled (`store`). Blocks
+    that every tier already holds, or that are queued already, are skipped; the rest are copied
+    out of the device cache in one gather (a memory copy, the only part a step waits for) and
+    put into each tier that lacks them by a writer thread. Copies queued beyond
+    `max_pending_bytes` are dropped and counted, so a slow disk costs hits, never step time.
+
+    Read path: the scheduler asks which tier holds the blocks after a request's device hit
+    (`lookup`: in-memory indexes only), allocates device blocks for them and calls `start_load`.
+    A loader thread, separate from the writer so a write backlog never delays a request, reads
+    each block (host first) into its device block and stops at the first one that is missing or
+    damaged; `finished_loads` tells the scheduler how many leading blocks arrived. A block read
+    from the disk is kept in the host tier too (promotion).
+
+    Every block a tier stores or drops is recorded as a KV event with that tier's medium ("CPU",
+    "DISK"), so a router knows what each replica can restore.
+    """
 
     def __init__(
         self,

@@ -1,13 +1,4 @@
-"""The tier-store interface: one block's K and V for every layer, keyed by its block hash.
-
-A store below the device tier holds whole blocks — a [layers, 2, block_size, kv_heads,
-head_dim] tensor each — under the same hash bytes the device pool's hash map uses, so a key
-means the same in memory, on disk, after a restart and in another process. Every store keeps
-its own LRU order and a byte bound: `put` of a new key evicts least recently used blocks until
-the new one fits, `put` of a key already held only refreshes it (the block is not written
-again), `get` refreshes the key it returns. A store never raises for a missing or damaged block:
-`get` answers None and the caller computes those tokens instead.
-"""
+"""The tier-store interface: one block's K and V for every layer, keyed by its block hash."""
 
 from __future__ import annotations
 
@@ -49,7 +40,16 @@ class StoreStats:
 
 
 class BlockStore(Protocol):
-    """A bounded, LRU-ordered map from block hash to one block's KV."""
+    """A bounded, LRU-ordered map from block hash to one block's KV.
+
+    A store below the device tier holds whole blocks — a [layers, 2, block_size, kv_heads,
+    head_dim] tensor each — under the same hash bytes the device pool's hash map uses, so a key
+    means the same in memory, on disk, after a restart and in another process. Every store keeps
+    its own LRU order and a byte bound: `put` of a new key evicts least recently used blocks
+    until the new one fits, `put` of a key already held only refreshes it (the block is not
+    written again), `get` refreshes the key it returns. A store never raises for a missing or
+    damaged block: `get` answers None and the caller computes those tokens instead.
+    """
 
     shape: BlockShape
     capacity_bytes: int

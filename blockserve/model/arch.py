@@ -1,9 +1,7 @@
 """`LlamaArchConfig`: the shape of a Llama-family decoder, read from a Hugging Face config.json.
-
 Accepts both config layouts in the wild: `rope_theta` / `rope_scaling` (transformers 4) and
 `rope_parameters` (transformers 5). Rejects architectures and RoPE types it cannot run, with a
-typed error, instead of computing something subtly wrong.
-"""
+typed error, instead of computing something subtly wrong."""
 
 from __future__ import annotations
 

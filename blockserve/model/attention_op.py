@@ -1,13 +1,4 @@
-"""Attention as an operator of ours, so that a compiled model graph calls it without tracing it.
-
-torch.compile traces the model's tensor math into one graph, but attention cannot be traced:
-its per-step plan is Python the backend built (ranges, optional parts, a reused workspace). So
-under compilation the model hands attention to `blockserve::attention`, whose last argument
-is an `AttentionStep`: the backend and this step's plan, registered with torch as an opaque
-reference type. The graph takes the step as an input like its tensors and passes it to the
-operator without looking inside, so one graph serves every step whatever the batch holds. An
-eager forward calls the backend directly.
-"""
+"""Attention as an operator of ours, so that a compiled model graph calls it without tracing it."""
 
 from __future__ import annotations
 
@@ -21,7 +12,16 @@ from blockserve.attention.metadata import AttentionBackend
 
 
 class AttentionStep(OpaqueBase):
-    """One step's attention: the backend and the plan it prepared for the step."""
+    """One step's attention: the backend and the plan it prepared for the step.
+
+    torch.compile traces the model's tensor math into one graph, but attention cannot be traced:
+    its per-step plan is Python the backend built (ranges, optional parts, a reused workspace).
+    So under compilation the model hands attention to `blockserve::attention`, whose last
+    argument is an `AttentionStep`: the backend and this step's plan, registered with torch as
+    an opaque reference type. The graph takes the step as an input like its tensors and passes
+    it to the operator without looking inside, so one graph serves every step whatever the batch
+    holds. An eager forward calls the backend directly.
+    """
 
     def __init__(self, backend: AttentionBackend, plan: Any) -> None:
         self.backend = backend

@@ -1,22 +1,4 @@
-"""`--compile`: the model's whole forward compiled by torch.compile (inductor) into one graph.
-
-Everything but attention is traced: the embedding lookup, RoPE, every layer's RMSNorms,
-products, SiLU × up and residual adds. Inductor fuses the elementwise passes into a few C++
-loops around oneDNN's products (`blockserve::packed_linear`) and calls attention as an opaque
-operator (`blockserve::attention`, model/attention_op.py), so a step is one call of the graph
-rather than ~600 eager operators: the overhead that dominates small decode batches goes.
-
-The token dimension is traced as an unbacked size (no guard on its value: a dynamic size would
-be specialised apart from 0 and 1 and give single-token steps a second graph, doubling the
-compile) and the step's attention plan is an opaque input, so one graph serves every step. It is
-compiled at start-up on dummy steps (the runner's warm-up, handed to `compile_forward`), on the
-thread that will run the model: no request waits for a compile.
-
-Inductor's caches live under `<cache dir>/inductor` (`TORCHINDUCTOR_CACHE_DIR` points there
-while the graphs compile, whatever it was before): a second start with the same model, dtype
-and torch loads the compiled graphs instead of generating and building C++ again, though it
-still traces the model. `CompileReport` says which happened.
-"""
+"""`--compile`: the model's whole forward compiled by torch.compile (inductor) into one graph."""
 
 from __future__ import annotations
 
@@ -33,6 +15,23 @@ import torch
 from blockserve.attention.metadata import AttentionBackend
 from blockserve.model.attention_op import AttentionStep
 from blockserve.model.llama import LlamaForCausalLM
+
+# Everything but attention is traced: the embedding lookup, RoPE, every layer's RMSNorms,
+# products, SiLU × up and residual adds. Inductor fuses the elementwise passes into a few C++
+# loops around oneDNN's products (`blockserve::packed_linear`) and calls attention as an opaque
+# operator (`blockserve::attention`, model/attention_op.py), so a step is one call of the graph
+# rather than ~600 eager operators: the overhead that dominates small decode batches goes.
+#
+# The token dimension is traced as an unbacked size (no guard on its value: a dynamic size would
+# be specialised apart from 0 and 1 and give single-token steps a second graph, doubling the
+# compile) and the step's attention plan is an opaque input, so one graph serves every step. It is
+# compiled at start-up on dummy steps (the runner's warm-up, handed to `compile_forward`), on the
+# thread that will run the model: no request waits for a compile.
+#
+# Inductor's caches live under `<cache dir>/inductor` (`TORCHINDUCTOR_CACHE_DIR` points there
+# while the graphs compile, whatever it was before): a second start with the same model, dtype and
+# torch loads the compiled graphs instead of generating and building C++ again, though it still
+# traces the model. `CompileReport` says which happened.
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,13 +1,4 @@
-"""A Llama GGUF file into a Hugging Face directory's config.json and model.safetensors, fast.
-
-transformers converts a GGUF file by parsing it three times (config, weights, tokenizer), each
-parse reading the 49,152-entry vocabulary of the default model element by element through numpy
-(~4 s each on 2 vCPUs). Here the header is read once with `struct` and the weights are
-dequantized by the `gguf` package; the tokenizer is still transformers' conversion. Only plain
-Llama files take this path (no RoPE scaling, no tensor it cannot name); anything else returns
-False and is left to transformers. The result equals transformers' tensor for tensor
-(tests/model/test_gguf_llama.py).
-"""
+"""A Llama GGUF file into a Hugging Face directory's config.json and model.safetensors, fast."""
 
 from __future__ import annotations
 
@@ -23,6 +14,14 @@ import torch
 from safetensors.torch import save_file
 
 from blockserve.errors import ModelNotFoundError
+
+# transformers converts a GGUF file by parsing it three times (config, weights, tokenizer), each
+# parse reading the 49,152-entry vocabulary of the default model element by element through numpy
+# (seconds each on 2 vCPUs). Here the header is read once with `struct` and the weights are
+# dequantized by the `gguf` package; the tokenizer is still transformers' conversion. Only plain
+# Llama files take this path (no RoPE scaling, no tensor it cannot name); anything else returns
+# False and is left to transformers. The result equals transformers' tensor for tensor
+# (tests/model/test_gguf_llama.py).
 
 # GGUF value types: 0 u8, 1 i8, 2 u16, 3 i16, 4 u32, 5 i32, 6 f32, 7 bool, 8 string, 9 array,
 # 10 u64, 11 i64, 12 f64.

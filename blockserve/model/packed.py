@@ -1,8 +1,7 @@
 """Linear layers over weights reordered once into oneDNN's blocked layout (CPU), equal to
-`F.linear` bit for bit in bf16 and within rounding in float32. Few-row products (decode steps)
-run on our tile kernel (bf16, AMX) or vector kernel (float32) over a second copy of each weight
-made once our kernels load; under `torch.compile` oneDNN's, through `blockserve::packed_linear`.
-Why and how fast: docs/cpu-kernels.md."""
+`F.linear` bit for bit in bf16 and within rounding in float32. Few-row products run on our tile
+(bf16, AMX) or vector (float32) kernel over a second copy of each weight made once our kernels
+load; compiled graphs use oneDNN's, through `blockserve::packed_linear` (docs/cpu-kernels.md)."""
 
 from __future__ import annotations
 

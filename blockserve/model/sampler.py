@@ -1,11 +1,4 @@
-"""The sampler: logits of the sampled positions → one token per request, batched on tensors.
-
-Order of operations, per row: ban tokens (EOS before `min_tokens`), penalties (repetition,
-frequency, presence), temperature, then the top-k / top-p / min-p filters, then sampling (argmax
-for greedy rows). Logprobs, when asked, are of the raw model distribution (before any of that),
-as vLLM reports them. No Python loop over the vocabulary; the only per-row loop draws the noise
-of rows with their own seed, so a seeded request samples the same tokens in any batch.
-"""
+"""The sampler: logits of the sampled positions → one token per request, batched on tensors."""
 
 from __future__ import annotations
 
@@ -173,7 +166,15 @@ def argmax(logits: torch.Tensor, kernels: CpuKernels | None = None) -> torch.Ten
 
 class Sampler:
     """Draws from `generator` for rows without their own seed; every other input arrives in
-    the `SamplingBatch`."""
+    the `SamplingBatch`.
+
+    Order of operations, per row: ban tokens (EOS before `min_tokens`), penalties (repetition,
+    frequency, presence), temperature, then the top-k / top-p / min-p filters, then sampling
+    (argmax for greedy rows). Logprobs, when asked, are of the raw model distribution (before
+    any of that), as vLLM reports them. No Python loop over the vocabulary; the only per-row
+    loop draws the noise of rows with their own seed, so a seeded request samples the same
+    tokens in any batch.
+    """
 
     def __init__(
         self, generator: torch.Generator | None = None, kernels: CpuKernels | None = None

@@ -1,15 +1,4 @@
-"""`Tokenizer`: a model's tokenizer as served, over Hugging Face `tokenizers` and jinja2 alone.
-
-transformers builds a model's tokenizer once (its class resolution, added tokens, BOS/EOS
-post-processor, chat templates); what it built is saved as a snapshot (`save`): the backend's
-own JSON and a small file of special tokens, templates and the decode clean-up flag. A later
-start loads the snapshot (`load`) without importing transformers, whose import is over a
-second of every start on a 2-vCPU host. Encoding, decoding and chat templating give what
-transformers' tokenizer gives (tests/model/test_tokenizer.py compares them).
-
-One `Tokenizer` serves every thread at once: nothing here changes the backend after it is
-built (the one setting that differs, splitting special-token text, is a second backend).
-"""
+"""`Tokenizer`: a model's tokenizer as served, over Hugging Face `tokenizers` and jinja2 alone."""
 
 from __future__ import annotations
 
@@ -33,7 +22,18 @@ REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 class Tokenizer:
     """Text ⇄ token ids and chat templates; the methods a caller of transformers' tokenizer
     knows, with the same results. Thread-safe; `chat_template` may be replaced (a str, a dict
-    of named templates, or None)."""
+    of named templates, or None).
+
+    transformers builds a model's tokenizer once (its class resolution, added tokens, BOS/EOS
+    post-processor, chat templates); what it built is saved as a snapshot (`save`): the
+    backend's own JSON and a small file of special tokens, templates and the decode clean-up
+    flag. A later start loads the snapshot (`load`) without importing transformers, whose import
+    is over a second of every start on a 2-vCPU host. Encoding, decoding and chat templating
+    give what transformers' tokenizer gives (tests/model/test_tokenizer.py compares them).
+
+    One `Tokenizer` serves every thread at once: nothing here changes the backend after it is
+    built (the one setting that differs, splitting special-token text, is a second backend).
+    """
 
     def __init__(
         self,

@@ -1,16 +1,7 @@
 """Replaying a trace through N replicas behind a routing policy: the router at scale, simulated.
-
-Each replica is a real `KVCacheManager` whose KV events feed the router's index exactly as a
-live replica's ZMQ stream does; the policy is the one the Ray Serve router runs
-(cluster/policies.py), not a copy. What is simulated is time, from the trace's timestamps:
-
-    a replica prefills one request at a time, FIFO, at `prefill_tokens_per_s` (cached tokens
-    are free); decoding then takes `output_length / decode_tokens_per_s`, overlapped with
-    other work. A request is in flight (the load a router sees) from arrival to its last token.
-
-TTFT = queueing + prefill. As in the single-cache replay, a request's blocks are allocated and
-freed at once, so what is cached depends only on the policy and the routing.
-"""
+Each replica is a real `KVCacheManager` whose KV events feed the router's index exactly as a live
+replica's ZMQ stream does; the policy is the one the Ray Serve router runs (cluster/policies.py),
+not a copy. What is simulated is time, from the trace's timestamps:"""
 
 from __future__ import annotations
 
@@ -27,6 +18,13 @@ from blockserve.core.kv_cache_manager import KVCacheManager
 from blockserve.errors import InvalidConfigError
 from blockserve.replay.simulate import ReplayRequest, run_request
 from blockserve.replay.trace import BlockLayout, TraceRequest
+
+#     a replica prefills one request at a time, FIFO, at `prefill_tokens_per_s` (cached tokens
+#     are free); decoding then takes `output_length / decode_tokens_per_s`, overlapped with
+#     other work. A request is in flight (the load a router sees) from arrival to its last token.
+#
+# TTFT = queueing + prefill. As in the single-cache replay, a request's blocks are allocated and
+# freed at once, so what is cached depends only on the policy and the routing.
 
 
 @dataclass(frozen=True, slots=True)

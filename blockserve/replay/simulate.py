@@ -1,18 +1,4 @@
-"""Replaying a trace through the real `KVCacheManager`, and the two bounds beside it.
-
-Requests run one at a time in trace order: look up, allocate the prompt (hits included), grow
-by the output, free. Between requests every block is free, so what a policy keeps cached is all
-that differs between policies. A request needing more blocks than the capacity is skipped (and
-skipped by the bounds too).
-
-The bounds work on sets of block hashes, with the same hit rule (leading cached blocks, at most
-`(input_length - 1) // B`):
-- infinite: every block ever stored stays;
-- Belady: at most `capacity` hashes; on overflow evict the one whose next use (as a prompt
-  block of a later request) is farthest, deeper blocks first on ties, never the current
-  request's own. Parents are then never evicted before their children, so the cache stays
-  prefix-closed and its leading hits are exactly its hits: no policy can beat it on hit blocks.
-"""
+"""Replaying a trace through the real `KVCacheManager`, and the two bounds beside it."""
 
 from __future__ import annotations
 
@@ -29,6 +15,19 @@ from blockserve.core.kv_cache_manager import KVCacheManager
 from blockserve.core.miss_ratio import MissRatioCurve
 from blockserve.errors import InvalidConfigError
 from blockserve.replay.trace import BlockLayout, TraceRequest
+
+# Requests run one at a time in trace order: look up, allocate the prompt (hits included), grow by
+# the output, free. Between requests every block is free, so what a policy keeps cached is all
+# that differs between policies. A request needing more blocks than the capacity is skipped (and
+# skipped by the bounds too).
+#
+# The bounds work on sets of block hashes, with the same hit rule (leading cached blocks, at most
+# `(input_length - 1) // B`):
+# - infinite: every block ever stored stays;
+# - Belady: at most `capacity` hashes; on overflow evict the one whose next use (as a prompt
+#   block of a later request) is farthest, deeper blocks first on ties, never the current
+#   request's own. Parents are then never evicted before their children, so the cache stays
+#   prefix-closed and its leading hits are exactly its hits: no policy can beat it on hit blocks.
 
 NEVER = 1 << 62  # "next use" of a block never used again
 

@@ -1,17 +1,4 @@
-"""Replaying a trace through a device tier and LRU tiers below it: the hit rate of each.
-
-The device tier is the real `KVCacheManager` under a chosen eviction policy, as in
-simulate.py. Below it, host and disk tiers are LRU sets of block hashes of a fixed capacity,
-written through: every block a request holds is copied down to each tier as it is cached (a
-block a tier already holds is only refreshed). A lookup takes the device's leading hits, then
-continues block by block in the lower tiers (host first) for as long as one of them holds the
-next hash; those blocks are loaded into the device, where they become ordinary cached blocks.
-The hit rule is the device's: at most `(input_length - 1) // B` leading blocks.
-
-It models the tier design (the same keys in every tier, a lookup that continues past the
-device's last hit, a device whose eviction order the tiers never change) on hashes alone,
-moving no KV.
-"""
+"""Replaying a trace through a device tier and LRU tiers below it: the hit rate of each."""
 
 from __future__ import annotations
 
@@ -31,6 +18,18 @@ from blockserve.replay.simulate import (
     run_request,
 )
 from blockserve.replay.trace import BlockLayout, TraceRequest, block_layouts
+
+# The device tier is the real `KVCacheManager` under a chosen eviction policy, as in simulate.py.
+# Below it, host and disk tiers are LRU sets of block hashes of a fixed capacity, written through:
+# every block a request holds is copied down to each tier as it is cached (a block a tier already
+# holds is only refreshed). A lookup takes the device's leading hits, then continues block by
+# block in the lower tiers (host first) for as long as one of them holds the next hash; those
+# blocks are loaded into the device, where they become ordinary cached blocks. The hit rule is the
+# device's: at most `(input_length - 1) // B` leading blocks.
+#
+# It models the tier design (the same keys in every tier, a lookup that continues past the
+# device's last hit, a device whose eviction order the tiers never change) on hashes alone, moving
+# no KV.
 
 TIER_NAMES = ("device", "host", "disk")
 

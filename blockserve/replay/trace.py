@@ -1,18 +1,7 @@
-"""Mooncake-format traces and the request model the replayer gives them.
-
-One JSON object per line: `timestamp` (ms), `input_length`, `output_length`, `hash_ids` (one id
-per `block_size`-token prompt block, the last possibly partial; equal ids at one position mean
-an identical prefix up to and including that block).
-
-Each request becomes, in blocks of `block_size` tokens:
-
-    | full prompt blocks (trace ids) | partial prompt + output ... | (only full blocks count)
-    |<--- input_length // B ------->|<- full blocks up to (input + output) // B: unique ids ->|
-
-Only full blocks are ever cached, as in the engine; the blocks holding output tokens get ids no
-other request shares. A lookup may hit at most `(input_length - 1) // B` blocks: the last prompt
-token is always computed.
-"""
+"""Mooncake-format traces and the request model the replayer gives them. One JSON object per line:
+`timestamp` (ms), `input_length`, `output_length`, `hash_ids` (one id per `block_size`-token
+prompt block, the last possibly partial; equal ids at one position mean an identical prefix up to
+and including that block)."""
 
 from __future__ import annotations
 
@@ -27,6 +16,16 @@ from blockserve.errors import InvalidRequestError
 
 @dataclass(frozen=True, slots=True)
 class TraceRequest:
+    """Each request becomes, in blocks of `block_size` tokens:
+
+        | full prompt blocks (trace ids) | partial prompt + output ... | (only full blocks count)
+        |<--- input_length // B ------->|<- full blocks up to (input + output) // B: unique ids ->|
+
+    Only full blocks are ever cached, as in the engine; the blocks holding output tokens get ids
+    no other request shares. A lookup may hit at most `(input_length - 1) // B` blocks: the last
+    prompt token is always computed.
+    """
+
     timestamp: float
     input_length: int
     output_length: int

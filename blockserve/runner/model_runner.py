@@ -1,10 +1,4 @@
-"""`ModelRunner`: one `SchedulerOutput` in, one `ModelRunnerOutput` out.
-
-Is handed the model, the KV cache tensors and the sampler (runner/build.py assembles them);
-owns each running request's sampling state (its token history, its seeded generator, its
-grammar matcher). Builds the flat batch and the attention metadata, runs the forward,
-computes logits only where a request samples, and samples. Makes no scheduling decision.
-"""
+"""`ModelRunner`: one `SchedulerOutput` in, one `ModelRunnerOutput` out."""
 
 from __future__ import annotations
 
@@ -68,7 +62,13 @@ class RunnerParts:
 
 
 class ModelRunner:
-    """Runs steps over the parts it is given (`build_runner` makes them from the configs)."""
+    """Runs steps over the parts it is given (`build_runner` makes them from the configs).
+
+    Is handed the model, the KV cache tensors and the sampler (runner/build.py assembles them);
+    owns each running request's sampling state (its token history, its seeded generator, its
+    grammar matcher). Builds the flat batch and the attention metadata, runs the forward,
+    computes logits only where a request samples, and samples. Makes no scheduling decision.
+    """
 
     def __init__(self, parts: RunnerParts) -> None:
         self.device = parts.device

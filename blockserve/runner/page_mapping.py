@@ -1,8 +1,7 @@
 """Keeps first touches of memory out of the model's steps on a CPU: `KVPagePopulator` maps
-the KV cache's next never-used blocks in ahead of the steps (madvise, on an idle-priority
-thread), and `keep_freed_memory` has glibc keep freed temporaries mapped for the next step.
-Where the calls are missing, pages are left to the writes that need them. Why:
-docs/cpu-kernels.md; figures: docs/benchmarks/cpu-kernels.md."""
+the KV cache's next never-used blocks in ahead of the steps, and `keep_freed_memory` has glibc
+keep freed temporaries mapped. Where the calls are missing, the writes map their own pages
+(why: docs/cpu-kernels.md)."""
 
 from __future__ import annotations
 

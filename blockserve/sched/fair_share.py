@@ -1,11 +1,6 @@
 """Fair share of the sequence slots: one request (all its `n` samples, all its prompts: one
 `group_id`) may hold at most `cap` slots while a request of another group waits. Owns only
-the choice of whom to admit next and whom to preempt for a waiting group; the scheduler acts.
-
-vLLM admits strictly first come, first served, so one `n=128` request takes every slot until
-its samples finish. Here a group over its share is passed over at admission, and when every
-slot is taken its newest sample is preempted (recompute: it runs again when slots free).
-"""
+the choice of whom to admit next and whom to preempt for a waiting group; the scheduler acts."""
 
 from __future__ import annotations
 
@@ -18,7 +13,12 @@ from blockserve.sched.request import Request
 class FairShare:
     """`cap = max(1, floor(share × max_num_seqs))`; share 1 leaves admission FCFS (and costs
     nothing). `held` counts each group's running samples: the scheduler counts it once a step
-    (`held_by`) and adds each request it admits."""
+    (`held_by`) and adds each request it admits.
+
+    vLLM admits strictly first come, first served, so one `n=128` request takes every slot until
+    its samples finish. Here a group over its share is passed over at admission, and when every
+    slot is taken its newest sample is preempted (recompute: it runs again when slots free).
+    """
 
     def __init__(self, max_num_seqs: int, share: float) -> None:
         self.max_num_seqs = max_num_seqs

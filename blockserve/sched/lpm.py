@@ -1,9 +1,7 @@
 """The `lpm` waiting queue: longest cached prefix first, with aging, kept current incrementally.
-
 Owns the order of waiting requests under `--scheduling-policy lpm` and each one's cached-prefix
-length. Reads the prefix cache and listens to its store/remove events; never allocates, evicts
-or decides admission (the scheduler does).
-"""
+length. Reads the prefix cache and listens to its store/remove events; never allocates, evicts or
+decides admission (the scheduler does)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""The two interface objects of a step: `SchedulerOutput` (sched → runner) and
-`ModelRunnerOutput` (runner → sched).
-
-Frozen dataclasses of plain Python values, no tensors: the scheduler stays torch-free, and a
-step can be logged, compared in tests, or sent to another process as it is.
-"""
+"""The two interface objects of a step: `SchedulerOutput` (sched → runner) and `ModelRunnerOutput`
+(runner → sched). Frozen dataclasses of plain Python values, no tensors: the scheduler stays
+torch-free, and a step can be logged, compared in tests, or sent to another process as it is."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""`Request`: one generation request's token state as the scheduler and the cache see it.
-
-Owns the prompt and output token ids, the block hashes that grow as tokens complete blocks,
-the counters the scheduler moves (`num_computed_tokens`, `num_cached_tokens`) and the stop
-conditions that need no text. Must not touch tensors or text (stop strings live in engine/).
-"""
+"""`Request`: one generation request's token state as the scheduler and the cache see it. Owns the
+prompt and output token ids, the block hashes that grow as tokens complete blocks, the counters
+the scheduler moves (`num_computed_tokens`, `num_cached_tokens`) and the stop conditions that
+need no text. Must not touch tensors or text (stop strings live in engine/)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
-"""The continuous-batching scheduler.
-
-Owns the waiting queue, the running list and the per-step token budget; decides which
-requests compute how many tokens each step, preempts when the KV cache is full, applies the
-stop conditions that need no text, and drains the step's KV events. Imports no torch.
-
-There are no prefill/decode phases: every request has `num_computed_tokens` catching up to
-`num_tokens` under the token budget, which gives chunked prefill and prefix-cache skips.
-"""
+"""The continuous-batching scheduler. Owns the waiting queue, the running list and the per-step
+token budget; decides which requests compute how many tokens each step, preempts when the KV
+cache is full, applies the stop conditions that need no text, and drains the step's KV events.
+Imports no torch."""
 
 from __future__ import annotations
 
@@ -36,6 +31,9 @@ class Scheduler:
 
     With `tiers`, a request whose prefix continues in a lower tier is admitted LOADING: it
     holds its blocks, takes no token budget, and joins the running list once its load ends.
+
+    There are no prefill/decode phases: every request has `num_computed_tokens` catching up to
+    `num_tokens` under the token budget, which gives chunked prefill and prefix-cache skips.
     """
 
     def __init__(

@@ -1,11 +1,4 @@
-"""Requests whose cached prefix continues below the device: admitted LOADING those blocks.
-
-A request whose device hit is followed by blocks that a lower tier (host memory, disk) holds
-is given device blocks for them at once and waits, taking no token budget, while the tiers
-copy the blocks in the background; other requests keep running. When the load ends, the
-loaded blocks join the prefix cache as ordinary cached blocks and the request runs from the
-first block not loaded: a failed load costs computation, never wrong KV. Imports no torch.
-"""
+"""Requests whose cached prefix continues below the device: admitted LOADING those blocks."""
 
 from __future__ import annotations
 
@@ -43,7 +36,14 @@ class TierLoader(Protocol):
 
 
 class TierLoads:
-    """The LOADING requests, with the tier of each block they load."""
+    """The LOADING requests, with the tier of each block they load.
+
+    A request whose device hit is followed by blocks that a lower tier (host memory, disk) holds
+    is given device blocks for them at once and waits, taking no token budget, while the tiers
+    copy the blocks in the background; other requests keep running. When the load ends, the
+    loaded blocks join the prefix cache as ordinary cached blocks and the request runs from the
+    first block not loaded: a failed load costs computation, never wrong KV. Imports no torch.
+    """
 
     def __init__(self, tiers: TierLoader, kv_cache_manager: KVCacheManager) -> None:
         self.tiers = tiers

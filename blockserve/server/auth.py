@@ -1,10 +1,7 @@
-"""API keys: which requests must show one, which key a request showed, and the cache salt a
-key implies.
-
-With keys configured every route but `/health` needs `Authorization: Bearer <key>` (and
+"""API keys: which requests must show one, which key a request showed, and the cache salt a key
+implies. With keys configured every route but `/health` needs `Authorization: Bearer <key>` (and
 `/metrics` too unless it is opened explicitly). Keys are compared in constant time, every key
-every time, so the answer's timing says nothing about which key nearly matched.
-"""
+every time, so the answer's timing says nothing about which key nearly matched."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
 """Draining on SIGTERM: refuse new work at once, let running requests finish until a deadline,
-then end what is left with an error its client can read.
-
-`Drain` counts the runs in flight (server/http_run.py registers each) and holds two flags: whether a
-drain has begun (new requests and /health answer 503 from then on) and whether its deadline has
-passed (running requests then end with a 503 error: an SSE error event, or a JSON body).
-"""
+then end what is left with an error its client can read."""
 
 from __future__ import annotations
 
@@ -29,7 +24,13 @@ class Expirable(Protocol):
 
 
 class Drain:
-    """The server's shutdown state; all methods run on the event loop."""
+    """The server's shutdown state; all methods run on the event loop.
+
+    `Drain` counts the runs in flight (server/http_run.py registers each) and holds two flags:
+    whether a drain has begun (new requests and /health answer 503 from then on) and whether its
+    deadline has passed (running requests then end with a 503 error: an SSE error event, or a
+    JSON body).
+    """
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s

@@ -1,10 +1,5 @@
 """One HTTP request's engine requests, driven as one: submitted together, merged into one
-stream of outputs, aborted together when the client leaves, and rendered as SSE.
-
-`HttpRun` fans a request's prompts out to the engine client and back in; `final_outputs` drives it
-to the end for a JSON answer (watching for a disconnect); `stream_response` turns it into an
-event stream whose closing aborts what still runs.
-"""
+stream of outputs, aborted together when the client leaves, and rendered as SSE."""
 
 from __future__ import annotations
 
@@ -86,6 +81,10 @@ class HttpRun:
     `request_id` is the response's `id`: the client's label if it gave one, echoed and never
     used as a key. The engine knows the run by ids made here, unique to it, so two clients
     with one label get their own outputs, and no answer says whether a label is in use.
+
+    `HttpRun` fans a request's prompts out to the engine client and back in; `final_outputs`
+    drives it to the end for a JSON answer (watching for a disconnect); `stream_response` turns
+    it into an event stream whose closing aborts what still runs.
     """
 
     def __init__(self, ctx: ServingContext, request_id: str, prompts: list[Prompt]) -> None:

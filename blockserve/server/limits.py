@@ -1,10 +1,6 @@
 """Request-body limits: a body larger than `--max-request-body-bytes` is refused with 413
 before it is read, whether it declares its length or streams it in chunks; a body whose next
-chunk does not come within `--body-timeout` is refused with 408.
-
-A pure ASGI middleware, so nothing buffers the body before the count: a declared length is
-checked first, a chunked body is counted as it arrives and abandoned at the limit.
-"""
+chunk does not come within `--body-timeout` is refused with 408."""
 
 from __future__ import annotations
 
@@ -18,7 +14,11 @@ from blockserve.server.errors import error_response
 
 class BodySizeLimit:
     """Wraps an ASGI app; `max_bytes` bounds every HTTP request body, `timeout_s` each wait
-    for its next chunk (not the waits after it is whole: a stream's disconnect watch)."""
+    for its next chunk (not the waits after it is whole: a stream's disconnect watch).
+
+    A pure ASGI middleware, so nothing buffers the body before the count: a declared length is
+    checked first, a chunked body is counted as it arrives and abandoned at the limit.
+    """
 
     def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float = 30.0) -> None:
         self.app = app

@@ -1,9 +1,7 @@
-"""Prometheus metrics (vLLM's names under `blockserve:`) and the periodic stats log line.
-
-Engine state (running/waiting requests, KV usage, prefix-cache and token counters) is read
-from the engine at scrape time; per-request latencies are observed by the server as requests
-finish. Each app has its own registry: nothing is global.
-"""
+"""Prometheus metrics (vLLM's names under `blockserve:`) and the periodic stats log line. Engine
+state (running/waiting requests, KV usage, prefix-cache and token counters) is read from the
+engine at scrape time; per-request latencies are observed by the server as requests finish. Each
+app has its own registry: nothing is global."""
 
 from __future__ import annotations
 

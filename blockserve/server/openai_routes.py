@@ -1,9 +1,7 @@
-"""`/v1/completions` and `/v1/chat/completions`: requests in, engine streams out.
-
-Each prompt becomes one engine request (its `n` samples inside it). Non-streaming handlers
-watch for a client disconnect and abort; streaming handlers abort when the response stream is
-closed. Validation and refusal errors surface before any byte of a stream is sent.
-"""
+"""`/v1/completions` and `/v1/chat/completions`: requests in, engine streams out. Each prompt
+becomes one engine request (its `n` samples inside it). Non-streaming handlers watch for a client
+disconnect and abort; streaming handlers abort when the response stream is closed. Validation and
+refusal errors surface before any byte of a stream is sent."""
 
 from __future__ import annotations
 

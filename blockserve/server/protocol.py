@@ -1,14 +1,4 @@
-"""OpenAI-compatible request models (pydantic), with vLLM's extra fields.
-
-Field names and defaults follow OpenAI's API; the extras are vLLM's (`cache_salt`, `priority`,
-`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`,
-`skip_special_tokens`, `include_stop_str_in_output`, `request_id`, `return_token_ids`,
-`structured_outputs`). Validation failures become 400 errors in OpenAI's shape (see errors.py).
-Unknown fields are ignored, as OpenAI does, but a field OpenAI or vLLM defines that blockserve
-does not implement is a 400 naming it when set, never silently dropped. Types are strict, as
-the OpenAPI document states them: `"n": "2"`, `"max_tokens": 16.0` or `"stream": "true"` are
-400s, not quietly converted (a float field takes an integer).
-"""
+"""OpenAI-compatible request models (pydantic), with vLLM's extra fields."""
 
 from __future__ import annotations
 
@@ -29,6 +19,15 @@ from blockserve.server.constraints import (
     ToolChoice,
     refuse_unsupported,
 )
+
+# Field names and defaults follow OpenAI's API; the extras are vLLM's (`cache_salt`, `priority`,
+# `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`,
+# `skip_special_tokens`, `include_stop_str_in_output`, `request_id`, `return_token_ids`,
+# `structured_outputs`). Validation failures become 400 errors in OpenAI's shape (see errors.py).
+# Unknown fields are ignored, as OpenAI does, but a field OpenAI or vLLM defines that blockserve
+# does not implement is a 400 naming it when set, never silently dropped. Types are strict, as the
+# OpenAPI document states them: `"n": "2"`, `"max_tokens": 16.0` or `"stream": "true"` are 400s,
+# not quietly converted (a float field takes an integer).
 
 
 class StreamOptions(Body):

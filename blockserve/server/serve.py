@@ -1,14 +1,6 @@
-"""Running the server: bind the port, build the engine, serve until a signal.
-
-The port is bound before the model loads, so a taken port fails at once (exit 2, one line);
-uvicorn logs "Uvicorn running on ..." when it really accepts connections.
-
-SIGTERM drains first (server/drain.py): /health and new requests answer 503 while running
-requests get up to `--shutdown-timeout` to finish, then what is left ends with an error; only
-then does uvicorn shut down. SIGINT (or a second SIGTERM) is uvicorn's own: stop accepting,
-let in-flight requests finish for a few seconds, cancel the rest (which aborts them in the
-engine). Either way the app's lifespan then stops the engine thread and the event publisher.
-"""
+"""Running the server: bind the port, build the engine, serve until a signal. The port is bound
+before the model loads, so a taken port fails at once (exit 2, one line); uvicorn logs "Uvicorn
+running on ..." when it really accepts connections."""
 
 from __future__ import annotations
 
@@ -108,7 +100,15 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn's server, with a drain before the shutdown that the first SIGTERM starts."""
+    """uvicorn's server, with a drain before the shutdown that the first SIGTERM starts.
+
+    SIGTERM drains first (server/drain.py): /health and new requests answer 503 while running
+    requests get up to `--shutdown-timeout` to finish, then what is left ends with an error;
+    only then does uvicorn shut down. SIGINT (or a second SIGTERM) is uvicorn's own: stop
+    accepting, let in-flight requests finish for a few seconds, cancel the rest (which aborts
+    them in the engine). Either way the app's lifespan then stops the engine thread and the
+    event publisher.
+    """
 
     def __init__(self, drain: Drain, config: uvicorn.Config) -> None:
         super().__init__(config)

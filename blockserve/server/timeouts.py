@@ -1,8 +1,7 @@
-"""A deadline uvicorn does not set: a request's head (request line and headers) must arrive
-within `header_timeout_s` of the connection's start or of its previous response, else the
-connection is closed. A client that opens connections and sends nothing, or a byte at a time,
-holds none of them for longer. (Idle keep-alive connections close after uvicorn's
-`timeout_keep_alive`; a slow body is server/limits.py's.)"""
+"""A deadline uvicorn does not set: a request's head must arrive within `header_timeout_s` of
+the connection's start or of its previous response, else the connection is closed, so a client
+sending nothing (or a byte at a time) holds no connection longer. Idle keep-alive connections
+close after uvicorn's `timeout_keep_alive`; a slow body is server/limits.py's."""
 
 from __future__ import annotations
 

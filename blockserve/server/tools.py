@@ -1,16 +1,4 @@
-"""Tool calling on `/v1/chat/completions`: `tools` and `tool_choice`, enforced by the grammar.
-
-`tool_choice: "required"` constrains the output to a JSON array of one or more calls, each
-`{"name": <one of the tools>, "parameters": <that tool's schema>}`; a named function constrains
-it to that function's arguments. Either way the output parses by construction, and the reply
-carries OpenAI's `tool_calls` (with `finish_reason: "tool_calls"` for "required", and "stop"
-for a named function, as OpenAI and vLLM answer). `"none"` generates text. `"auto"` (OpenAI's
-default once tools are given) lets the model choose, and reads its calls out of its text in the
-model's own format: it needs `--enable-auto-tool-choice --tool-call-parser hermes` (vLLM's
-flags; the hermes format, `<tool_call>{"name": ..., "arguments": ...}</tool_call>`, is the one
-Qwen2.5, Hermes and many others are trained on), and without them is a 400 naming
-`tool_choice`, as vLLM answers.
-"""
+"""Tool calling on `/v1/chat/completions`: `tools` and `tool_choice`, enforced by the grammar."""
 
 from __future__ import annotations
 
@@ -29,7 +17,19 @@ _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 @dataclass(frozen=True)
 class ToolPlan:
-    """What a chat request's tools ask of generation and of the reply."""
+    """What a chat request's tools ask of generation and of the reply.
+
+    `tool_choice: "required"` constrains the output to a JSON array of one or more calls, each
+    `{"name": <one of the tools>, "parameters": <that tool's schema>}`; a named function
+    constrains it to that function's arguments. Either way the output parses by construction,
+    and the reply carries OpenAI's `tool_calls` (with `finish_reason: "tool_calls"` for
+    "required", and "stop" for a named function, as OpenAI and vLLM answer). `"none"` generates
+    text. `"auto"` (OpenAI's default once tools are given) lets the model choose, and reads its
+    calls out of its text in the model's own format: it needs `--enable-auto-tool-choice
+    --tool-call-parser hermes` (vLLM's flags; the hermes format, `<tool_call>{"name": ...,
+    "arguments": ...}</tool_call>`, is the one Qwen2.5, Hermes and many others are trained on),
+    and without them is a 400 naming `tool_choice`, as vLLM answers.
+    """
 
     mode: str  # "none", "required", "named" or "auto"
     function: str | None = None  # the named function

@@ -1,19 +1,7 @@
-"""Eviction policies: which free cached block the pool hands out (and so evicts) next.
-
-A policy owns the free blocks' order. Every policy keeps the pool's invariants: only free
-blocks (ref_cnt 0) are ever handed out, unhashed free blocks go before any cached one, and
-among blocks freed together (a request's, tail-first) the deeper block goes first on ties.
-
-- `lru` — `FreeBlockQueue` itself: least recently freed first. The default, and no slower.
-- `lfu`, `priority`, `tlru` — ordered by a key (keyed.py): fewest hits; the least urgent
-  request's blocks; Tail-Optimized LRU's blocks that cannot help a next turn's tail latency.
-- `slru` — segmented LRU: blocks never hit since cached sit in a probationary segment and go
-  first; blocks hit at least once sit in a protected segment (at most 80% of the pool).
-- `ghost` — blockserve's admission-aware policy for traces where most blocks are used once:
-  like slru, a new block waits in probation and is evicted before any block that was hit; the
-  hashes of recently evicted blocks are remembered (a ghost list as long as the pool), and a
-  block cached again under a remembered hash — it came back — enters protected directly.
-"""
+"""Eviction policies: which free cached block the pool hands out (and so evicts) next. A policy owns
+the free blocks' order. Every policy keeps the pool's invariants: only free blocks (ref_cnt 0)
+are ever handed out, unhashed free blocks go before any cached one, and among blocks freed
+together (a request's, tail-first) the deeper block goes first on ties."""
 
 from __future__ import annotations
 
@@ -30,6 +18,16 @@ from blockserve.core.eviction.keyed import (
 from blockserve.core.eviction.segmented import GhostPolicy, SegmentedLRUPolicy
 from blockserve.core.free_queue import FreeBlockQueue, KVCacheBlock
 from blockserve.errors import InvalidConfigError
+
+# - `lru` — `FreeBlockQueue` itself: least recently freed first. The default, and no slower.
+# - `lfu`, `priority`, `tlru` — ordered by a key (keyed.py): fewest hits; the least urgent
+#   request's blocks; Tail-Optimized LRU's blocks that cannot help a next turn's tail latency.
+# - `slru` — segmented LRU: blocks never hit since cached sit in a probationary segment and go
+#   first; blocks hit at least once sit in a protected segment (at most 80% of the pool).
+# - `ghost` — blockserve's admission-aware policy for traces where most blocks are used once:
+#   like slru, a new block waits in probation and is evicted before any block that was hit; the
+#   hashes of recently evicted blocks are remembered (a ghost list as long as the pool), and a
+#   block cached again under a remembered hash — it came back — enters protected directly.
 
 EVICTION_POLICIES = ("lru", "lfu", "slru", "ghost", "priority", "tlru")
 

@@ -1,16 +1,4 @@
-"""Policies that order free cached blocks by a key, least recently freed first among equals.
-
-- `lfu` — fewest hits first.
-- `priority` — the block of the least urgent request first: a freed block carries the
-  `priority` of the request that last let go of it, and the largest value (the scheduler serves
-  small values first) is evicted first.
-- `tlru` — Tail-Optimized LRU (Zhang, Li, Moallemi and Peng, "Tail-Optimized Caching for LLM
-  Inference", arXiv:2510.15152). A conversation of L tokens whose next turn adds about q tokens
-  needs only its first L + q - xi tokens cached to keep that turn's uncached prefill within xi
-  tokens (the TTFT budget); blocks past that point cannot lift its tail latency, so they are
-  evicted first (all of a short conversation's blocks, the tail of a long one's), in LRU order,
-  and LRU takes over when none is left.
-"""
+"""Policies that order free cached blocks by a key, least recently freed first among equals."""
 
 from __future__ import annotations
 
@@ -34,7 +22,19 @@ class TailLRUConfig:
 
 class KeyedPolicy(HitTracking):
     """Smallest `_key(block)` first, taken when the block is freed; ties by least recently
-    freed, so a request's deeper block first."""
+    freed, so a request's deeper block first.
+
+    - `lfu` — fewest hits first.
+    - `priority` — the block of the least urgent request first: a freed block carries the
+      `priority` of the request that last let go of it, and the largest value (the scheduler serves
+      small values first) is evicted first.
+    - `tlru` — Tail-Optimized LRU (Zhang, Li, Moallemi and Peng, "Tail-Optimized Caching for LLM
+      Inference", arXiv:2510.15152). A conversation of L tokens whose next turn adds about q tokens
+      needs only its first L + q - xi tokens cached to keep that turn's uncached prefill within xi
+      tokens (the TTFT budget); blocks past that point cannot lift its tail latency, so they are
+      evicted first (all of a short conversation's blocks, the tail of a long one's), in LRU order,
+      and LRU takes over when none is left.
+    """
 
     def __init__(self, blocks: Sequence[KVCacheBlock], num_blocks: int) -> None:
         super().__init__(blocks, num_blocks)
