@@ -41,7 +41,12 @@ def option(
 ) -> Any:
     """A dataclass field with a default and an `Option` describing it."""
     return dataclasses.field(
-        default=default, metadata={"option": Option(help, choices, check, exclusive_group)}
+        default=default,
+        metadata={
+            "option": Option(
+                help=help, choices=choices, check=check, exclusive_group=exclusive_group
+            )
+        },
     )
 
 

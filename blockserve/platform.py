@@ -74,7 +74,9 @@ def probe_host(device: torch.device) -> HostCapabilities:
         bf16 = torch.cuda.is_bf16_supported()
         return HostCapabilities("cuda", platform.machine(), isa, cuda_bf16=bf16, threads=threads)
     flags = frozenset(name for name, value in torch.cpu.get_capabilities().items() if value is True)
-    return HostCapabilities("cpu", platform.machine(), isa, flags, threads=threads)
+    return HostCapabilities(
+        device="cpu", machine=platform.machine(), isa=isa, cpu_flags=flags, threads=threads
+    )
 
 
 def warn_if_slow(dtype: torch.dtype, capabilities: HostCapabilities) -> None:

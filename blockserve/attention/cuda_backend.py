@@ -62,16 +62,23 @@ class CudaAttentionBackend:
         decode_rows, decode_tokens = split.decode_rows, split.decode_tokens
         prefills = all_prefill_plans(metadata, split)
         if not decode_rows:
-            return CudaAttentionPlan(metadata.slot_mapping, None, None, None, 0, prefills)
+            return CudaAttentionPlan(
+                slot_mapping=metadata.slot_mapping,
+                decode_token_indices=None,
+                decode_block_tables=None,
+                decode_seq_lens=None,
+                max_decode_len=0,
+                prefills=prefills,
+            )
         device = metadata.slot_mapping.device
         rows = torch.tensor(decode_rows, device=device)
         return CudaAttentionPlan(
-            metadata.slot_mapping,
-            torch.tensor(decode_tokens, device=device),
-            metadata.block_tables[rows].contiguous(),
-            metadata.seq_lens[rows].contiguous(),
-            max(metadata.seq_lens_cpu[r] for r in decode_rows),
-            prefills,
+            slot_mapping=metadata.slot_mapping,
+            decode_token_indices=torch.tensor(decode_tokens, device=device),
+            decode_block_tables=metadata.block_tables[rows].contiguous(),
+            decode_seq_lens=metadata.seq_lens[rows].contiguous(),
+            max_decode_len=max(metadata.seq_lens_cpu[r] for r in decode_rows),
+            prefills=prefills,
         )
 
     def forward(

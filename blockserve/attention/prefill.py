@@ -40,7 +40,9 @@ def prefix_prefill_plan(metadata: AttentionMetadata, row: int, token_start: int)
     # Query i sits at absolute position num_cached + i and sees keys 0..that position.
     query_pos = torch.arange(seq_len - query_len, seq_len, device=device)
     mask = torch.arange(seq_len, device=device)[None, :] <= query_pos[:, None]
-    return PrefillPlan(token_start, token_start + query_len, slots, mask)
+    return PrefillPlan(
+        token_start=token_start, token_end=token_start + query_len, context_slots=slots, mask=mask
+    )
 
 
 def attend_prefills(

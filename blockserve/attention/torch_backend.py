@@ -59,7 +59,9 @@ class BatchSplit(NamedTuple):
 
 
 def split_batch(metadata: AttentionMetadata) -> BatchSplit:
-    split = BatchSplit([], [], [], [], [])
+    split = BatchSplit(
+        decode_rows=[], decode_tokens=[], fresh_prefills=[], prefix_rows=[], prefix_token_starts=[]
+    )
     token_start = 0
     for row, (query_len, seq_len) in enumerate(
         zip(metadata.query_lens_cpu, metadata.seq_lens_cpu, strict=True)
@@ -70,7 +72,12 @@ def split_batch(metadata: AttentionMetadata) -> BatchSplit:
             split.decode_tokens.append(token_start)
         elif num_cached == 0:
             split.fresh_prefills.append(
-                PrefillPlan(token_start, token_start + query_len, None, None)
+                PrefillPlan(
+                    token_start=token_start,
+                    token_end=token_start + query_len,
+                    context_slots=None,
+                    mask=None,
+                )
             )
         else:
             split.prefix_rows.append(row)
@@ -141,10 +148,16 @@ class TorchAttentionBackend:
                 if row not in shared_rows
             )
             return TorchAttentionPlan(
-                metadata.slot_mapping, decode, (*split.fresh_prefills, *alone), shared
+                slot_mapping=metadata.slot_mapping,
+                decode=decode,
+                prefills=(*split.fresh_prefills, *alone),
+                shared_prefix=shared,
             )
         return TorchAttentionPlan(
-            metadata.slot_mapping, decode, all_prefill_plans(metadata, split), None
+            slot_mapping=metadata.slot_mapping,
+            decode=decode,
+            prefills=all_prefill_plans(metadata, split),
+            shared_prefix=None,
         )
 
     def _plan_decodes(

@@ -140,11 +140,11 @@ def plan_launch(
     elif num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
     return LaunchShape(
-        block_m,
-        block_q,
-        torch.tensor(tile_seq, dtype=torch.int32, device=device),
-        torch.tensor(tile_offset, dtype=torch.int32, device=device),
-        num_splits,
+        block_m=block_m,
+        block_q=block_q,
+        tile_seq=torch.tensor(tile_seq, dtype=torch.int32, device=device),
+        tile_offset=torch.tensor(tile_offset, dtype=torch.int32, device=device),
+        num_splits=num_splits,
     )
 
 

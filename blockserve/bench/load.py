@@ -92,12 +92,12 @@ async def one_request(
     ttft = (arrivals[0] if arrivals else end) - start
     itls = [b - a for a, b in itertools.pairwise(arrivals)]
     result = RequestResult(
-        ttft,
-        itls,
-        end - start,
-        usage.get("prompt_tokens", len(prompt)),
-        usage.get("completion_tokens", 0),
-        usage.get("prompt_tokens_details", {}).get("cached_tokens", 0),
+        ttft=ttft,
+        itls=itls,
+        e2e=end - start,
+        prompt_tokens=usage.get("prompt_tokens", len(prompt)),
+        output_tokens=usage.get("completion_tokens", 0),
+        cached_tokens=usage.get("prompt_tokens_details", {}).get("cached_tokens", 0),
     )
     return result, answer
 

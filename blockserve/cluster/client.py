@@ -35,21 +35,21 @@ class ClusterEngineClient(PoolTokenizing):
     def __init__(self, replicas: DeploymentHandle, front: FrontEnd, tokenizer_workers: int) -> None:
         self.replicas = replicas.options(stream=True)
         processor = InputProcessor(
-            front.tokenizer,
-            front.vocab_size,
-            front.max_model_len,
-            front.scheduling_policy,
-            front.max_n,
-            front.max_bytes_per_token,
+            tokenizer=front.tokenizer,
+            vocab_size=front.vocab_size,
+            max_model_len=front.max_model_len,
+            scheduling_policy=front.scheduling_policy,
+            max_n=front.max_n,
+            max_bytes_per_token=front.max_bytes_per_token,
         )
         self._tokenizers = TokenizerPool(processor, tokenizer_workers)
         self._model_info = ModelInfo(
-            front.model_name,
-            front.max_model_len,
-            front.vocab_size,
-            processor.tokenizer,
-            front.default_sampling,
-            {**front.runtime, "replicas": "ray-serve"},
+            name=front.model_name,
+            max_model_len=front.max_model_len,
+            vocab_size=front.vocab_size,
+            tokenizer=processor.tokenizer,
+            default_sampling=front.default_sampling,
+            runtime={**front.runtime, "replicas": "ray-serve"},
         )
         # request id -> the replica's response stream
         self._streams: dict[str, DeploymentResponseGenerator] = {}

@@ -85,7 +85,9 @@ class KVAwarePolicy:
             overlap = self.index(replica.replica_id).overlap(request.block_hashes, now)
             queued = self.queued.get(replica.replica_id, 0)
             value = self.prefix_weight * overlap - queued
-            scored.append(Score(replica.replica_id, overlap, queued, value))
+            scored.append(
+                Score(replica_id=replica.replica_id, overlap=overlap, queued=queued, value=value)
+            )
         return scored
 
     def rank(self, request: RouteRequest, replicas: Sequence[ReplicaLoad], now: float) -> list[str]:

@@ -86,16 +86,16 @@ class EngineReplica:
         processor = self.engine.engine.input_processor
         model_info = self.engine.model_info()
         self.front_end_info = FrontEnd(
-            model_info.name,
-            model_info.max_model_len,
-            model_info.vocab_size,
-            processor.tokenizer,
-            dict(model_info.default_sampling),
-            dict(model_info.runtime),
-            processor.scheduling_policy,
-            processor.max_n,
-            processor.max_bytes_per_token,
-            core.info.num_blocks,
+            model_name=model_info.name,
+            max_model_len=model_info.max_model_len,
+            vocab_size=model_info.vocab_size,
+            tokenizer=processor.tokenizer,
+            default_sampling=dict(model_info.default_sampling),
+            runtime=dict(model_info.runtime),
+            scheduling_policy=processor.scheduling_policy,
+            max_n=processor.max_n,
+            max_bytes_per_token=processor.max_bytes_per_token,
+            num_blocks=core.info.num_blocks,
         )
         logger.info("replica ready; KV events on %s", self.kv_events_endpoint)
 

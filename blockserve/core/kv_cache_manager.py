@@ -42,7 +42,12 @@ class KVCacheManager:
         tlru: TailLRUConfig | None = None,
     ) -> None:
         self.block_pool = BlockPool(
-            num_blocks, block_size, enable_caching, events, eviction_policy, tlru
+            num_blocks=num_blocks,
+            block_size=block_size,
+            enable_caching=enable_caching,
+            events=events,
+            eviction_policy=eviction_policy,
+            tlru=tlru,
         )
         self.block_size = block_size
         self.enable_caching = enable_caching

@@ -103,12 +103,12 @@ class AsyncEngine(PoolTokenizing):
         processor = engine.input_processor
         self._tokenizers = TokenizerPool(processor, tokenizer_workers)
         self._model_info = ModelInfo(
-            engine.core.info.model_name,
-            processor.max_model_len,
-            processor.vocab_size,
-            processor.tokenizer,
-            engine.default_sampling,
-            engine.core.info.runtime,
+            name=engine.core.info.model_name,
+            max_model_len=processor.max_model_len,
+            vocab_size=processor.vocab_size,
+            tokenizer=processor.tokenizer,
+            default_sampling=engine.default_sampling,
+            runtime=engine.core.info.runtime,
         )
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}

@@ -91,12 +91,12 @@ class EngineCore:
             recorder = KVEventRecorder(hash_format=events.hash_format)  # type: ignore[arg-type]
         cache = config.cache
         self.kv_cache_manager = KVCacheManager(
-            self.runner.num_blocks,
-            cache.block_size,
-            cache.enable_prefix_caching,
-            recorder,
-            cache.eviction_policy,
-            TailLRUConfig(cache.tlru_threshold_tokens, cache.tlru_next_prompt_tokens),
+            num_blocks=self.runner.num_blocks,
+            block_size=cache.block_size,
+            enable_caching=cache.enable_prefix_caching,
+            events=recorder,
+            eviction_policy=cache.eviction_policy,
+            tlru=TailLRUConfig(cache.tlru_threshold_tokens, cache.tlru_next_prompt_tokens),
         )
         self.miss_ratio_curve: MissRatioCurve | None = None
         if cache.enable_prefix_caching and cache.miss_ratio_samples:
@@ -113,10 +113,10 @@ class EngineCore:
             cache, self.runner, hasher, recorder.hash_format if recorder is not None else None
         )
         self.scheduler = Scheduler(
-            self.scheduler_config,
-            self.kv_cache_manager,
-            self.runner.eos_token_ids,
-            self.kv_tiers,
+            config=self.scheduler_config,
+            kv_cache_manager=self.kv_cache_manager,
+            eos_token_ids=self.runner.eos_token_ids,
+            tiers=self.kv_tiers,
         )
         self.info = CoreInfo(
             model_name=loaded.name,
@@ -141,12 +141,12 @@ class EngineCore:
         """Queue a validated sample (the core trusts it)."""
         keys = BlockKeyInputs(cache_salt=request.cache_salt, lora_name=request.lora_name)
         sample = Request(
-            request.request_id,
-            request.prompt_token_ids,
-            request.sampling_params,
-            self.block_hasher,
-            keys,
-            request.priority,
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling_params=request.sampling_params,
+            block_hasher=self.block_hasher,
+            hash_keys=keys,
+            priority=request.priority,
         )
         sample.explain_cache = request.explain_cache
         sample.group_id = request.group_id or request.request_id.request_id
@@ -198,7 +198,9 @@ class EngineCore:
         self.scheduler.finish_requests(list(runner_output.failed), RequestStatus.FINISHED_ERROR)
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
         self._publish_kv_events()
-        return EngineCoreOutputs(now, tuple(updates), started, runner_output.failed)
+        return EngineCoreOutputs(
+            timestamp=now, updates=tuple(updates), started=started, errors=runner_output.failed
+        )
 
     def stats(self) -> CoreStats:
         prefix = self.kv_cache_manager.prefix_cache_stats

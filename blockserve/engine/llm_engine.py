@@ -127,12 +127,12 @@ def build_engine(config: EngineConfig) -> LLMEngine:
             ", ".join(f"{k}={v}" for k, v in defaults.items()),
         )
     processor = InputProcessor(
-        core.tokenizer,
-        info.vocab_size,
-        info.max_model_len,
-        config.scheduler.policy,
-        config.scheduler.max_n,
-        longest_token_bytes(core.tokenizer, info.vocab_size),
-        core.runner.grammar,
+        tokenizer=core.tokenizer,
+        vocab_size=info.vocab_size,
+        max_model_len=info.max_model_len,
+        scheduling_policy=config.scheduler.policy,
+        max_n=config.scheduler.max_n,
+        max_bytes_per_token=longest_token_bytes(core.tokenizer, info.vocab_size),
+        grammar=core.runner.grammar,
     )
     return LLMEngine(core, processor, defaults)

@@ -177,7 +177,9 @@ class OutputProcessor:
         sample.token_ids.extend(update.new_token_ids)
         if sample.logprobs is not None and update.logprobs is not None:
             lp = update.logprobs
-            sample.logprobs.append(Logprob(lp.token_id, lp.logprob, lp.rank, dict(lp.top)))
+            sample.logprobs.append(
+                Logprob(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank, top=dict(lp.top))
+            )
         stop = sample.detokenizer.update(list(update.new_token_ids))
         stopped_here = stop is not None and not update.status.is_finished
         if stopped_here:
@@ -210,10 +212,10 @@ class OutputProcessor:
             ),
             finished=state.finished,
             metrics=RequestMetrics(
-                state.arrival_time,
-                state.first_scheduled_time,
-                state.first_token_time,
-                state.finished_time,
+                arrival_time=state.arrival_time,
+                first_scheduled_time=state.first_scheduled_time,
+                first_token_time=state.first_token_time,
+                finished_time=state.finished_time,
             ),
             error=state.error,
             cache_explanation=state.cache_explanation,

@@ -37,7 +37,11 @@ def create_kv_tiers(
     loaded = runner.loaded
     arch = loaded.arch
     shape = BlockShape(
-        arch.num_layers, cache.block_size, arch.num_kv_heads, arch.head_dim, loaded.dtype
+        num_layers=arch.num_layers,
+        block_size=cache.block_size,
+        num_kv_heads=arch.num_kv_heads,
+        head_dim=arch.head_dim,
+        dtype=loaded.dtype,
     )
     tiers = []
     if cache.kv_offloading_bytes:
@@ -66,10 +70,10 @@ def create_kv_tiers(
     if not tiers:
         return None, directory
     kv_tiers = KVTiers(
-        tiers,
-        runner.kv_caches,
-        cache.block_size,
-        events_hash_format,
+        tiers=tiers,
+        kv_caches=runner.kv_caches,
+        block_size=cache.block_size,
+        events_hash_format=events_hash_format,
         on_write=runner.backend.forget_kv,
     )
     return kv_tiers, directory

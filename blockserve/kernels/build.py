@@ -48,29 +48,48 @@ class Library:
 
 
 F32_FLAGS = ("-mavx2", "-mfma", "-ffp-contract=off")
+BF16_TARGET = Target(
+    name="bf16",
+    isa="avx512-bf16",
+    # AMX is used only where the CPU has it
+    flags=("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma",
+           "-mamx-tile", "-mamx-bf16"),
+    needs=("avx512_bf16",),
+    namespace="blockserve_cpu",
+)  # fmt: skip
+# The f32 attention and product kernels compute on sixteen lanes where the CPU has AVX-512F.
+F32_TARGETS = (
+    Target(
+        name="f32_avx512",
+        isa="avx512",
+        flags=(*F32_FLAGS, "-mavx512f", "-DBLOCKSERVE_F32_OPS=blockserve_cpu_f32_avx512"),
+        needs=("avx2", "fma3", "avx512_f"),
+        namespace="blockserve_cpu_f32_avx512",
+    ),
+    Target(
+        name="f32",
+        isa="avx2",
+        flags=(*F32_FLAGS, "-DBLOCKSERVE_F32_OPS=blockserve_cpu_f32"),
+        needs=("avx2", "fma3"),
+        namespace="blockserve_cpu_f32",
+    ),
+)
 LIBRARIES = {
     library.dtype: library
     for library in (
         Library(
-            "bf16", torch.bfloat16,
-            ("attention_bf16.cpp", "layer_ops_bf16.cpp", "linear_bf16.cpp",
-             "bf16.h", "exp2.h", "amx.h", "attention.h", "layer_ops.h"),
-            (Target("bf16", "avx512-bf16",
-                    ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
-                     "-mfma", "-mamx-tile", "-mamx-bf16"),  # AMX used only where the CPU has it
-                    ("avx512_bf16",), "blockserve_cpu"),),
+            name="bf16",
+            dtype=torch.bfloat16,
+            sources=("attention_bf16.cpp", "layer_ops_bf16.cpp", "linear_bf16.cpp", "bf16.h",
+                     "exp2.h", "amx.h", "attention.h", "layer_ops.h"),
+            targets=(BF16_TARGET,),
         ),
         Library(
-            "f32", torch.float32,
-            ("attention_f32.cpp", "layer_ops_f32.cpp", "linear_f32.cpp", "f32.h",
-             "exp2.h", "attention.h", "layer_ops.h"),
-            # The attention and product kernels compute on sixteen lanes where the CPU has
-            # AVX-512F.
-            (Target("f32_avx512", "avx512",
-                    (*F32_FLAGS, "-mavx512f", "-DBLOCKSERVE_F32_OPS=blockserve_cpu_f32_avx512"),
-                    ("avx2", "fma3", "avx512_f"), "blockserve_cpu_f32_avx512"),
-             Target("f32", "avx2", (*F32_FLAGS, "-DBLOCKSERVE_F32_OPS=blockserve_cpu_f32"),
-                    ("avx2", "fma3"), "blockserve_cpu_f32")),
+            name="f32",
+            dtype=torch.float32,
+            sources=("attention_f32.cpp", "layer_ops_f32.cpp", "linear_f32.cpp", "f32.h",
+                     "exp2.h", "attention.h", "layer_ops.h"),
+            targets=F32_TARGETS,
         ),
     )
 }  # fmt: skip

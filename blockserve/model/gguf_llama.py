@@ -104,7 +104,9 @@ def _parse(buffer: mmap.mmap) -> tuple[dict[str, Any], list[TensorInfo], int]:
     for _ in range(tensor_count):
         name = reader.string()
         dims = tuple(reader.scalar("Q") for _ in range(reader.scalar("I")))
-        tensors.append(TensorInfo(name, dims, reader.scalar("I"), reader.scalar("Q")))
+        tensors.append(
+            TensorInfo(name=name, dims=dims, qtype=reader.scalar("I"), offset=reader.scalar("Q"))
+        )
     alignment = metadata.get("general.alignment", 32)
     return metadata, tensors, -(-reader.at // alignment) * alignment
 

@@ -165,7 +165,10 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config, backend)
         self.rotary = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+            head_dim=config.head_dim,
+            max_positions=config.max_position_embeddings,
+            theta=config.rope_theta,
+            scaling=config.rope_scaling,
         )
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.kernels = CpuKernels()  # ours, once the runner's are handed in; else torch's

@@ -248,7 +248,14 @@ def load_model(
     llama = _load_weights(model_dir, arch, backend, torch_dtype, device)
     tokenizer = load_tokenizer(model_dir, cache_dir)
     name = DEFAULT_MODEL_NAME if model is None else Path(model).name.removesuffix(".gguf")
-    return LoadedModel(llama, tokenizer, arch, model_dir, name, torch_dtype)
+    return LoadedModel(
+        model=llama,
+        tokenizer=tokenizer,
+        arch=arch,
+        model_dir=model_dir,
+        name=name,
+        dtype=torch_dtype,
+    )
 
 
 def _load_weights(

@@ -187,7 +187,13 @@ class Sampler:
         # they are (widening bf16 to float32 is exact, so its argmax is the same); every other
         # computes in float32.
         if batch.argmax_only:
-            return SamplerOutput(argmax(logits, self.kernels), None, None, None, None)
+            return SamplerOutput(
+                token_ids=argmax(logits, self.kernels),
+                logprobs=None,
+                ranks=None,
+                top_ids=None,
+                top_logprobs=None,
+            )
         logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if batch.num_logprobs is not None else None
         if batch.banned is not None:
@@ -204,12 +210,20 @@ class Sampler:
             drawn = self._draw(probs, batch)
             token_ids = torch.where(batch.temperature == 0, greedy_ids, drawn)
         if raw_logprobs is None:
-            return SamplerOutput(token_ids, None, None, None, None)
+            return SamplerOutput(
+                token_ids=token_ids, logprobs=None, ranks=None, top_ids=None, top_logprobs=None
+            )
         assert batch.num_logprobs is not None
         chosen = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
         ranks = (raw_logprobs > chosen.unsqueeze(1)).sum(dim=-1) + 1
         top_logprobs, top_ids = raw_logprobs.topk(batch.num_logprobs, dim=-1)
-        return SamplerOutput(token_ids, chosen, ranks, top_ids, top_logprobs)
+        return SamplerOutput(
+            token_ids=token_ids,
+            logprobs=chosen,
+            ranks=ranks,
+            top_ids=top_ids,
+            top_logprobs=top_logprobs,
+        )
 
     def _draw(self, probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Sample each row of `probs` by an exponential race: argmax(p / E), E ~ Exp(1)."""

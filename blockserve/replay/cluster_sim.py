@@ -138,19 +138,19 @@ def replay_cluster(
         query_tokens += request.input_length
     ttfts.sort()
     return ClusterReplayResult(
-        policy.name,
-        shape.num_replicas,
-        capacity,
-        len(trace),
-        num_skipped,
-        hit_tokens,
-        query_tokens,
-        tuple(r.num_requests for r in replicas),
-        tuple(r.computed_tokens for r in replicas),
-        _quantile(ttfts, 0.5),
-        _quantile(ttfts, 0.9),
-        route_seconds,
-        time.perf_counter() - started,
+        router=policy.name,
+        num_replicas=shape.num_replicas,
+        capacity_blocks=capacity,
+        num_requests=len(trace),
+        num_skipped=num_skipped,
+        hit_tokens=hit_tokens,
+        query_tokens=query_tokens,
+        requests_per_replica=tuple(r.num_requests for r in replicas),
+        computed_tokens_per_replica=tuple(r.computed_tokens for r in replicas),
+        ttft_p50_s=_quantile(ttfts, 0.5),
+        ttft_p90_s=_quantile(ttfts, 0.9),
+        route_seconds=route_seconds,
+        seconds=time.perf_counter() - started,
     )
 
 
@@ -181,7 +181,9 @@ def _feed_events(policy: RoutingPolicy, replica: _Replica, now: float) -> None:
 
 def _new_replica(replica_id: str, capacity: int, block_size: int) -> _Replica:
     recorder = KVEventRecorder()
-    manager = KVCacheManager(capacity + 1, block_size, True, recorder)
+    manager = KVCacheManager(
+        num_blocks=capacity + 1, block_size=block_size, enable_caching=True, events=recorder
+    )
     return _Replica(replica_id, manager, recorder)
 
 

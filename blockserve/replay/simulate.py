@@ -91,16 +91,16 @@ class _Tally:
         self, policy: str, capacity: int | None, num_requests: int, evictions: int
     ) -> ReplayResult:
         return ReplayResult(
-            policy,
-            capacity,
-            num_requests,
-            self.num_skipped,
-            self.hit_tokens,
-            self.query_tokens,
-            self.hit_blocks,
-            self.query_blocks,
-            evictions,
-            time.perf_counter() - self.started,
+            policy=policy,
+            capacity_blocks=capacity,
+            num_requests=num_requests,
+            num_skipped=self.num_skipped,
+            hit_tokens=self.hit_tokens,
+            query_tokens=self.query_tokens,
+            hit_blocks=self.hit_blocks,
+            query_blocks=self.query_blocks,
+            evictions=evictions,
+            seconds=time.perf_counter() - self.started,
         )
 
 
@@ -136,7 +136,13 @@ def replay_policy(
     to `curve` (the online miss-ratio curve) when one is given."""
     if capacity < 1:
         raise InvalidConfigError(f"capacity must be at least 1 block, got {capacity}")
-    manager = KVCacheManager(capacity + 1, block_size, True, None, policy)
+    manager = KVCacheManager(
+        num_blocks=capacity + 1,
+        block_size=block_size,
+        enable_caching=True,
+        events=None,
+        eviction_policy=policy,
+    )
     if curve is not None:
         manager.track_miss_ratio(curve)
     tally = _Tally()

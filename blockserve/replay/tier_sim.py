@@ -97,7 +97,13 @@ def replay_tiers(
 ) -> TierReplayResult:
     """Hit tokens per tier over the trace (requests one at a time, as in simulate.py)."""
     device = capacities["device"]
-    manager = KVCacheManager(device + 1, block_size, True, None, policy)
+    manager = KVCacheManager(
+        num_blocks=device + 1,
+        block_size=block_size,
+        enable_caching=True,
+        events=None,
+        eviction_policy=policy,
+    )
     lower = {name: _LruTier(capacities[name]) for name in TIER_NAMES[1:]}
     hits = dict.fromkeys(TIER_NAMES, 0)
     query_tokens = skipped = 0
@@ -124,12 +130,12 @@ def replay_tiers(
                 tier.store(block_hash)
         query_tokens += request.input_length
     return TierReplayResult(
-        policy,
-        dict(capacities),
-        len(trace),
-        skipped,
-        query_tokens,
-        {name: blocks * block_size for name, blocks in hits.items()},
+        policy=policy,
+        capacities=dict(capacities),
+        num_requests=len(trace),
+        num_skipped=skipped,
+        query_tokens=query_tokens,
+        hit_tokens={name: blocks * block_size for name, blocks in hits.items()},
     )
 
 

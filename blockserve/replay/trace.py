@@ -47,10 +47,10 @@ def load_trace(path: str | Path) -> list[TraceRequest]:
         try:
             row = json.loads(line)
             request = TraceRequest(
-                float(row["timestamp"]),
-                int(row["input_length"]),
-                int(row["output_length"]),
-                tuple(int(h) for h in row["hash_ids"]),
+                timestamp=float(row["timestamp"]),
+                input_length=int(row["input_length"]),
+                output_length=int(row["output_length"]),
+                hash_ids=tuple(int(h) for h in row["hash_ids"]),
             )
         except (ValueError, KeyError, TypeError) as exc:
             raise InvalidRequestError(f"{path}:{number}: not a trace record ({exc})") from None
@@ -90,10 +90,10 @@ def block_layouts(trace: Iterable[TraceRequest], block_size: int) -> list[BlockL
         ]
         layouts.append(
             BlockLayout(
-                tuple(prompt + outputs),
-                num_prompt,
-                (request.input_length - 1) // block_size,
-                -(-total // block_size),
+                block_hashes=tuple(prompt + outputs),
+                num_prompt_blocks=num_prompt,
+                num_hittable_blocks=(request.input_length - 1) // block_size,
+                num_blocks=-(-total // block_size),
             )
         )
     return layouts

@@ -77,11 +77,11 @@ def build_runner(
             sampler=Sampler(generator, kernels),
             kernels=kernels,
             grammar=GrammarCompiler(
-                loaded.tokenizer,
-                arch.vocab_size,
-                arch.eos_token_ids,
-                model_config.structured_outputs_max_whitespace,
-                model_config.structured_outputs_limits,
+                tokenizer=loaded.tokenizer,
+                vocab_size=arch.vocab_size,
+                eos_token_ids=arch.eos_token_ids,
+                max_whitespace=model_config.structured_outputs_max_whitespace,
+                limits=model_config.structured_outputs_limits,
             ),
         )
     )

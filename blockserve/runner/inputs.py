@@ -57,5 +57,8 @@ def prepare_inputs(
         block_size=block_size,
     )
     return ModelInputs(
-        input_ids.to(device), positions.to(device), metadata, sample_indices.to(device)
+        input_ids=input_ids.to(device),
+        positions=positions.to(device),
+        metadata=metadata,
+        sample_indices=sample_indices.to(device),
     )

@@ -101,8 +101,20 @@ class ModelRunner:
         prompt = (0,) * 16
         blocks = tuple(range(1, 1 + -(-(len(prompt) + 1) // self.block_size)))
         steps = (
-            ScheduledRequest("warm-up", prompt, 0, blocks, sample=False),
-            ScheduledRequest("warm-up", (0,), len(prompt), blocks, sample=False),
+            ScheduledRequest(
+                request_id="warm-up",
+                token_ids=prompt,
+                num_computed_tokens=0,
+                block_ids=blocks,
+                sample=False,
+            ),
+            ScheduledRequest(
+                request_id="warm-up",
+                token_ids=(0,),
+                num_computed_tokens=len(prompt),
+                block_ids=blocks,
+                sample=False,
+            ),
         )
         for step in steps:
             inputs = self.prepare_inputs(SchedulerOutput((step,)))
@@ -131,10 +143,10 @@ class ModelRunner:
                 generator = torch.Generator(device=self.device)
                 generator.manual_seed(new.sampling_params.seed)
             state = RequestState(
-                list(new.prompt_token_ids),
-                list(new.output_token_ids),
-                new.sampling_params,
-                generator,
+                prompt_token_ids=list(new.prompt_token_ids),
+                output_token_ids=list(new.output_token_ids),
+                params=new.sampling_params,
+                generator=generator,
             )
             constraint = new.sampling_params.structured_outputs
             if constraint is not None:
@@ -159,11 +171,11 @@ class ModelRunner:
                 banned = (*self.eos_token_ids, *state.params.stop_token_ids)
             rows.append(
                 SamplingRow(
-                    state.params,
-                    state.prompt_token_ids,
-                    state.output_token_ids,
-                    state.generator,
-                    banned,
+                    params=state.params,
+                    prompt_token_ids=state.prompt_token_ids,
+                    output_token_ids=state.output_token_ids,
+                    generator=state.generator,
+                    banned_token_ids=banned,
                 )
             )
         return rows
@@ -265,9 +277,9 @@ class ModelRunner:
                 if num_top is None or request_id not in sampled:
                     continue
                 logprobs[request_id] = TokenLogprobs(
-                    token_ids[row],
-                    chosen[row],
-                    ranks[row],
-                    tuple(zip(top_ids[row][:num_top], top_lps[row][:num_top], strict=True)),
+                    token_id=token_ids[row],
+                    logprob=chosen[row],
+                    rank=ranks[row],
+                    top=tuple(zip(top_ids[row][:num_top], top_lps[row][:num_top], strict=True)),
                 )
         return ModelRunnerOutput(sampled, logprobs, failed)

@@ -109,10 +109,10 @@ def create_request_queue(config: SchedulerConfig, kv_cache_manager: KVCacheManag
     if config.policy == "lpm":
         pool = kv_cache_manager.block_pool
         queue = LpmQueue(
-            pool.cached_block_hash_to_block.__contains__,
-            pool.block_size,
-            config.max_model_len,
-            config.lpm_aging_s,
+            is_cached=pool.cached_block_hash_to_block.__contains__,
+            block_size=pool.block_size,
+            max_model_len=config.max_model_len,
+            aging_s=config.lpm_aging_s,
         )
         pool.add_listener(queue)
         return queue

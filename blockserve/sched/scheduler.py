@@ -247,11 +247,11 @@ class Scheduler:
                 self._finish(request, status)
             updates.append(
                 RequestUpdate(
-                    request.request_id,
-                    (token_id,),
-                    request.status,
-                    runner_output.logprobs.get(request.request_id),
-                    request.stop_reason,
+                    request_id=request.request_id,
+                    new_token_ids=(token_id,),
+                    status=request.status,
+                    logprobs=runner_output.logprobs.get(request.request_id),
+                    stop_reason=request.stop_reason,
                 )
             )
         return updates

@@ -66,10 +66,10 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
         default_sampling=info.default_sampling,
         tool_call_parser=config.tool_call_parser if config.enable_auto_tool_choice else None,
         limits=RequestLimits(
-            config.max_prompts_per_request,
-            config.max_stop_strings,
-            config.max_stop_chars,
-            config.max_request_tokens,
+            max_prompts_per_request=config.max_prompts_per_request,
+            max_stop_strings=config.max_stop_strings,
+            max_stop_chars=config.max_stop_chars,
+            max_request_tokens=config.max_request_tokens,
         ),
     )
 

@@ -72,7 +72,12 @@ def plan_tools(body: ChatCompletionRequest, tool_call_parser: str | None = None)
                 f"tool_choice names {name!r}, which is not in tools", "tool_choice"
             )
         schema = chosen[0].parameters or _ANY_OBJECT
-        return ToolPlan("named", name, StructuredOutputsParams(json=schema), shapes)
+        return ToolPlan(
+            mode="named",
+            function=name,
+            constraint=StructuredOutputsParams(json=schema),
+            tools=shapes,
+        )
     calls = {
         "type": "array",
         "minItems": 1,

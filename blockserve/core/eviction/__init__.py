@@ -66,7 +66,12 @@ def create_free_block_policy(
     if name == "priority":
         return PriorityPolicy(blocks, num_blocks)
     if name == "tlru":
-        return TailLRUPolicy(blocks, num_blocks, block_size, tlru or TailLRUConfig())
+        return TailLRUPolicy(
+            blocks=blocks,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            config=tlru or TailLRUConfig(),
+        )
     raise InvalidConfigError(
         f"unknown eviction policy {name!r}; choose one of {', '.join(EVICTION_POLICIES)}"
     )
