@@ -10,11 +10,10 @@ bookkeeping against the model runner, to show what the control plane costs per s
 records each step's tokens and runner time (`runner_steps`).
 
     .venv/bin/blockserve bench offline [--workload shared-prefix random]
-    (or .venv/bin/python benchmarks/bench_offline.py, the same command)
-
         [--caching on off] [--requests 64] [--dtype auto|float32] [--compile] [--profile N]
-        [--max-tokens 32] [--paged-decode on|off] [--precached N] [--kv-written]
-        [--lazy-memory] [--out FILE]
+        [--max-tokens 32] [--paged-decode on|off] [--precached N] [--kv-written] [--out FILE]
+
+This script is the same command, plus `--lazy-memory` (a one-off: it patches the engine).
 
 `--paged-decode off` keeps our paged-decode kernel out (blockserve/kernels; torch's
 decode path serves), to profile the step without it. `--precached N` caches the first N
@@ -40,4 +39,14 @@ __all__ = ["make_prompts"]
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_arguments(parser)
-    sys.exit(run_command(parser.parse_args()))
+    parser.add_argument(
+        "--lazy-memory",
+        action="store_true",
+        help="no KV pages mapped in ahead, glibc's malloc limits as they are",
+    )
+    args = parser.parse_args()
+    if args.lazy_memory:  # the engine's runner then gets no page populator (0 blocks ahead)
+        from blockserve.engine import core as engine_core
+
+        engine_core.blocks_per_step = lambda *_: 0
+    sys.exit(run_command(args, {"lazy_memory": args.lazy_memory}))

@@ -11,8 +11,10 @@ import random
 import statistics
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import httpx
+if TYPE_CHECKING:
+    import httpx
 
 VOCAB_LOW, VOCAB_HIGH = 100, 40000
 
@@ -36,10 +38,11 @@ class Conversation:
 def shared_prefix_prompts(args: argparse.Namespace, rng: random.Random) -> list[list[int]]:
     prompts = []
     for _ in range(args.num_groups):
-        system = [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(args.system_len)]
+        system = [rng.randrange(VOCAB_LOW, args.max_token_id) for _ in range(args.system_len)]
         for _ in range(args.prompts_per_group):
             prompts.append(
-                system + [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(args.question_len)]
+                system
+                + [rng.randrange(VOCAB_LOW, args.max_token_id) for _ in range(args.question_len)]
             )
     rng.shuffle(prompts)
     return prompts
@@ -48,7 +51,7 @@ def shared_prefix_prompts(args: argparse.Namespace, rng: random.Random) -> list[
 def random_prompts(args: argparse.Namespace, rng: random.Random) -> list[list[int]]:
     length = args.system_len + args.question_len
     return [
-        [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(length)]
+        [rng.randrange(VOCAB_LOW, args.max_token_id) for _ in range(length)]
         for _ in range(args.num_prompts)
     ]
 
@@ -104,6 +107,8 @@ async def one_request(
 
 async def run_load(args: argparse.Namespace, url: str) -> tuple[list[RequestResult], float]:
     """`args.dataset` against `url`: every request's result, and the wall time of them all."""
+    import httpx
+
     rng = random.Random(args.seed)
     results: list[RequestResult] = []
     limits = httpx.Limits(max_connections=max(args.concurrency, 64))
@@ -133,7 +138,7 @@ async def converse(
     conversations = [
         Conversation(
             [
-                [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(args.question_len)]
+                [rng.randrange(VOCAB_LOW, args.max_token_id) for _ in range(args.question_len)]
                 for _ in range(args.turns)
             ]
         )

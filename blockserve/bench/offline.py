@@ -219,20 +219,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-written", action="store_true", help="write every KV cache page before the run"
     )
-    parser.add_argument(
-        "--lazy-memory",
-        action="store_true",
-        help="no KV pages mapped in ahead, glibc's malloc limits as they are",
-    )
 
 
-def run_command(args: argparse.Namespace) -> int:
+def run_command(args: argparse.Namespace, notes: dict[str, Any] | None = None) -> int:
+    """Every run `args` asks for, emitted as one JSON document (with `notes` added)."""
     from blockserve.bench.harness import emit
 
-    if args.lazy_memory:  # the engine's runner then gets no page populator (0 blocks ahead)
-        from blockserve.engine import core as engine_core
-
-        engine_core.blocks_per_step = lambda *_: 0
     runs = [
         run(
             OfflineRun(
@@ -256,7 +248,7 @@ def run_command(args: argparse.Namespace) -> int:
         "model": "SmolLM2-135M-Instruct",
         "dtype": args.dtype,
         "machine": platform.machine(),
-        "lazy_memory": args.lazy_memory,
+        **(notes or {}),
         "runs": runs,
     }
     for workload in args.workload:

@@ -9,6 +9,8 @@ import json
 import re
 from pathlib import Path
 
+from blockserve.bench.load import VOCAB_HIGH
+
 # Datasets (token-id prompts, so lengths are exact; `ignore_eos` makes outputs exact too):
 #   random         independent random prompts
 #   shared-prefix  G groups × P prompts: a per-group system prompt + a distinct question each
@@ -76,6 +78,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--request-rate", type=float, default=0.0, help="Poisson arrivals per s (0: --concurrency)"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--max-token-id",
+        type=int,
+        default=VOCAB_HIGH,
+        help="prompts draw token ids from [100, this): below the model's vocabulary size",
+    )
     parser.add_argument("--url", default=None, help="a running server (else one is started)")
     parser.add_argument(
         "--compare-caching", action="store_true", help="run with caching on and off"

@@ -55,3 +55,17 @@ def test_bench_vs_vllm_runs_the_checkouts_race(tiny_llama_dir: Path, tmp_path: P
     report = json.loads(out.read_text())
     assert list(report["workloads"]) == ["no-sharing"]
     assert report["workloads"]["no-sharing"]["blockserve"]["output_tokens"] == 2 * 32
+
+
+def test_bench_serve_drives_a_real_server(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """Two system prompts of 32 tokens (two whole blocks), two questions each, one client at a
+    time: each group's second request finds its system prompt cached, 2 × 32 tokens."""
+    server = f"--model {tiny_llama_dir} --dtype float32"
+    load = ["--dataset", "shared-prefix", "--num-groups", "2", "--prompts-per-group", "2"]
+    load += ["--system-len", "32", "--question-len", "8", "--output-len", "4"]
+    load += ["--concurrency", "1", "--max-token-id", "300", "--out-dir", str(tmp_path / "out")]
+    blockserve("bench", "serve", *load, "--server-args", server, cwd=tmp_path)
+    report = json.loads((tmp_path / "out" / "serving-shared-prefix.json").read_text())
+    run = report["runs"]["caching on"]
+    assert (run["requests"], run["cached_tokens_reported"]) == (4, 2 * 32)
+    assert len(run["ttft_samples_s"]) == 4 and report["cpu_flags"] == cpu_flags()
