@@ -35,12 +35,12 @@ build=$!
 
 echo "== device tests (at most 120 s)"
 # The device set: tests/gpu, the triton and torch backends on the device, shared-prefix
-# attention on torch's kernels, the sm_90 PTX check. Left to CI, which runs them on every
-# submission: the shared-prefix variants on our CPU kernels (they build every CPU kernel
+# attention on torch's kernels, the Triton layer operators, the sm_90 PTX check. Left to CI,
+# which runs them on every submission: the shared-prefix variants on our CPU kernels (they build every CPU kernel
 # library first), the triton AOT compile and the bindings' type check (neither needs a GPU),
 # and test_selector (it starts `blockserve serve`, whose web packages such a machine lacks).
 timeout 120 "$PY" -m pytest -q -p no:cacheprovider tests/gpu tests/attention/test_triton_backend.py \
-    tests/attention/test_torch_backend.py tests/attention/test_shared_prefix.py \
+    tests/attention/test_torch_backend.py tests/attention/test_shared_prefix.py tests/kernels \
     "tests/attention/test_csrc.py::test_kernels_compile_to_ptx_for_sm90" -k "not ours" \
     2>&1 | tee "$OUT/gpu_tests.txt" || true
 wait "$build" || true

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -22,6 +22,12 @@ MAX_DECODE_GROUP = 8  # query heads per KV head that paged_decode takes
 def fits_model(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether a model on `device` in `dtype` with `head_dim` would use our kernels."""
     return device.type == "cpu" and dtype in LIBRARIES and head_dim == HEAD_DIM
+
+
+class LayerOpsSource(Protocol):
+    """What a model asks each eager forward for its fused layer operators (None: torch's)."""
+
+    def layer_ops(self, hidden: torch.Tensor, head_dim: int) -> Any: ...
 
 
 @dataclass(slots=True)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockserve.attention.metadata import AttentionBackend
-from blockserve.kernels import CpuKernels
+from blockserve.kernels import CpuKernels, LayerOpsSource
 from blockserve.model.arch import LlamaArchConfig
 from blockserve.model.attention_op import attend
 from blockserve.model.rope import Rope, RotaryEmbedding, apply_rotary
@@ -171,7 +171,8 @@ class LlamaForCausalLM(nn.Module):
             scaling=config.rope_scaling,
         )
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.kernels = CpuKernels()  # ours, once the runner's are handed in; else torch's
+        # Our fused operators, once the runner builder hands its kernels in; else torch's.
+        self.kernels: LayerOpsSource = CpuKernels()
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

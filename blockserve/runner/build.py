@@ -100,8 +100,13 @@ def _start_cpu_kernels(
     arch: LlamaArchConfig,
     loaded: LoadedModel,
 ) -> None:
-    """Hand the model our CPU kernels, build or load their library on a thread (torch's
-    kernels serve meanwhile) and pack the weights for it once it is in."""
+    """Hand the model our kernels: on CUDA Triton's layer operators; on a CPU our library's,
+    built or loaded on a thread (torch's serve meanwhile), the weights packed once it is in."""
+    if device.type == "cuda":  # Triton's fused layer operators (compiled on first use)
+        from blockserve.kernels.triton_layer_ops import GpuKernels
+
+        loaded.model.kernels = GpuKernels()
+        return
     if not fits_model(device, dtype, arch.head_dim):
         return
     loaded.model.kernels = kernels
