@@ -23,17 +23,17 @@ MAX_SPLITS = 32
 
 @dataclass(frozen=True, slots=True)
 class KernelConfig:
-    """Launch parameters of the attention kernel. Initial choices, not yet tuned on a GPU
-    (benchmarks/bench_attention.py --sweep compares alternatives); CI compiles these for sm_90
-    and checks they pipeline the K/V loads without register spills."""
+    """Launch parameters of the attention kernel: the best of `bench_attention.py --sweep` on
+    an H200 for each shape class (docs/benchmarks/gpu.md; gpu_check.sh re-runs the sweep). CI
+    compiles these for sm_90 and checks they pipeline the K/V loads without register spills."""
 
     tile_n: int  # keys per loop iteration (64: four 16-token blocks)
     num_warps: int
     num_stages: int  # software pipelining depth of the K/V loads
 
 
-DECODE_CONFIG = KernelConfig(tile_n=64, num_warps=4, num_stages=3)
-PREFILL_CONFIG = KernelConfig(tile_n=64, num_warps=8, num_stages=3)
+DECODE_CONFIG = KernelConfig(tile_n=64, num_warps=4, num_stages=2)
+PREFILL_CONFIG = KernelConfig(tile_n=64, num_warps=4, num_stages=2)
 
 
 def kernel_config(block_m: int) -> KernelConfig:
