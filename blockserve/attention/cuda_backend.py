@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
+from blockserve.attention.batch_split import all_prefill_plans, split_batch
 from blockserve.attention.metadata import AttentionMetadata
 from blockserve.attention.prefill import PrefillPlan, attend_prefills
-from blockserve.attention.torch_backend import all_prefill_plans, split_batch
 from blockserve.errors import BackendUnavailableError
 from blockserve.kernels.sources import source_dir
 

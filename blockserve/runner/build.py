@@ -35,9 +35,7 @@ def build_runner(
 ) -> ModelRunner:
     """`kv_blocks_per_step`: the most never-used blocks a step can take; on a CPU their pages
     are mapped in ahead of the steps (page_mapping.py). 0: left to first writes."""
-    name = model_config.device
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
+    name = _device_name(model_config.device)
     device = torch.device(name)
     kernels = CpuKernels()  # ours once loaded (a thread builds or loads them); torch's before
     backend = get_attention_backend(model_config.attention_backend, name, kernels)
@@ -76,13 +74,7 @@ def build_runner(
             loaded=loaded,
             sampler=Sampler(generator, kernels),
             kernels=kernels,
-            grammar=GrammarCompiler(
-                tokenizer=loaded.tokenizer,
-                vocab_size=arch.vocab_size,
-                eos_token_ids=arch.eos_token_ids,
-                max_whitespace=model_config.structured_outputs_max_whitespace,
-                limits=model_config.structured_outputs_limits,
-            ),
+            grammar=_grammar_compiler(model_config, loaded, arch),
         )
     )
     if model_config.compile:  # warmed on the runner: its inputs, its cache, its backend
@@ -91,6 +83,25 @@ def build_runner(
         )
         runner.use_compiled(forward, report)
     return runner
+
+
+def _device_name(configured: str) -> str:
+    """`auto`: CUDA where torch sees a device, else the CPU."""
+    if configured != "auto":
+        return configured
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _grammar_compiler(
+    model_config: ModelConfig, loaded: LoadedModel, arch: LlamaArchConfig
+) -> GrammarCompiler:
+    return GrammarCompiler(
+        tokenizer=loaded.tokenizer,
+        vocab_size=arch.vocab_size,
+        eos_token_ids=arch.eos_token_ids,
+        max_whitespace=model_config.structured_outputs_max_whitespace,
+        limits=model_config.structured_outputs_limits,
+    )
 
 
 def _start_cpu_kernels(

@@ -78,7 +78,14 @@ def plan_tools(body: ChatCompletionRequest, tool_call_parser: str | None = None)
             constraint=StructuredOutputsParams(json=schema),
             tools=shapes,
         )
-    calls = {
+    calls = _required_calls_schema(tools, body.parallel_tool_calls)
+    return ToolPlan("required", constraint=StructuredOutputsParams(json=calls), tools=shapes)
+
+
+def _required_calls_schema(tools: list[Any], parallel: bool) -> dict[str, Any]:
+    """The JSON schema of `tool_choice: "required"`'s output: one call or more (one at most
+    without parallel calls), each naming one of `tools` with parameters of its schema."""
+    calls: dict[str, Any] = {
         "type": "array",
         "minItems": 1,
         "items": {
@@ -96,9 +103,9 @@ def plan_tools(body: ChatCompletionRequest, tool_call_parser: str | None = None)
             ]
         },
     }
-    if not body.parallel_tool_calls:
+    if not parallel:
         calls["maxItems"] = 1
-    return ToolPlan("required", constraint=StructuredOutputsParams(json=calls), tools=shapes)
+    return calls
 
 
 def _call_id() -> str:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from blockserve.attention.batch_split import split_batch
 from blockserve.attention.shared_prefix import plan_shared_prefix, prefix_lengths, rows_to_share
-from blockserve.attention.torch_backend import TorchAttentionBackend, split_batch
+from blockserve.attention.torch_backend import TorchAttentionBackend
 from tests.attention.cases import make_case, reference_attention
 
 MIXED = [(0, 23), (37, 1), (16, 9), (100, 1), (5, 30), (1, 1)]
