@@ -29,11 +29,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from blockserve.attention.selector import get_attention_backend
-from blockserve.attention.triton_backend import (
-    KernelConfig,
-    TritonAttentionPlan,
-    unified_attention,
-)
+from blockserve.attention.triton_backend import unified_attention
+from blockserve.attention.triton_plan import KernelConfig, TritonAttentionPlan
 from tests.attention.cases import make_bench_case  # random paged cases, built on the device
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128

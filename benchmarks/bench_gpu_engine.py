@@ -45,6 +45,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from blockserve import LLM, SamplingParams
+from blockserve.kernels.triton_compiles import TritonCompiles
 from tests.tiny_models import make_tokenizer
 
 LLAMA_3_ROPE = {
@@ -154,23 +155,6 @@ def parity(path: Path, device: str, backend: str, vocab_size: int) -> dict[str, 
         a == b for g, e in zip(got, expected, strict=True) for a, b in zip(g, e, strict=True)
     )
     return {"tokens_equal": equal, "tokens": 32 * len(prompts)}
-
-
-def compilation_counter() -> list[str]:
-    """Names of the triton kernels compiled from now on (in-memory cache misses)."""
-    compiled: list[str] = []
-
-    def hook(*args: Any, **kwargs: Any) -> bool:
-        compiled.append(str(kwargs.get("repr", "?"))[:120])
-        return False
-
-    try:
-        from triton import knobs
-
-        knobs.runtime.jit_post_compile_hook = hook
-    except ImportError:  # no triton (a CPU run elsewhere): nothing can compile
-        pass
-    return compiled
 
 
 class StepRecorder:
@@ -294,49 +278,55 @@ def run_workload(
         attention_backend=args.backend,
         max_model_len=2048,
         max_num_seqs=work.max_num_seqs,
+        enforce_eager=args.enforce_eager,
     )
-    result: dict[str, Any] = {"workload": name, "ready_s": round(time.perf_counter() - started, 2)}
-    compiled = compilation_counter()
+    result: dict[str, Any] = {
+        "workload": name,
+        "ready_s": round(time.perf_counter() - started, 2),
+        "cuda_graphs": llm.engine.core.info.runtime.get("cuda_graphs", 0),
+    }
     recorder = StepRecorder(llm)
     config = json.loads((path / "config.json").read_text())
     prompts = work.prompts(config["vocab_size"])
     params = SamplingParams(temperature=0.0, max_tokens=work.output, ignore_eos=True)
-    for label in ("cold", "warm"):
-        llm.reset_prefix_cache()
-        recorder.steps.clear()
-        before = len(compiled)
-        with profiled_decode(recorder, work.requests) if label == "warm" else _none() as prof:
-            start = time.perf_counter()
-            outputs = llm.generate(prompts, params, use_tqdm=False)
-            seconds = time.perf_counter() - start
-        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-        batch = recorder.largest_decode_batch()
-        decode = recorder.decode_steps(batch)
-        run = {
-            "decode_batch": batch,
-            "seconds": round(seconds, 3),
-            "output_tokens_per_s": round(tokens / seconds, 1),
-            "steps": len(recorder.steps),
-            "compilations": len(compiled) - before,
-            "compiled": compiled[before:][:10],
-        }
-        if decode:
-            run["decode_step_ms"] = round(1e3 * statistics.median(s for s, _ in decode), 2)
-            run["decode_outside_runner_ms"] = round(
-                1e3 * statistics.median(s - r for s, r in decode), 2
-            )
-        if prof and "launches_per_step" in prof:
-            run.update({k: v for k, v in prof.items() if k not in ("started", "stopped")})
-            if decode and args.device == "cuda":
-                run["gpu_busy_of_step"] = round(
-                    prof["kernel_ms_per_step"] / run["decode_step_ms"], 3
+    with TritonCompiles() as compiles:
+        compiled = compiles.kernels
+        for label in ("cold", "warm"):
+            llm.reset_prefix_cache()
+            recorder.steps.clear()
+            before = len(compiled)
+            with profiled_decode(recorder, work.requests) if label == "warm" else _none() as prof:
+                start = time.perf_counter()
+                outputs = llm.generate(prompts, params, use_tqdm=False)
+                seconds = time.perf_counter() - start
+            tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+            batch = recorder.largest_decode_batch()
+            decode = recorder.decode_steps(batch)
+            run = {
+                "decode_batch": batch,
+                "seconds": round(seconds, 3),
+                "output_tokens_per_s": round(tokens / seconds, 1),
+                "steps": len(recorder.steps),
+                "compilations": len(compiled) - before,
+                "compiled": compiled[before:][:10],
+            }
+            if decode:
+                run["decode_step_ms"] = round(1e3 * statistics.median(s for s, _ in decode), 2)
+                run["decode_outside_runner_ms"] = round(
+                    1e3 * statistics.median(s - r for s, r in decode), 2
                 )
-        if peaks:
-            floor = floor_seconds(config, work, peaks)
-            run["floor_s"] = round(floor, 3)
-            run["of_floor"] = round(floor / seconds, 3)
-        result[label] = run
-        print(json.dumps({name: {label: run}}), flush=True)
+            if prof and "launches_per_step" in prof:
+                run.update({k: v for k, v in prof.items() if k not in ("started", "stopped")})
+                if decode and args.device == "cuda":
+                    run["gpu_busy_of_step"] = round(
+                        prof["kernel_ms_per_step"] / run["decode_step_ms"], 3
+                    )
+            if peaks:
+                floor = floor_seconds(config, work, peaks)
+                run["floor_s"] = round(floor, 3)
+                run["of_floor"] = round(floor / seconds, 3)
+            result[label] = run
+            print(json.dumps({name: {label: run}}), flush=True)
     llm.shutdown()
     del llm, recorder
     free_device()
@@ -362,6 +352,9 @@ def main() -> None:
     parser.add_argument("--backend", default="triton")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--no-parity", action="store_true")
+    parser.add_argument(
+        "--enforce-eager", action="store_true", help="decode steps eager, no CUDA graphs"
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu/engine.json"))
     args = parser.parse_args()
     peaks = device_peaks() if args.device == "cuda" else None
@@ -369,6 +362,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "torch": torch.__version__,
         "backend": args.backend,
+        "cuda_graphs": not args.enforce_eager,
         "peaks": peaks,
         "shapes": {},
     }

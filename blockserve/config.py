@@ -76,6 +76,10 @@ class ModelConfig:
     generation_config: str = "auto"
     # torch.compile the layers' math between attentions (model/compile.py); off: eager.
     compile: bool = False
+    # On CUDA: decode batches eager (True) or replayed from graphs captured at these batch
+    # sizes (empty: 1, 2, 4, then every multiple of 8 up to max_num_seqs).
+    enforce_eager: bool = False
+    cuda_graph_sizes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,6 +20,10 @@ import triton.language as tl
 # writes its unnormalised accumulator, max and sum in float32, and `merge_splits_kernel` combines
 # them. With NUM_SPLITS == 1 the attention kernel writes the output itself.
 #
+# The token count and the block table's row stride are not specialized on (Triton would compile
+# a variant for 1 and for multiples of 16): a batch's size or its longest context never
+# compiles a kernel anew once the engine is ready.
+#
 # Under TRITON_INTERPRET=1 these run on the CPU (float32/float16; the interpreter computes
 # bfloat16 wrongly), which is how CI tests them; CI also compiles them for sm_90.
 
@@ -52,7 +56,7 @@ def reshape_and_cache_kernel(
     tl.store(value_cache_ptr + destination, value, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "stride_table_seq"])
 def unified_attention_kernel(
     out_ptr,  # [num_tokens, heads, head_dim]; written when NUM_SPLITS == 1
     partial_ptr,  # [NUM_SPLITS, num_tokens, heads, head_dim] float32; when NUM_SPLITS > 1
@@ -169,7 +173,7 @@ def unified_attention_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def merge_splits_kernel(
     out_ptr,  # [num_tokens, heads, head_dim]
     partial_ptr,  # [NUM_SPLITS, num_tokens, heads, head_dim] float32

@@ -49,6 +49,12 @@ def _kv_events(value: Any) -> str | None:
     return f"must be a JSON string, a dict or a KVEventsConfig, got {type(value).__name__}"
 
 
+def _graph_sizes(values: Any) -> str | None:
+    if all(str(v).isdigit() and int(v) > 0 and not isinstance(v, bool) for v in values):
+        return None
+    return f"must be positive batch sizes, got {' '.join(map(str, values))}"
+
+
 def _share(value: float) -> str | None:
     return None if 0 < value <= 1 else f"must be in (0, 1], got {value:g}"
 
@@ -171,6 +177,17 @@ class EngineArgs:
         "at start-up; the compiled graphs are cached under $BLOCKSERVE_CACHE_DIR/inductor, so "
         "a second start loads them",
     )
+    enforce_eager: bool = option(
+        False,
+        "on CUDA, run decode steps eagerly instead of replaying CUDA graphs captured at "
+        "start-up (vLLM's flag)",
+    )
+    cuda_graph_sizes: tuple[str, ...] = option(
+        (),
+        "on CUDA, the decode batch sizes to capture graphs for (default: 1 2 4 and every "
+        "multiple of 8 up to --max-num-seqs); a larger batch runs eagerly",
+        check=_graph_sizes,
+    )
     seed: int = option(0, "random seed for sampling")
     generation_config: str = option(
         "auto",
@@ -253,6 +270,8 @@ class EngineArgs:
                 ),
                 generation_config=self.generation_config,
                 compile=self.compile,
+                enforce_eager=self.enforce_eager,
+                cuda_graph_sizes=tuple(int(size) for size in self.cuda_graph_sizes),
             ),
             cache=CacheConfig(
                 block_size=self.block_size,

@@ -27,7 +27,7 @@ from blockserve.engine.request import EngineCoreRequest, SampleId
 from blockserve.engine.tier_feed import create_kv_tiers, filled_blocks, tier_stats
 from blockserve.errors import InvalidConfigError
 from blockserve.events.publisher import create_event_publisher
-from blockserve.runner.build import build_runner
+from blockserve.runner.build import build_runner, capture_decode_graphs, warm_up_device
 from blockserve.runner.page_mapping import blocks_per_step
 from blockserve.sched.output import RequestUpdate
 from blockserve.sched.request import Request, RequestStatus
@@ -84,6 +84,12 @@ class EngineCore:
         loaded = self.runner.loaded
         max_model_len = _context_length(config, self.runner.num_blocks, loaded.arch)
         self.scheduler_config = dataclasses.replace(config.scheduler, max_model_len=max_model_len)
+        warm_up_device(self.runner, max_model_len)  # nothing compiles once ready
+        graphs = capture_decode_graphs(
+            self.runner, config.model, config.scheduler.max_num_seqs, max_model_len
+        )
+        if graphs is not None:
+            logger.info(graphs.line())
         events = config.kv_events
         self.event_publisher = create_event_publisher(events)
         recorder = None
@@ -129,6 +135,7 @@ class EngineCore:
             runtime={
                 **self.runner.host.report(loaded.dtype),
                 "compiled": self.runner.compile_report is not None,
+                "cuda_graphs": 0 if graphs is None else len(graphs.sizes),
             },
         )
 

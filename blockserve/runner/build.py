@@ -25,6 +25,16 @@ from blockserve.model.loader import (
 from blockserve.model.packed import pack_once_loaded, use_kernels
 from blockserve.model.sampler import Sampler
 from blockserve.platform import probe_host, warn_if_slow
+from blockserve.runner.decode_graphs import (
+    CudaGraphCapture,
+    DecodeGraphs,
+    GraphCapture,
+    GraphPlanner,
+    GraphReport,
+    KernelWarmUp,
+    StaticDecodeInputs,
+    graph_batch_sizes,
+)
 from blockserve.runner.kv_cache import allocate_kv_caches, num_blocks_for
 from blockserve.runner.model_runner import ModelRunner, RunnerParts
 from blockserve.runner.page_mapping import KVPagePopulator, keep_freed_memory
@@ -83,6 +93,56 @@ def build_runner(
         )
         runner.use_compiled(forward, report)
     return runner
+
+
+def warm_up_device(runner: ModelRunner, max_model_len: int) -> None:
+    """On CUDA, compile now what a step would otherwise compile mid-run: every attention
+    variant the backend can launch, and the layer operators and K/V write (a dummy prefill
+    and decode through the forward)."""
+    if runner.device.type != "cuda":
+        return
+    backend = runner.backend
+    with torch.inference_mode():
+        if isinstance(backend, KernelWarmUp):
+            backend.warm_up(runner.kv_caches[0], runner.arch.num_heads, max_model_len)
+        runner.warm_up(runner.forward)
+    torch.cuda.synchronize(runner.device)
+
+
+def capture_decode_graphs(
+    runner: ModelRunner,
+    model_config: ModelConfig,
+    max_num_seqs: int,
+    max_model_len: int,
+    capture: GraphCapture | None = None,
+) -> GraphReport | None:
+    """Unless --enforce-eager, on CUDA with a backend that plans decode graphs (triton):
+    capture the decode forward at each batch size of --cuda-graph-sizes (vLLM's by default)
+    and hand the graphs to the runner. With `capture` (tests), on any device."""
+    backend = runner.backend
+    if model_config.enforce_eager or not isinstance(backend, GraphPlanner):
+        return None
+    if capture is None:
+        if runner.device.type != "cuda":
+            return None
+        capture = CudaGraphCapture(runner.device)
+    sizes = graph_batch_sizes(max_num_seqs, model_config.cuda_graph_sizes)
+    if not sizes:
+        return None
+    max_blocks = -(-max_model_len // runner.block_size)
+    inputs = StaticDecodeInputs(
+        max_batch=max(sizes), max_blocks=max_blocks, block_size=runner.block_size,
+        device=runner.device,
+    )  # fmt: skip
+    graphs = DecodeGraphs(inputs, sizes)
+    arch = runner.arch
+    with torch.inference_mode():
+        report = graphs.capture_all(
+            runner.forward, runner.kv_caches, backend,
+            (arch.num_heads, arch.num_kv_heads, arch.head_dim), capture,
+        )  # fmt: skip
+    runner.decode_graphs = graphs
+    return report
 
 
 def _device_name(configured: str) -> str:

@@ -17,6 +17,7 @@ from blockserve.model.compile import CompileReport, mark_token_dim_dynamic
 from blockserve.model.loader import LoadedModel
 from blockserve.model.sampler import Sampler, SamplerOutput, SamplingBatch, SamplingRow
 from blockserve.platform import HostCapabilities
+from blockserve.runner.decode_graphs import DecodeGraphs
 from blockserve.runner.inputs import ModelInputs, prepare_inputs
 from blockserve.runner.page_mapping import KVPagePopulator
 from blockserve.sampling_params import SamplingParams
@@ -88,6 +89,8 @@ class ModelRunner:
         # The forward each step runs: the model itself, or its compiled graphs (--compile).
         self.forward: Callable[..., torch.Tensor] = self.model
         self.compile_report: CompileReport | None = None
+        # Decode steps replayed from CUDA graphs (runner/decode_graphs.py), once captured.
+        self.decode_graphs: DecodeGraphs | None = None
 
     def use_compiled(self, forward: Callable[..., torch.Tensor], report: CompileReport) -> None:
         """Run steps through `forward`, the model's compiled graphs (warmed on this runner)."""
@@ -189,8 +192,7 @@ class ModelRunner:
         inputs = self.prepare_inputs(scheduler_output)
         if self.kv_pages is not None:
             self.kv_pages.note_written(int(inputs.metadata.slot_mapping.max()) // self.block_size)
-        plan = self.backend.prepare(inputs.metadata)
-        hidden = self.forward(inputs.input_ids, inputs.positions, self.kv_caches, plan)
+        hidden = self._run_forward(inputs)
         sampled_ids = [s.request_id for s in scheduler_output.scheduled if s.sample]
         if not sampled_ids:
             return ModelRunnerOutput()
@@ -204,6 +206,15 @@ class ModelRunner:
         except Exception:  # one row's inputs broke the batch: find it, spare the others
             return self._sample_rows_alone(logits, sampled_ids, rows, failed)
         return self._to_output(sampled_ids, result, failed)
+
+    def _run_forward(self, inputs: ModelInputs) -> torch.Tensor:
+        """The step's hidden states: replayed from a graph where one holds the step."""
+        if self.decode_graphs is not None:
+            hidden = self.decode_graphs.run(inputs)
+            if hidden is not None:
+                return hidden
+        plan = self.backend.prepare(inputs.metadata)
+        return self.forward(inputs.input_ids, inputs.positions, self.kv_caches, plan)
 
     def _apply_grammars(
         self, logits: torch.Tensor, request_ids: list[RequestId]

@@ -25,12 +25,12 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from blockserve.attention.triton_backend import MIN_BLOCK_M, PREFILL_BLOCK_M, kernel_config
 from blockserve.attention.triton_kernels import (
     merge_splits_kernel,
     reshape_and_cache_kernel,
     unified_attention_kernel,
 )
+from blockserve.attention.triton_plan import MIN_BLOCK_M, PREFILL_BLOCK_M, kernel_config
 
 TENSORS = {"out_ptr", "query_ptr", "key_cache_ptr", "value_cache_ptr", "key_ptr", "value_ptr"}
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"

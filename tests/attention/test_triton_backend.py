@@ -9,12 +9,10 @@ import torch
 from blockserve.attention.torch_backend import TorchAttentionBackend
 from blockserve.attention.triton_backend import (
     TritonAttentionBackend,
-    TritonAttentionPlan,
-    choose_num_splits,
-    plan_launch,
     reshape_and_cache,
     unified_attention,
 )
+from blockserve.attention.triton_plan import TritonAttentionPlan, choose_num_splits, plan_launch
 from tests.attention.cases import AttentionCase, make_bench_case, make_case, reference_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -184,3 +182,47 @@ def test_splits_fill_an_under_occupied_device() -> None:
     assert choose_num_splits(128, 8193, 64, 132) == 2
     assert choose_num_splits(8, 300, 64, 132) == 2
     assert choose_num_splits(8, 100, 64, 132) == 1
+
+
+def test_a_decode_graph_plan_over_padded_rows_equals_the_step_plan() -> None:
+    """Four decodes loaded into a bucket of 8 static rows: the graph's plan (shapes and
+    scratch made up front, planned for a 512-token context) gives the real rows the step
+    plan's output; the padding rows read only the null block."""
+    from blockserve.runner.decode_graphs import StaticDecodeInputs
+    from blockserve.runner.inputs import ModelInputs
+
+    case = make_case(DECODES, 8, 2, head_dim=64, seed=5).to(DEVICE)
+    metadata = case.metadata
+    reshape_and_cache(case.key, case.value, case.kv_cache, metadata.slot_mapping)
+    expected = torch.full_like(case.query, float("nan"))
+    unified_attention(
+        case.query, case.kv_cache, TritonAttentionBackend().prepare(metadata), expected
+    )
+    static = StaticDecodeInputs(
+        max_batch=8, max_blocks=32, block_size=metadata.block_size, device=case.query.device
+    )
+    static.load(
+        ModelInputs(
+            input_ids=torch.zeros(4, dtype=torch.int64, device=DEVICE),
+            positions=metadata.seq_lens - 1,
+            metadata=metadata,
+            sample_indices=torch.arange(4, device=DEVICE),
+        ),
+        bucket=8,
+    )
+    plan = TritonAttentionBackend().prepare_decode_graph(static.metadata(8), 8, 2, 64)
+    assert len(plan.shapes) == 1 and len(plan.scratch) == 1  # nothing left to make
+    query = torch.cat([case.query, torch.zeros_like(case.query)])
+    out = torch.full_like(query, float("nan"))
+    unified_attention(query, case.kv_cache, plan, out)
+    assert torch.equal(out[:4], expected)
+    assert not torch.isnan(out[4:]).any()
+
+
+def test_warm_up_launches_every_variant_and_writes_nothing() -> None:
+    """Decode and prefill tiles, times 1, 2 and 4 splits (a 512-token context's choices)."""
+    case = make_case(DECODES, 8, 2, head_dim=64, seed=6).to(DEVICE)
+    before = case.kv_cache.clone()
+    launches = TritonAttentionBackend().warm_up(case.kv_cache, 8, max_model_len=512)
+    assert launches == 6
+    assert torch.equal(case.kv_cache, before)
