@@ -101,6 +101,8 @@ class SchedulerConfig:
     # The most of max_num_seqs one request (its samples, its prompts) holds while another
     # waits (sched/fair_share.py); 1: first come, first served, as vLLM.
     max_request_seq_share: float = 0.5
+    # Schedule step N+1 while step N runs, its sampled tokens as placeholders (engine/core.py).
+    async_scheduling: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import math
 from dataclasses import dataclass
-from typing import Any
 
 from blockserve.config import (
     ATTENTION_BACKENDS,
@@ -18,45 +16,13 @@ from blockserve.config import (
 )
 from blockserve.core.eviction import EVICTION_POLICIES
 from blockserve.core.hashing import HASH_FUNCTIONS
+from blockserve.engine import arg_checks
 from blockserve.errors import InvalidConfigError
 from blockserve.events.config import KVEventsConfig
 from blockserve.grammar_limits import ConstraintLimits
 from blockserve.options import add_arguments, at_least, from_namespace, option, positive, validate
 
 GIB = 1 << 30
-
-
-def _device(value: str) -> str | None:
-    name, _, index = value.partition(":")
-    if value in ("auto", "cpu", "cuda") or (name == "cuda" and index.isdigit()):
-        return None
-    return f"must be auto, cpu, cuda or cuda:N, got {value!r}"
-
-
-def _finite_non_negative(value: float) -> str | None:
-    if math.isfinite(value) and value >= 0:
-        return None
-    return f"must be a finite number >= 0, got {value!r}"
-
-
-def _non_empty(value: str) -> str | None:
-    return None if value else "must be auto, vllm or a path, got an empty string"
-
-
-def _kv_events(value: Any) -> str | None:
-    if value is None or isinstance(value, (str, dict, KVEventsConfig)):
-        return None
-    return f"must be a JSON string, a dict or a KVEventsConfig, got {type(value).__name__}"
-
-
-def _graph_sizes(values: Any) -> str | None:
-    if all(str(v).isdigit() and int(v) > 0 and not isinstance(v, bool) for v in values):
-        return None
-    return f"must be positive batch sizes, got {' '.join(map(str, values))}"
-
-
-def _share(value: float) -> str | None:
-    return None if 0 < value <= 1 else f"must be in (0, 1], got {value:g}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +76,7 @@ class EngineArgs:
         30.0,
         "lpm: the most seconds a cached prefix moves a request ahead, so no request is "
         "admitted ahead of one that arrived more than this much earlier",
-        check=_finite_non_negative,
+        check=arg_checks.finite_non_negative,
     )
     max_num_seqs: int = option(64, "most requests per step", check=positive)
     max_num_batched_tokens: int = option(2048, "token budget per step", check=positive)
@@ -119,7 +85,13 @@ class EngineArgs:
         "the largest share of --max-num-seqs one request (all its n samples and prompts) may "
         "hold while another request waits: it is passed over at admission, and its newest "
         "samples are preempted to make room; 1: first come, first served, as vLLM",
-        check=_share,
+        check=arg_checks.share,
+    )
+    async_scheduling: bool = option(
+        False,
+        "schedule each step while the one before it runs (its sampled tokens sent as "
+        "placeholders the runner fills in); outputs are the same, in the same order; not "
+        "with --kv-offloading-size or --kv-cache-dir",
     )
     max_n: int = option(
         128, "most samples (`n`) one request may ask for (the OpenAI API's limit)", check=positive
@@ -144,7 +116,7 @@ class EngineArgs:
         "GiB of host memory for a KV tier below the device cache (vLLM's flag); blocks "
         "evicted from the device come back from it instead of being recomputed. Rarely "
         "useful on a CPU device (docs/kv-tiers.md); 0: off",
-        check=_finite_non_negative,
+        check=arg_checks.finite_non_negative,
     )
     kv_cache_dir: str | None = option(
         None,
@@ -152,7 +124,9 @@ class EngineArgs:
         "served from there after eviction and after a restart (docs/kv-tiers.md)",
     )
     kv_disk_size: float = option(
-        16.0, "GiB the disk KV tier may hold (with --kv-cache-dir)", check=_finite_non_negative
+        16.0,
+        "GiB the disk KV tier may hold (with --kv-cache-dir)",
+        check=arg_checks.finite_non_negative,
     )
     kv_cache_dir_clear_mismatch: bool = option(
         False,
@@ -170,7 +144,9 @@ class EngineArgs:
         "attention implementation (auto: triton on a CUDA device, torch on the CPU)",
         choices=ATTENTION_BACKENDS,
     )
-    device: str = option("auto", "auto (CUDA if present, else CPU), cpu, or cuda:N", check=_device)
+    device: str = option(
+        "auto", "auto (CUDA if present, else CPU), cpu, or cuda:N", check=arg_checks.device
+    )
     compile: bool = option(
         False,
         "compile the decoder layers' math between attentions with torch.compile (inductor) "
@@ -186,14 +162,14 @@ class EngineArgs:
         (),
         "on CUDA, the decode batch sizes to capture graphs for (default: 1 2 4 and every "
         "multiple of 8 up to --max-num-seqs); a larger batch runs eagerly",
-        check=_graph_sizes,
+        check=arg_checks.graph_sizes,
     )
     seed: int = option(0, "random seed for sampling")
     generation_config: str = option(
         "auto",
         "default sampling parameters: auto (the model's generation_config.json), vllm (the "
         "API's defaults only), or a path to a generation_config.json or its directory",
-        check=_non_empty,
+        check=arg_checks.non_empty,
     )
     structured_outputs_max_whitespace: int = option(
         16,
@@ -231,7 +207,7 @@ class EngineArgs:
         None,
         "KV event publishing, as JSON with vLLM's keys, e.g. "
         '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}\'',
-        check=_kv_events,
+        check=arg_checks.kv_events,
     )
 
     @classmethod
@@ -247,32 +223,9 @@ class EngineArgs:
         """Validate every field, then build the frozen configs; InvalidConfigError names the
         first bad field and its flag. Touches no disk or network."""
         validate(self)
-        if (self.kv_offloading_size or self.kv_cache_dir) and not self.enable_prefix_caching:
-            raise InvalidConfigError(
-                "kv_offloading_size and kv_cache_dir (--kv-offloading-size, --kv-cache-dir) "
-                "are prefix-cache tiers: they need enable_prefix_caching"
-            )
+        self._check_combinations()
         return EngineConfig(
-            model=ModelConfig(
-                model=self.model,
-                dtype=self.dtype,
-                device=self.device,
-                attention_backend=self.attention_backend,
-                max_model_len=self.max_model_len,
-                seed=self.seed,
-                structured_outputs_max_whitespace=self.structured_outputs_max_whitespace,
-                structured_outputs_limits=ConstraintLimits(
-                    max_bytes=self.structured_outputs_max_bytes,
-                    max_rules=self.structured_outputs_max_rules,
-                    max_choices=self.structured_outputs_max_choices,
-                    max_nesting=self.structured_outputs_max_nesting,
-                    compile_timeout_s=self.structured_outputs_compile_timeout,
-                ),
-                generation_config=self.generation_config,
-                compile=self.compile,
-                enforce_eager=self.enforce_eager,
-                cuda_graph_sizes=tuple(int(size) for size in self.cuda_graph_sizes),
-            ),
+            model=self._model_config(),
             cache=CacheConfig(
                 block_size=self.block_size,
                 enable_prefix_caching=self.enable_prefix_caching,
@@ -292,11 +245,47 @@ class EngineArgs:
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 policy=self.scheduling_policy,
+                async_scheduling=self.async_scheduling,
                 lpm_aging_s=float(self.lpm_aging_s),
                 max_n=self.max_n,
                 max_request_seq_share=self.max_request_seq_share,
             ),
             kv_events=self._kv_events_config(),
+        )
+
+    def _check_combinations(self) -> None:
+        if (self.kv_offloading_size or self.kv_cache_dir) and not self.enable_prefix_caching:
+            raise InvalidConfigError(
+                "kv_offloading_size and kv_cache_dir (--kv-offloading-size, --kv-cache-dir) "
+                "are prefix-cache tiers: they need enable_prefix_caching"
+            )
+        if self.async_scheduling and (self.kv_offloading_size or self.kv_cache_dir):
+            raise InvalidConfigError(
+                "async_scheduling (--async-scheduling) cannot run with the KV tiers "
+                "(--kv-offloading-size, --kv-cache-dir): their loads write blocks a step in "
+                "flight may still be writing"
+            )
+
+    def _model_config(self) -> ModelConfig:
+        return ModelConfig(
+            model=self.model,
+            dtype=self.dtype,
+            device=self.device,
+            attention_backend=self.attention_backend,
+            max_model_len=self.max_model_len,
+            seed=self.seed,
+            structured_outputs_max_whitespace=self.structured_outputs_max_whitespace,
+            structured_outputs_limits=ConstraintLimits(
+                max_bytes=self.structured_outputs_max_bytes,
+                max_rules=self.structured_outputs_max_rules,
+                max_choices=self.structured_outputs_max_choices,
+                max_nesting=self.structured_outputs_max_nesting,
+                compile_timeout_s=self.structured_outputs_compile_timeout,
+            ),
+            generation_config=self.generation_config,
+            compile=self.compile,
+            enforce_eager=self.enforce_eager,
+            cuda_graph_sizes=tuple(int(size) for size in self.cuda_graph_sizes),
         )
 
     def _kv_events_config(self) -> KVEventsConfig | None:

@@ -9,27 +9,29 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from blockserve.config import EngineConfig
+from blockserve.config import CacheConfig, EngineConfig
 from blockserve.core.events import KVEventBatch, KVEventRecorder
 from blockserve.core.eviction import TailLRUConfig
-from blockserve.core.explain import CacheExplanation
 from blockserve.core.hashing import BlockHasher, BlockKeyInputs, RequestBlockHasher
-from blockserve.core.kv_cache_manager import KVCacheManager, RequestId
+from blockserve.core.kv_cache_manager import KVCacheManager
 from blockserve.core.miss_ratio import MissRatioCurve
 from blockserve.engine.outputs import (
     CoreStats,
+    EngineCoreOutputs,
     KVCacheReport,
     MissRatioReport,
+    Started,
     TierStats,
 )
 from blockserve.engine.reports import kv_cache_report, miss_ratio_report
 from blockserve.engine.request import EngineCoreRequest, SampleId
+from blockserve.engine.step_pipeline import StepPipeline
 from blockserve.engine.tier_feed import create_kv_tiers, filled_blocks, tier_stats
-from blockserve.errors import InvalidConfigError
 from blockserve.events.publisher import create_event_publisher
 from blockserve.runner.build import build_runner, capture_decode_graphs, warm_up_device
+from blockserve.runner.kv_cache import context_length
 from blockserve.runner.page_mapping import blocks_per_step
-from blockserve.sched.output import RequestUpdate
+from blockserve.sched.output import ModelRunnerOutput, SchedulerOutput
 from blockserve.sched.request import Request, RequestStatus
 from blockserve.sched.scheduler import Scheduler
 
@@ -39,16 +41,12 @@ _LOAD_WAIT_S = 0.05
 
 
 @dataclass(frozen=True, slots=True)
-class EngineCoreOutputs:
-    """What one step did: token updates, samples admitted (or re-admitted) this step with
-    their prefix-cache hit (in tokens, and the part of it from each lower tier), and samples
-    that failed, with the error. Ids are the ones the samples were added with (`SampleId`s,
-    from the engine)."""
+class ScheduledStep:
+    """A step as scheduled: the runner's batch, the samples it starts, when it was made."""
 
-    timestamp: float
-    updates: tuple[RequestUpdate, ...] = ()
-    started: tuple[tuple[RequestId, int, CacheExplanation | None, dict[str, int]], ...] = ()
-    errors: Mapping[RequestId, str] = field(default_factory=dict)
+    output: SchedulerOutput
+    started: tuple[Started, ...]
+    now: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,12 +80,12 @@ class EngineCore:
         )
         self.runner = build_runner(config.model, config.cache, per_step)
         loaded = self.runner.loaded
-        max_model_len = _context_length(config, self.runner.num_blocks, loaded.arch)
+        max_model_len = context_length(
+            config.model.max_model_len, loaded.arch, self.runner.num_blocks, config.cache.block_size
+        )
         self.scheduler_config = dataclasses.replace(config.scheduler, max_model_len=max_model_len)
         warm_up_device(self.runner, max_model_len)  # nothing compiles once ready
-        graphs = capture_decode_graphs(
-            self.runner, config.model, config.scheduler.max_num_seqs, max_model_len
-        )
+        graphs = capture_decode_graphs(self.runner, config.model, sched.max_num_seqs, max_model_len)
         if graphs is not None:
             logger.info(graphs.line())
         events = config.kv_events
@@ -104,20 +102,16 @@ class EngineCore:
             eviction_policy=cache.eviction_policy,
             tlru=TailLRUConfig(cache.tlru_threshold_tokens, cache.tlru_next_prompt_tokens),
         )
-        self.miss_ratio_curve: MissRatioCurve | None = None
-        if cache.enable_prefix_caching and cache.miss_ratio_samples:
-            usable = self.runner.num_blocks - 1
-            # Gauges at 1/8x to 8x this cache, read after every step (O(1) each).
-            points = sorted({max(1, round(usable * 2.0**k)) for k in range(-3, 4)})
-            self.miss_ratio_curve = MissRatioCurve(
-                cache.block_size, points, cache.miss_ratio_samples
-            )
-            self.kv_cache_manager.track_miss_ratio(self.miss_ratio_curve)
+        self.miss_ratio_curve = self._track_miss_ratio(cache)
         hasher = BlockHasher(cache.prefix_caching_hash_algo)
         self.block_hasher = RequestBlockHasher(hasher, cache.block_size)
         self.kv_tiers, self._kv_dir = create_kv_tiers(
             cache, self.runner, hasher, recorder.hash_format if recorder is not None else None
         )
+        # Async scheduling: the next step is scheduled while the worker runs this one.
+        self.pipeline: StepPipeline[ScheduledStep, ModelRunnerOutput | Exception] | None = None
+        if self.scheduler_config.async_scheduling:
+            self.pipeline = StepPipeline(self._execute)
         self.scheduler = Scheduler(
             config=self.scheduler_config,
             kv_cache_manager=self.kv_cache_manager,
@@ -138,6 +132,16 @@ class EngineCore:
                 "cuda_graphs": 0 if graphs is None else len(graphs.sizes),
             },
         )
+
+    def _track_miss_ratio(self, cache: CacheConfig) -> MissRatioCurve | None:
+        """Gauges at 1/8x to 8x this cache, read after every step (O(1) each)."""
+        if not (cache.enable_prefix_caching and cache.miss_ratio_samples):
+            return None
+        usable = self.runner.num_blocks - 1
+        points = sorted({max(1, round(usable * 2.0**k)) for k in range(-3, 4)})
+        curve = MissRatioCurve(cache.block_size, points, cache.miss_ratio_samples)
+        self.kv_cache_manager.track_miss_ratio(curve)
+        return curve
 
     @property
     def tokenizer(self) -> Any:
@@ -167,11 +171,21 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> EngineCoreOutputs:
-        """Schedule, run the model, apply its tokens and publish the step's KV events."""
+        """Schedule, run the model, apply its tokens and publish the step's KV events. Under
+        async scheduling the step scheduled now runs on the pipeline's worker while this
+        applies the step before it, whose outputs it returns (none on the first)."""
+        scheduled = self._schedule()
+        if self.pipeline is None:
+            return self._apply(scheduled, self._execute(scheduled))
+        previous = self.pipeline.submit(scheduled)
+        if previous is None:
+            return EngineCoreOutputs(scheduled.now)
+        return self._apply(*previous)
+
+    def _schedule(self) -> ScheduledStep:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty and self.kv_tiers is not None and self.scheduler.num_loading:
             self.kv_tiers.wait_for_loads(_LOAD_WAIT_S)  # nothing to run until a load is in
-        now = time.monotonic()
         requests = self.scheduler.requests
         started = tuple(
             (
@@ -183,30 +197,41 @@ class EngineCore:
             for s in scheduler_output.scheduled
             if s.new_request is not None
         )
+        return ScheduledStep(scheduler_output, started, time.monotonic())
+
+    def _execute(self, scheduled: ScheduledStep) -> ModelRunnerOutput | Exception:
         try:
-            runner_output = self.runner.execute(scheduler_output)
+            return self.runner.execute(scheduled.output)
         except Exception as exc:  # the batch fails; the core goes on
             logger.exception(
-                "model step failed; failing the %d requests in it", len(scheduler_output.scheduled)
+                "model step failed; failing the %d requests in it", len(scheduled.output.scheduled)
             )
+            return exc
+
+    def _apply(
+        self, scheduled: ScheduledStep, result: ModelRunnerOutput | Exception
+    ) -> EngineCoreOutputs:
+        """The step's tokens to the scheduler, its filled blocks to the tiers, its events out."""
+        scheduler_output, now, started = scheduled.output, scheduled.now, scheduled.started
+        if isinstance(result, Exception):
             failed = [s.request_id for s in scheduler_output.scheduled]
             self.scheduler.finish_requests(failed, RequestStatus.FINISHED_ERROR)
             # The error is the batch's, not any one request's: its text (which may quote
             # another request's input) stays in the log.
-            error = f"the model step failed ({type(exc).__name__}); the server log has details"
+            error = f"the model step failed ({type(result).__name__}); the server log has details"
             return EngineCoreOutputs(now, started=started, errors=dict.fromkeys(failed, error))
         if self.kv_tiers is not None:  # before the finished requests' blocks are reused
             self.kv_tiers.store(
                 filled_blocks(
-                    scheduler_output, requests, runner_output.failed, self.info.block_size
+                    scheduler_output, self.scheduler.requests, result.failed, self.info.block_size
                 )
             )
         # Requests whose own sampling failed end here; their neighbours got their tokens.
-        self.scheduler.finish_requests(list(runner_output.failed), RequestStatus.FINISHED_ERROR)
-        updates = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self.scheduler.finish_requests(list(result.failed), RequestStatus.FINISHED_ERROR)
+        updates = self.scheduler.update_from_output(scheduler_output, result)
         self._publish_kv_events()
         return EngineCoreOutputs(
-            timestamp=now, updates=tuple(updates), started=started, errors=runner_output.failed
+            timestamp=now, updates=tuple(updates), started=started, errors=result.failed
         )
 
     def stats(self) -> CoreStats:
@@ -253,8 +278,10 @@ class EngineCore:
             self.event_publisher.publish(batch)
 
     def shutdown(self) -> None:
-        """Finish the tiers' queued writes, then close them, the event publisher and the
-        runner's page mapping."""
+        """Finish the step in flight and the tiers' queued writes, then close the tiers, the
+        event publisher and the runner's page mapping."""
+        if self.pipeline is not None:
+            self.pipeline.shutdown()
         if self.kv_tiers is not None:
             self.kv_tiers.close()
             self._publish_kv_events()
@@ -262,19 +289,3 @@ class EngineCore:
             self._kv_dir.close()
         self.event_publisher.shutdown()
         self.runner.close()
-
-
-def _context_length(config: EngineConfig, num_blocks: int, arch: Any) -> int:
-    """The model's context, or `max_model_len`, within what the KV cache can hold: a request
-    that could never fit would wait forever."""
-    capacity = (num_blocks - 1) * config.cache.block_size
-    wanted = config.model.max_model_len or arch.max_position_embeddings
-    if wanted <= capacity:
-        return int(wanted)
-    if config.model.max_model_len is not None:
-        raise InvalidConfigError(
-            f"max_model_len {wanted} exceeds the KV cache, which holds {capacity} tokens; "
-            "give the cache more memory or lower max_model_len"
-        )
-    logger.warning("the KV cache holds %d tokens: the context is capped there", capacity)
-    return capacity

@@ -10,9 +10,14 @@ from typing import Any, cast
 
 from blockserve.core.explain import CacheExplanation
 from blockserve.core.kv_cache_manager import RequestId
-from blockserve.engine.core import EngineCoreOutputs
 from blockserve.engine.detokenizer import IncrementalDetokenizer
-from blockserve.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from blockserve.engine.outputs import (
+    CompletionOutput,
+    EngineCoreOutputs,
+    Logprob,
+    RequestMetrics,
+    RequestOutput,
+)
 from blockserve.engine.request import EngineCoreRequest, SampleId, ValidatedRequest
 from blockserve.sched.output import RequestUpdate
 

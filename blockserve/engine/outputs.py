@@ -1,11 +1,19 @@
 """What the engine hands back: `RequestOutput` per request (shaped like vLLM's), `EngineStats`
-and `KVCacheReport` for whoever watches it. Plain frozen data."""
+and `KVCacheReport` for whoever watches it; within it, what each core step did
+(`EngineCoreOutputs`). Plain frozen data."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from blockserve.core.explain import CacheExplanation
+from blockserve.core.kv_cache_manager import RequestId
+from blockserve.sched.output import RequestUpdate
+
+# A sample admitted this step: its id, its prefix-cache hit in tokens, the explanation asked
+# for, the part of the hit from each lower tier.
+Started = tuple[RequestId, int, CacheExplanation | None, dict[str, int]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,3 +143,16 @@ class MissRatioReport:
     sampling_rate: float
     num_tracked_hashes: int
     points: tuple[MissRatioPoint, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCoreOutputs:
+    """What one step did: token updates, samples admitted (or re-admitted) this step with
+    their prefix-cache hit (in tokens, and the part of it from each lower tier), and samples
+    that failed, with the error. Ids are the ones the samples were added with (`SampleId`s,
+    from the engine)."""
+
+    timestamp: float
+    updates: tuple[RequestUpdate, ...] = ()
+    started: tuple[Started, ...] = ()
+    errors: Mapping[RequestId, str] = field(default_factory=dict)

@@ -5,6 +5,7 @@ caches are one anonymous mapping, zero without a write, each page mapped in when
 
 from __future__ import annotations
 
+import logging
 import math
 import mmap
 
@@ -14,6 +15,8 @@ from blockserve.errors import InvalidConfigError
 from blockserve.model.arch import LlamaArchConfig
 
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30  # 2 GiB
+
+logger = logging.getLogger(__name__)
 
 
 def bytes_per_block(arch: LlamaArchConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -62,3 +65,21 @@ def zeroed_on_demand(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(mapping, dtype=dtype, count=math.prod(shape)).view(shape)
+
+
+def context_length(
+    max_model_len: int | None, arch: LlamaArchConfig, num_blocks: int, block_size: int
+) -> int:
+    """The model's context, or `max_model_len`, within what the KV cache can hold: a request
+    that could never fit would wait forever."""
+    capacity = (num_blocks - 1) * block_size
+    wanted = max_model_len or arch.max_position_embeddings
+    if wanted <= capacity:
+        return int(wanted)
+    if max_model_len is not None:
+        raise InvalidConfigError(
+            f"max_model_len {wanted} exceeds the KV cache, which holds {capacity} tokens; "
+            "give the cache more memory or lower max_model_len"
+        )
+    logger.warning("the KV cache holds %d tokens: the context is capped there", capacity)
+    return capacity

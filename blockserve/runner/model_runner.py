@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import llguidance
 import torch
 
 from blockserve.attention.metadata import AttentionBackend
@@ -20,26 +19,13 @@ from blockserve.platform import HostCapabilities
 from blockserve.runner.decode_graphs import DecodeGraphs
 from blockserve.runner.inputs import ModelInputs, prepare_inputs
 from blockserve.runner.page_mapping import KVPagePopulator
-from blockserve.sampling_params import SamplingParams
+from blockserve.runner.request_states import RequestStates
 from blockserve.sched.output import (
     ModelRunnerOutput,
     ScheduledRequest,
     SchedulerOutput,
     TokenLogprobs,
 )
-
-
-@dataclass
-class RequestState:
-    """What the runner remembers of a running request between steps."""
-
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    params: SamplingParams
-    generator: torch.Generator | None = field(default=None, repr=False)
-    # The structured-outputs matcher, advanced with every sampled token; or why it failed.
-    matcher: llguidance.LLMatcher | None = field(default=None, repr=False)
-    grammar_error: str | None = None
 
 
 @dataclass
@@ -66,9 +52,9 @@ class ModelRunner:
     """Runs steps over the parts it is given (`build_runner` makes them from the configs).
 
     Is handed the model, the KV cache tensors and the sampler (runner/build.py assembles them);
-    owns each running request's sampling state (its token history, its seeded generator, its
-    grammar matcher). Builds the flat batch and the attention metadata, runs the forward,
-    computes logits only where a request samples, and samples. Makes no scheduling decision.
+    owns each running request's sampling state (runner/request_states.py). Builds the flat
+    batch and the attention metadata, runs the forward, computes logits only where a request
+    samples, and samples. Makes no scheduling decision.
     """
 
     def __init__(self, parts: RunnerParts) -> None:
@@ -85,7 +71,7 @@ class ModelRunner:
         self.model = parts.loaded.model
         self.sampler = parts.sampler
         self.grammar = parts.grammar
-        self.requests: dict[RequestId, RequestState] = {}
+        self.requests = RequestStates(parts.device, parts.grammar)
         # The forward each step runs: the model itself, or its compiled graphs (--compile).
         self.forward: Callable[..., torch.Tensor] = self.model
         self.compile_report: CompileReport | None = None
@@ -134,61 +120,16 @@ class ModelRunner:
     def eos_token_ids(self) -> tuple[int, ...]:
         return self.arch.eos_token_ids
 
-    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
-        for request_id in scheduler_output.finished_request_ids:
-            self.requests.pop(request_id, None)
-        for scheduled in scheduler_output.scheduled:
-            new = scheduled.new_request
-            if new is None:
-                continue
-            generator = None
-            if new.sampling_params.seed is not None:
-                generator = torch.Generator(device=self.device)
-                generator.manual_seed(new.sampling_params.seed)
-            state = RequestState(
-                prompt_token_ids=list(new.prompt_token_ids),
-                output_token_ids=list(new.output_token_ids),
-                params=new.sampling_params,
-                generator=generator,
-            )
-            constraint = new.sampling_params.structured_outputs
-            if constraint is not None:
-                try:
-                    state.matcher = self.grammar.matcher(constraint, state.output_token_ids)
-                except Exception as exc:  # fails this sample when it samples, no other
-                    state.grammar_error = f"{type(exc).__name__}: {exc}"
-            self.requests[scheduled.request_id] = state
-
     def prepare_inputs(self, scheduler_output: SchedulerOutput) -> ModelInputs:
         return prepare_inputs(scheduler_output, self.block_size, self.device)
-
-    def _sampling_rows(self, scheduler_output: SchedulerOutput) -> list[SamplingRow]:
-        rows = []
-        for scheduled in scheduler_output.scheduled:
-            if not scheduled.sample:
-                continue
-            state = self.requests[scheduled.request_id]
-            banned: tuple[int, ...] = ()
-            if len(state.output_token_ids) < state.params.min_tokens:
-                # Stopping is not allowed yet, so neither are the tokens that would stop.
-                banned = (*self.eos_token_ids, *state.params.stop_token_ids)
-            rows.append(
-                SamplingRow(
-                    params=state.params,
-                    prompt_token_ids=state.prompt_token_ids,
-                    output_token_ids=state.output_token_ids,
-                    generator=state.generator,
-                    banned_token_ids=banned,
-                )
-            )
-        return rows
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step. Requests seen for the first time must carry `new_request`."""
-        self._update_states(scheduler_output)
+        self.requests.update(scheduler_output)
         if scheduler_output.is_empty:
             return ModelRunnerOutput()
+        scheduler_output = self.requests.fill_placeholders(scheduler_output)
         inputs = self.prepare_inputs(scheduler_output)
         if self.kv_pages is not None:
             self.kv_pages.note_written(int(inputs.metadata.slot_mapping.max()) // self.block_size)
@@ -198,7 +139,7 @@ class ModelRunner:
             return ModelRunnerOutput()
         logits = self.model.compute_logits(hidden[inputs.sample_indices])  # [sampled, vocab]
         failed = self._apply_grammars(logits, sampled_ids)
-        rows = self._sampling_rows(scheduler_output)
+        rows = self.requests.sampling_rows(scheduler_output, self.eos_token_ids)
         try:
             result = self.sampler(
                 logits, SamplingBatch.build(rows, logits.shape[-1], logits.device)

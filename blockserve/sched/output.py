@@ -10,6 +10,10 @@ from blockserve.core.kv_cache_manager import RequestId
 from blockserve.sampling_params import SamplingParams
 from blockserve.sched.request import RequestStatus
 
+# A token the scheduler sends before it is known (async scheduling): the one a step in flight is
+# sampling for the request; the runner puts it in place before the step runs.
+PLACEHOLDER_TOKEN = -1
+
 
 @dataclass(frozen=True, slots=True)
 class NewRequestData:

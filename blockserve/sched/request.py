@@ -69,6 +69,7 @@ class Request:
         "lora_name",
         "num_cached_tokens",
         "num_computed_tokens",
+        "num_output_placeholders",
         "num_preemptions",
         "num_prompt_tokens",
         "priority",
@@ -102,6 +103,8 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_computed_tokens = 0
+        # Under async scheduling: tokens being sampled by steps in flight, not yet appended.
+        self.num_output_placeholders = 0
         self.num_cached_tokens: int | None = None
         # The part of num_cached_tokens loaded from each lower tier, by its name.
         self.tier_cached_tokens: dict[str, int] = {}
@@ -139,6 +142,22 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def num_tokens_ahead(self) -> int:
+        """num_tokens with the tokens in flight: what the next step may compute up to."""
+        return len(self.all_token_ids) + self.num_output_placeholders
+
+    def stops_in_flight(self, max_model_len: int) -> bool:
+        """Whether a token in flight is certain to end the request (max_tokens, the context):
+        nothing is scheduled after it."""
+        if not self.num_output_placeholders:
+            return False
+        max_tokens = self.sampling_params.max_tokens
+        num_output = self.num_output_tokens + self.num_output_placeholders
+        return (max_tokens is not None and num_output >= max_tokens) or (
+            self.num_tokens_ahead >= max_model_len
+        )
 
     @property
     def is_finished(self) -> bool:

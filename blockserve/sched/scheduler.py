@@ -134,7 +134,10 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_tokens_ahead - request.num_computed_tokens, budget)
+            if num_new <= 0 or request.stops_in_flight(self.config.max_model_len):
+                index += 1  # its next token is in flight (async scheduling)
+                continue
             while self.kv_cache_manager.allocate_slots(request, num_new) is None:
                 victim = self._pick_victim()
                 victim_index = self.running.index(victim)
@@ -225,7 +228,10 @@ class Scheduler:
     ) -> SchedulerOutput:
         first_sent = new_ids | self._loaded
         self._loaded -= first_sent
-        scheduled = batch_for_runner(self.running, num_scheduled, first_sent, self.kv_cache_manager)
+        scheduled = batch_for_runner(
+            self.running, num_scheduled, first_sent, self.kv_cache_manager,
+            ahead=self.config.async_scheduling,
+        )  # fmt: skip
         output = SchedulerOutput(scheduled, frozenset(self.finished_request_ids))
         self.finished_request_ids = set()
         return output
@@ -239,11 +245,16 @@ class Scheduler:
             request = self.requests.get(scheduled.request_id)
             token_id = runner_output.sampled_token_ids.get(scheduled.request_id)
             if request is None or request.is_finished or token_id is None:
-                continue
+                continue  # under async scheduling: a token past the request's end is dropped
+            if request.num_output_placeholders:
+                request.num_output_placeholders -= 1
             request.append_output_token_ids(token_id)
             status = check_stop(request, token_id, self.eos_token_ids, self.config.max_model_len)
             if status is not None:
-                self.running.remove(request)
+                if request.status == RequestStatus.RUNNING:
+                    self.running.remove(request)
+                else:  # preempted while its token was in flight (async scheduling)
+                    self.waiting.remove(request)
                 self._finish(request, status)
             updates.append(
                 RequestUpdate(

@@ -9,7 +9,8 @@ import pytest
 
 from blockserve.core.explain import CacheExplanation
 from blockserve.engine.args import EngineArgs
-from blockserve.engine.core import EngineCore, EngineCoreOutputs
+from blockserve.engine.core import EngineCore
+from blockserve.engine.outputs import EngineCoreOutputs
 from blockserve.engine.request import EngineCoreRequest, SampleId
 from blockserve.sampling_params import SamplingParams
 from blockserve.sched.request import RequestStatus

@@ -4,8 +4,8 @@ failures and aborts, and the token counters."""
 from __future__ import annotations
 
 from blockserve.core.explain import CacheExplanation
-from blockserve.engine.core import EngineCoreOutputs
 from blockserve.engine.output_processor import OutputProcessor
+from blockserve.engine.outputs import EngineCoreOutputs
 from blockserve.engine.request import RequestSpec, SampleId, ValidatedRequest
 from blockserve.sampling_params import SamplingParams
 from blockserve.sched.output import RequestUpdate

@@ -1,0 +1,111 @@
+"""What the runner remembers of each running request between steps (its token history, its
+seeded generator, its grammar matcher), and what a step takes from it: the tokens sent as
+placeholders, and each sampling row."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import llguidance
+import torch
+
+from blockserve.core.kv_cache_manager import RequestId
+from blockserve.grammar import GrammarCompiler
+from blockserve.model.sampler import SamplingRow
+from blockserve.sampling_params import SamplingParams
+from blockserve.sched.output import PLACEHOLDER_TOKEN, SchedulerOutput
+
+
+@dataclass
+class RequestState:
+    """What the runner remembers of a running request between steps."""
+
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None = field(default=None, repr=False)
+    # The structured-outputs matcher, advanced with every sampled token; or why it failed.
+    matcher: llguidance.LLMatcher | None = field(default=None, repr=False)
+    grammar_error: str | None = None
+
+
+class RequestStates:
+    """The running requests' states by id: added when a request is first sent, dropped when
+    the scheduler reports it finished."""
+
+    def __init__(self, device: torch.device, grammar: GrammarCompiler) -> None:
+        self.device = device
+        self.grammar = grammar
+        self.states: dict[RequestId, RequestState] = {}
+
+    def __getitem__(self, request_id: RequestId) -> RequestState:
+        return self.states[request_id]
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def update(self, scheduler_output: SchedulerOutput) -> None:
+        for request_id in scheduler_output.finished_request_ids:
+            self.states.pop(request_id, None)
+        for scheduled in scheduler_output.scheduled:
+            new = scheduled.new_request
+            if new is None:
+                continue
+            generator = None
+            if new.sampling_params.seed is not None:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(new.sampling_params.seed)
+            state = RequestState(
+                prompt_token_ids=list(new.prompt_token_ids),
+                output_token_ids=list(new.output_token_ids),
+                params=new.sampling_params,
+                generator=generator,
+            )
+            constraint = new.sampling_params.structured_outputs
+            if constraint is not None:
+                try:
+                    state.matcher = self.grammar.matcher(constraint, state.output_token_ids)
+                except Exception as exc:  # fails this sample when it samples, no other
+                    state.grammar_error = f"{type(exc).__name__}: {exc}"
+            self.states[scheduled.request_id] = state
+
+    def fill_placeholders(self, scheduler_output: SchedulerOutput) -> SchedulerOutput:
+        """Async scheduling sends a token the previous step sampled as PLACEHOLDER_TOKEN; that
+        step ran before this one, so the token ends the request's history here."""
+        scheduled = list(scheduler_output.scheduled)
+        filled = False
+        for index, request in enumerate(scheduled):
+            if request.token_ids[-1] != PLACEHOLDER_TOKEN:
+                continue
+            count = request.token_ids.count(PLACEHOLDER_TOKEN)
+            latest = self.states[request.request_id].output_token_ids[-count:]
+            token_ids = (*request.token_ids[:-count], *latest)
+            scheduled[index] = dataclasses.replace(request, token_ids=token_ids)
+            filled = True
+        if not filled:
+            return scheduler_output
+        return dataclasses.replace(scheduler_output, scheduled=tuple(scheduled))
+
+    def sampling_rows(
+        self, scheduler_output: SchedulerOutput, eos_token_ids: tuple[int, ...]
+    ) -> list[SamplingRow]:
+        rows = []
+        for scheduled in scheduler_output.scheduled:
+            if not scheduled.sample:
+                continue
+            state = self.states[scheduled.request_id]
+            banned: tuple[int, ...] = ()
+            if len(state.output_token_ids) < state.params.min_tokens:
+                # Stopping is not allowed yet, so neither are the tokens that would stop.
+                banned = (*eos_token_ids, *state.params.stop_token_ids)
+            rows.append(
+                SamplingRow(
+                    params=state.params,
+                    prompt_token_ids=state.prompt_token_ids,
+                    output_token_ids=state.output_token_ids,
+                    generator=state.generator,
+                    banned_token_ids=banned,
+                )
+            )
+        return rows
