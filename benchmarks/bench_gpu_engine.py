@@ -22,7 +22,7 @@ bf16 matmul rate + each decode step's weight and KV bytes / the measured copy ba
 
     python benchmarks/bench_gpu_engine.py [--shapes smollm2-135m llama-3.2-1b]
         [--workloads shared-prefix decode-heavy] [--backend triton] [--device cuda]
-        [--enforce-eager] [--async-scheduling] [--out FILE]
+        [--enforce-eager] [--async-scheduling] [--runs cold warm] [--out FILE]
 """
 
 from __future__ import annotations
@@ -167,6 +167,7 @@ class StepRecorder:
         self.core = llm.engine.core
         self.asynchronous = self.core.pipeline is not None
         self.steps: list[tuple[int, int, float, float]] = []  # tokens, seqs, step s, runner s
+        self.ends: list[float] = []  # when each step returned
         self.profile_at: int | None = None
         self.profiled: list[Any] = []
         self._runner_s = 0.0
@@ -191,7 +192,8 @@ class StepRecorder:
             self._runner_s, self._shape = 0.0, (0, 0)
             start = time.perf_counter()
             result = step()
-            self.steps.append((*self._shape, time.perf_counter() - start, self._runner_s))
+            self.ends.append(time.perf_counter())
+            self.steps.append((*self._shape, self.ends[-1] - start, self._runner_s))
             return result
 
         self.core.scheduler.schedule = timed_schedule
@@ -201,6 +203,21 @@ class StepRecorder:
     def decode_steps(self, batch: int) -> list[tuple[float, float]]:
         """(step s, runner s) of the steps that decoded `batch` sequences and nothing else."""
         return [(s, r) for tokens, seqs, s, r in self.steps if tokens == seqs == batch]
+
+    def decode_period_s(self, batch: int) -> float:
+        """The median time from one full-batch decode step's end to the next's: a step's
+        share of the run's time, with whatever the engine does between steps (output
+        processing) and whatever async scheduling overlaps."""
+        periods = [
+            self.ends[k] - self.ends[k - 1]
+            for k in range(1, len(self.steps))
+            if self.steps[k][:2] == self.steps[k - 1][:2] == (batch, batch)
+        ]
+        return statistics.median(periods) if periods else float("nan")
+
+    def clear(self) -> None:
+        self.steps.clear()
+        self.ends.clear()
 
     def largest_decode_batch(self) -> int:
         return max((seqs for tokens, seqs, _, _ in self.steps if tokens == seqs), default=0)
@@ -303,9 +320,9 @@ def run_workload(
     params = SamplingParams(temperature=0.0, max_tokens=work.output, ignore_eos=True)
     with TritonCompiles() as compiles:
         compiled = compiles.kernels
-        for label in ("cold", "warm"):
+        for label in args.runs:
             llm.reset_prefix_cache()
-            recorder.steps.clear()
+            recorder.clear()
             before = len(compiled)
             with profiled_decode(recorder, work.requests) if label == "warm" else _none() as prof:
                 start = time.perf_counter()
@@ -324,6 +341,7 @@ def run_workload(
             }
             if decode:
                 run["decode_step_ms"] = round(1e3 * statistics.median(s for s, _ in decode), 2)
+                run["decode_period_ms"] = round(1e3 * recorder.decode_period_s(batch), 2)
                 if not recorder.asynchronous:
                     run["decode_outside_runner_ms"] = round(
                         1e3 * statistics.median(s - r for s, r in decode), 2
@@ -371,6 +389,10 @@ def main() -> None:
     parser.add_argument(
         "--async-scheduling", action="store_true", help="schedule while the step before runs"
     )
+    parser.add_argument(
+        "--runs", nargs="+", default=["cold", "warm"], choices=["cold", "warm"],
+        help="runs of each workload: cold (first after ready), warm (after it when both; profiled)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu/engine.json"))
     args = parser.parse_args()
     peaks = device_peaks() if args.device == "cuda" else None
@@ -413,7 +435,8 @@ def print_table(report: dict[str, Any]) -> None:
     print(f"\n{report['device']}, torch {report['torch']}, backend {report['backend']}")
     print(
         f"{'shape':14} {'workload':14} {'run':5} {'s':>7} {'tok/s':>9} {'step ms':>8} "
-        f"{'outside':>8} {'kern ms':>8} {'busy':>5} {'launch':>6} {'comp':>4} {'floor':>6}"
+        f"{'period':>8} {'outside':>8} {'kern ms':>8} {'busy':>8} {'launch':>8} {'comp':>8} "
+        f"{'floor':>8}"
     )
     for shape, entry in report["shapes"].items():
         if "parity" in entry:
@@ -426,7 +449,8 @@ def print_table(report: dict[str, Any]) -> None:
                 run: dict[str, Any] = entry.get(name, {}).get(label)
                 if run is None:
                     continue
-                cells = [run.get(k, "-") for k in ("decode_step_ms", "decode_outside_runner_ms",
+                cells = [run.get(k, "-") for k in ("decode_step_ms", "decode_period_ms",
+                         "decode_outside_runner_ms",
                          "kernel_ms_per_step", "gpu_busy_of_step", "launches_per_step",
                          "compilations", "of_floor")]  # fmt: skip
                 print(

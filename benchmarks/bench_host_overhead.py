@@ -3,13 +3,19 @@ arithmetic is next to nothing), one torch thread, 256 sequences decoding togethe
 decode step costs here is almost all per-step host work (scheduling, input preparation,
 launching ops, sampling, output processing), the part a GPU waits on.
 
-Reports the median decode step's wall time, its part outside the model runner, aten ops per
-step (torch.profiler over 8 full-batch decode steps), and where the median step's time goes
-(`parts_ms`: scheduling, input preparation, the forward and within it attention, sampling),
-for the torch backend and float32. On a CPU the forward's share is mostly arithmetic a GPU
-does in microseconds; the other parts are host work a GPU would wait on.
+Reports the median decode step's wall time (the engine core's step) and period (from one
+step's end to the next's: what the run spends per step, async scheduling's overlap
+included), its part outside the model runner, aten ops per step (torch.profiler over 8
+full-batch decode steps), and where the median step's time goes (`parts_ms`: scheduling,
+input preparation, the forward and within it attention, sampling, and the output processing
+that follows the core's step), for the torch backend and float32. On a CPU the forward's
+share is mostly arithmetic a GPU does in microseconds; the other parts are host work a GPU
+would wait on. `--graph-path` sends decode steps through the CUDA-graph path (static
+inputs, buckets) with a replay that computes nothing (`--replay-ms`: that waits as a host
+waits on a device): what remains is the host's part of a step whose forward is one replay.
 
-    .venv/bin/python benchmarks/bench_host_overhead.py [--sequences 256] [--async-scheduling]
+    .venv/bin/python benchmarks/bench_host_overhead.py [--sequences 256] [--compile]
+        [--graph-path [--replay-ms MS]] [--async-scheduling]
         [--out FILE]
 """
 
@@ -31,6 +37,13 @@ from bench_gpu_engine import StepRecorder, profiled_decode
 from report import emit
 
 from blockserve import LLM, SamplingParams
+from blockserve.runner.decode_graphs import (
+    DecodeGraphs,
+    EagerCapture,
+    StaticDecodeInputs,
+    graph_batch_sizes,
+)
+from blockserve.runner.model_runner import ModelRunner
 from tests.tiny_models import save_tiny_model
 
 PROMPT_TOKENS = 32
@@ -71,6 +84,8 @@ def attach_parts(llm: LLM) -> StepParts:
     parts.wrap(runner, "forward", "forward")
     parts.wrap(runner.backend, "forward", "attention")
     parts.wrap(runner, "sampler", "sampling")
+    # After the core's step returns: counted with the next step (equal in a steady decode).
+    parts.wrap(llm.engine.output_processor, "process", "output_processing")
     step = core.step
 
     def timed_step() -> object:
@@ -87,6 +102,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sequences", type=int, default=256)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--compile", action="store_true", help="the forward as inductor graphs")
+    parser.add_argument(
+        "--graph-path",
+        action="store_true",
+        help="decode steps through the CUDA-graph path with a replay that costs nothing: the "
+        "host's part of a step when the forward is one graph replay",
+    )
+    parser.add_argument(
+        "--replay-ms",
+        type=float,
+        default=0.0,
+        help="with --graph-path: the replay waits this long, as a host waits on a device",
+    )
     parser.add_argument(
         "--async-scheduling",
         action="store_true",
@@ -105,7 +133,10 @@ def main() -> None:
             max_num_batched_tokens=max(2048, args.sequences * PROMPT_TOKENS),
             num_gpu_blocks_override=args.sequences * 6 + 8,
             async_scheduling=args.async_scheduling,
+            compile=args.compile,
         )
+        if args.graph_path:
+            use_free_replays(llm.engine.core.runner, args.sequences, args.replay_ms / 1e3)
         recorder = StepRecorder(llm)
         parts = attach_parts(llm)
         prompts = [
@@ -119,20 +150,25 @@ def main() -> None:
                 with profiled_decode(recorder, args.sequences) as profiled:
                     llm.generate(prompts, params, use_tqdm=False)
             else:
-                recorder.steps.clear()
+                recorder.clear()
                 parts.steps.clear()
                 llm.generate(prompts, params, use_tqdm=False)
                 if run == "timed":
                     timed_parts = decode_parts(recorder, parts, args.sequences)
+                    period_s = recorder.decode_period_s(args.sequences)
         llm.shutdown()
     result = {
         "benchmark": "host_overhead",
         "sequences": args.sequences,
         "async_scheduling": args.async_scheduling,
+        "compile": args.compile,
+        "graph_path": args.graph_path,
+        "replay_ms": args.replay_ms,
         "layers": 16,
         "hidden": 64,
         "decode_steps": len(decode),
         "decode_step_ms": round(1e3 * statistics.median(s for s, _ in decode), 2),
+        "decode_period_ms": round(1e3 * period_s, 2),
         "outside_runner_ms": None
         if args.async_scheduling
         else round(1e3 * statistics.median(s - r for s, r in decode), 2),
@@ -142,6 +178,38 @@ def main() -> None:
         "torch": torch.__version__,
     }
     emit(result, args.out)
+
+
+class FreeReplay:
+    """A decode graph's stand-in: no plan, and a replay that returns the hidden states it
+    would leave (zeros) without computing them; after `device_s` seconds when given, waited
+    for as a host waits on a device (the GIL released)."""
+
+    def __init__(self, rows: int, hidden: int, device_s: float) -> None:
+        self.hidden = torch.zeros(rows, hidden)
+        self.device_s = device_s
+
+    def prepare_decode_graph(self, metadata: object, *heads: int) -> None:
+        return None
+
+    def forward(self, ids: torch.Tensor, *rest: object) -> torch.Tensor:
+        if self.device_s:
+            time.sleep(self.device_s)
+        return self.hidden[: ids.shape[0]]
+
+
+def use_free_replays(runner: ModelRunner, max_num_seqs: int, device_s: float = 0.0) -> None:
+    """Decode steps go through the CUDA-graph path (static inputs loaded, the bucket chosen)
+    with `FreeReplay`: what is left of a step is the host's part of it with graphs."""
+    sizes = graph_batch_sizes(max_num_seqs)
+    inputs = StaticDecodeInputs(
+        max_batch=sizes[-1], max_blocks=4096 // runner.block_size, block_size=runner.block_size,
+        device=runner.device,
+    )  # fmt: skip
+    graphs = DecodeGraphs(inputs, sizes)
+    replay = FreeReplay(sizes[-1], runner.arch.hidden_size, device_s)
+    graphs.capture_all(replay.forward, runner.kv_caches, replay, (0, 0, 0), EagerCapture())
+    runner.decode_graphs = graphs
 
 
 def decode_parts(recorder: StepRecorder, parts: StepParts, batch: int) -> dict[str, float]:

@@ -21,6 +21,15 @@ from blockserve.attention.triton_plan import (
 )
 
 
+def packed_rows(x: torch.Tensor) -> torch.Tensor:
+    """`x` ([tokens, heads, dim]) as it is when each token's heads lie packed in one row (a
+    view of the step's fused qkv does), which the K/V write reads with the row stride; else a
+    packed copy. Saves two copies per layer."""
+    if x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+        return x
+    return x.contiguous()
+
+
 def reshape_and_cache(
     key: torch.Tensor,  # [num_tokens, kv_heads, head_dim]
     value: torch.Tensor,
@@ -192,7 +201,7 @@ class TritonAttentionBackend:
         plan: TritonAttentionPlan,
     ) -> torch.Tensor:
         reshape_and_cache(
-            key.contiguous(), value.contiguous(), kv_cache, plan.metadata.slot_mapping
+            packed_rows(key), packed_rows(value), kv_cache, plan.metadata.slot_mapping
         )
         out = torch.empty_like(query)
         unified_attention(query, kv_cache, plan, out)

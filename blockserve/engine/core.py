@@ -111,7 +111,7 @@ class EngineCore:
         # Async scheduling: the next step is scheduled while the worker runs this one.
         self.pipeline: StepPipeline[ScheduledStep, ModelRunnerOutput | Exception] | None = None
         if self.scheduler_config.async_scheduling:
-            self.pipeline = StepPipeline(self._execute)
+            self.pipeline = StepPipeline(self._execute, self.runner.bind_thread)
         self.scheduler = Scheduler(
             config=self.scheduler_config,
             kv_cache_manager=self.kv_cache_manager,

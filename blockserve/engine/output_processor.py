@@ -161,9 +161,10 @@ class OutputProcessor:
             touched[sample_id.request_id] = state
         outputs = []
         for request_id, state in touched.items():
-            if state.finished or not final_only:
+            finished = state.finished
+            if finished or not final_only:
                 outputs.append(self._output(state))
-            if state.finished:
+            if finished:
                 del self._requests[request_id]
         return ProcessedOutputs(outputs, to_abort)
 
@@ -192,7 +193,7 @@ class OutputProcessor:
         elif update.status.is_finished:
             sample.finish_reason = update.status.finish_reason
             sample.stop_reason = stop if stop is not None else update.stop_reason
-        if state.finished:
+        if sample.finish_reason is not None and state.finished:
             state.finished_time = now
         return stopped_here
 

@@ -17,9 +17,14 @@ class StepPipeline(Generic[Step, Result]):
     step in flight. Steps run one after another on the worker, so a step sees every earlier
     step's effects (its sampled tokens, its K/V writes) and none of a later one's."""
 
-    def __init__(self, run: Callable[[Step], Result]) -> None:
+    def __init__(
+        self, run: Callable[[Step], Result], bind_thread: Callable[[], None] | None = None
+    ) -> None:
+        """`bind_thread` prepares the worker thread (the runner's device made current)."""
         self._run = run
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="blockserve-step")
+        self._worker = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="blockserve-step", initializer=bind_thread
+        )
         self._in_flight: tuple[Step, Future[Result]] | None = None
 
     @property

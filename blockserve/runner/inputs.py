@@ -1,10 +1,12 @@
-"""A step's flat batch: token ids, positions, slots and block tables, built once per step."""
+"""A step's flat batch: token ids, positions, slots and block tables, built once per step on
+the host in one buffer and copied to the device in one transfer."""
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from blockserve.attention.metadata import AttentionMetadata
@@ -22,43 +24,57 @@ class ModelInputs:
 def prepare_inputs(
     scheduler_output: SchedulerOutput, block_size: int, device: torch.device
 ) -> ModelInputs:
-    """Flatten the step into token ids, positions, slots and block tables."""
+    """Flatten the step into token ids, positions, slots and block tables: every int64 array
+    is laid out in one host buffer (pinned for CUDA), which goes to the device in one copy
+    and is sliced there."""
     scheduled = scheduler_output.scheduled
-    query_lens = [len(s.token_ids) for s in scheduled]
-    seq_lens = [s.num_computed_tokens + n for s, n in zip(scheduled, query_lens, strict=True)]
+    rows = len(scheduled)
+    query_lens = np.fromiter((len(s.token_ids) for s in scheduled), np.int64, rows)
+    num_computed = np.fromiter((s.num_computed_tokens for s in scheduled), np.int64, rows)
+    num_tokens = int(query_lens.sum())
     max_blocks = max(len(s.block_ids) for s in scheduled)
-    # One tensor for the whole step, rows padded with the null block.
-    block_tables = torch.tensor(
-        [(*s.block_ids, *(0,) * (max_blocks - len(s.block_ids))) for s in scheduled],
-        dtype=torch.int64,
+    sizes = (num_tokens, num_tokens, num_tokens, rows + 1, rows, rows, rows * max_blocks)
+    # Each array starts 16-byte aligned, as a fresh tensor would (Triton specializes on it).
+    spans = [size + size % 2 for size in sizes]
+    offsets = list(itertools.accumulate(spans, initial=0))
+    host = torch.empty(offsets[-1], dtype=torch.int64, pin_memory=device.type == "cuda")
+    flat = host.numpy()
+    ids, positions, slots, starts, seq_lens, samples, tables = (
+        flat[start : start + size] for start, size in zip(offsets, sizes, strict=False)
     )
-    query_lens_t = torch.tensor(query_lens, dtype=torch.int64)
-    row_of_token = torch.repeat_interleave(torch.arange(len(scheduled)), query_lens_t)
-    starts = list(itertools.accumulate(query_lens, initial=0))  # each row's first token
-    query_start_loc = torch.tensor(starts, dtype=torch.int64)
-    num_computed = torch.tensor([s.num_computed_tokens for s in scheduled], dtype=torch.int64)
-    # positions: num_computed + 0, 1, ... within each request
-    offsets = torch.arange(len(row_of_token)) - query_start_loc[row_of_token]
-    positions = num_computed[row_of_token] + offsets
-    slot_mapping = (
-        block_tables[row_of_token, positions // block_size] * block_size + positions % block_size
+    ids[:] = np.fromiter(
+        itertools.chain.from_iterable(s.token_ids for s in scheduled), np.int64, num_tokens
     )
-    input_ids = torch.tensor([t for s in scheduled for t in s.token_ids], dtype=torch.int64)
-    sample_indices = torch.tensor(
-        [starts[i + 1] - 1 for i, s in enumerate(scheduled) if s.sample], dtype=torch.int64
+    starts[0] = 0
+    np.cumsum(query_lens, out=starts[1:])
+    row_of_token = np.repeat(np.arange(rows), query_lens)
+    # num_computed + 0, 1, ... within each request
+    positions[:] = num_computed[row_of_token] + np.arange(num_tokens) - starts[row_of_token]
+    table = tables.reshape(rows, max_blocks)  # rows padded with the null block
+    table[:] = 0
+    for row, request in enumerate(scheduled):
+        table[row, : len(request.block_ids)] = request.block_ids
+    slots[:] = table[row_of_token, positions // block_size] * block_size + positions % block_size
+    seq_lens[:] = num_computed + query_lens
+    sampled = np.fromiter((s.sample for s in scheduled), bool, rows)
+    num_sampled = int(sampled.sum())
+    samples[:num_sampled] = starts[1:][sampled] - 1
+    on_device = host.to(device, non_blocking=True)
+    (ids_t, positions_t, slots_t, starts_t, seq_lens_t, samples_t, tables_t) = (
+        on_device[start : start + size] for start, size in zip(offsets, sizes, strict=False)
     )
     metadata = AttentionMetadata(
-        slot_mapping=slot_mapping.to(device),
-        block_tables=block_tables.to(device),
-        query_start_loc=query_start_loc.to(device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
-        query_lens_cpu=tuple(query_lens),
-        seq_lens_cpu=tuple(seq_lens),
+        slot_mapping=slots_t,
+        block_tables=tables_t.view(rows, max_blocks),
+        query_start_loc=starts_t,
+        seq_lens=seq_lens_t,
+        query_lens_cpu=tuple(query_lens.tolist()),
+        seq_lens_cpu=tuple(seq_lens.tolist()),
         block_size=block_size,
     )
     return ModelInputs(
-        input_ids=input_ids.to(device),
-        positions=positions.to(device),
+        input_ids=ids_t,
+        positions=positions_t,
         metadata=metadata,
-        sample_indices=sample_indices.to(device),
+        sample_indices=samples_t[:num_sampled],
     )

@@ -111,6 +111,11 @@ class ModelRunner:
             plan = self.backend.prepare(inputs.metadata)
             forward(inputs.input_ids, inputs.positions, self.kv_caches, plan)
 
+    def bind_thread(self) -> None:
+        """Make this runner's device the current one on the calling thread (a worker's)."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
     def close(self) -> None:
         """Stop mapping KV cache pages in ahead (the engine is shutting down)."""
         if self.kv_pages is not None:

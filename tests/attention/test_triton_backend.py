@@ -226,3 +226,24 @@ def test_warm_up_launches_every_variant_and_writes_nothing() -> None:
     launches = TritonAttentionBackend().warm_up(case.kv_cache, 8, max_model_len=512)
     assert launches == 6
     assert torch.equal(case.kv_cache, before)
+
+
+def test_the_kv_write_reads_views_of_the_fused_qkv_in_place() -> None:
+    """K and V as the model hands them (views into one [tokens, q + k + v] row) are written
+    without a copy, exactly as their packed copies are."""
+    from blockserve.attention.triton_backend import packed_rows
+
+    case = make_case([(3, 5), (20, 1)], 4, 2, head_dim=64, seed=4).to(DEVICE)
+    tokens = case.key.shape[0]
+    qkv = torch.cat([case.query, case.key, case.value], dim=1).view(tokens, -1)
+    key = qkv[:, 4 * 64 : 6 * 64].view(tokens, 2, 64)
+    value = qkv[:, 6 * 64 :].view(tokens, 2, 64)
+    assert packed_rows(key).data_ptr() == key.data_ptr() and not key.is_contiguous()
+    expected = case.kv_cache.clone()
+    reshape_and_cache(case.key, case.value, expected, case.metadata.slot_mapping)
+    reshape_and_cache(
+        packed_rows(key), packed_rows(value), case.kv_cache, case.metadata.slot_mapping
+    )
+    assert torch.equal(case.kv_cache, expected)
+    strided = case.key.transpose(0, 1).contiguous().transpose(0, 1)  # heads not packed
+    assert packed_rows(strided).is_contiguous() and torch.equal(packed_rows(strided), case.key)

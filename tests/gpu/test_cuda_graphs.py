@@ -1,5 +1,6 @@
-"""On a CUDA device: decode steps replayed from CUDA graphs give the eager path's greedy tokens,
-and once the engine is ready no Triton kernel compiles, whatever the batch and the contexts."""
+"""On a CUDA device: decode steps replayed from CUDA graphs, and with async scheduling too, give
+the eager path's greedy tokens; once the engine is ready no Triton kernel compiles, whatever
+the batch and the contexts."""
 
 from __future__ import annotations
 
@@ -23,22 +24,25 @@ def generate(llm: object, max_tokens: int = 24) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_graphs_give_the_eager_tokens(tiny_llama_dir: Path, dtype: str) -> None:
+def test_graphs_and_async_scheduling_give_the_eager_tokens(
+    tiny_llama_dir: Path, dtype: str
+) -> None:
     from blockserve import LLM
 
     outputs = {}
-    for eager in (True, False):
+    for eager, asynchronous in ((True, False), (False, False), (False, True)):
         llm = LLM(
             str(tiny_llama_dir), dtype=dtype, device="cuda", max_num_seqs=16,
-            num_gpu_blocks_override=512, enforce_eager=eager,
+            num_gpu_blocks_override=512, enforce_eager=eager, async_scheduling=asynchronous,
         )  # fmt: skip
         graphs = llm.engine.core.runner.decode_graphs
         assert (graphs is None) == eager
         assert llm.engine.core.info.runtime["cuda_graphs"] == (0 if eager else 5)  # 1 2 4 8 16
-        outputs[eager] = generate(llm)
+        outputs[eager, asynchronous] = generate(llm)
         llm.shutdown()
-    assert outputs[False] == outputs[True]
-    assert [len(tokens) for tokens in outputs[False]] == [24] * len(PROMPTS)
+    assert outputs[False, False] == outputs[True, False]
+    assert outputs[False, True] == outputs[True, False]
+    assert [len(tokens) for tokens in outputs[False, True]] == [24] * len(PROMPTS)
 
 
 def test_nothing_compiles_after_ready(tiny_llama_dir: Path) -> None:

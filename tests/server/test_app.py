@@ -57,7 +57,12 @@ def test_health_version_and_unknown_route(server: ServerProcess) -> None:
     threads = version.pop("threads")  # the server process's own torch threads
     expected = probe_host(torch.device("cpu")).report(torch.float32)  # it runs --dtype float32
     del expected["threads"]
-    assert version == {"version": blockserve.__version__, **expected, "compiled": False}
+    assert version == {
+        "version": blockserve.__version__,
+        **expected,
+        "compiled": False,
+        "cuda_graphs": 0,
+    }
     assert isinstance(threads, int) and threads >= 1
     missing = httpx.get(f"{server.url}/v1/nothing")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == 404
