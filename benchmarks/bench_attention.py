@@ -7,6 +7,10 @@ achieved FLOP/s (QK^T and PV, causal over the new tokens) against the device's m
 matmul rate. bf16, 32 query heads, 8 KV heads, head_dim 128, block size 16; each sequence's
 blocks are scattered over the cache at random.
 
+Prefill on a prefix also through torch's SDPA (causal from the bottom right) over the
+sequence's blocks gathered whole, the other path for it. The JSON is written after each
+measurement, so a time cap keeps what ran.
+
 --sweep also times the triton kernel's launch parameters (keys per tile, warps, pipeline
 stages) at decode batch 64 / 8k and prefill 512 on 8k, and decode batch 1 / 8k with and without
 KV splits, so one run on a GPU shows which configuration to ship.
@@ -26,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from blockserve.attention.selector import get_attention_backend
@@ -82,6 +87,26 @@ def time_triton(
     return cuda_time(lambda: unified_attention(query, kv_cache, plan, out, num_splits, config))
 
 
+def time_sdpa_prefill(context: int) -> float:
+    """The other path issue 46 names for prefill on a cached prefix: the sequence's blocks
+    gathered whole, then torch's SDPA causal from the bottom right (its flash kernel where
+    it takes one), the gather timed with it."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    specs = [(context, PREFILL_TOKENS)]
+    query, _, _, kv_cache, metadata = make_bench_case(specs, HEADS, KV_HEADS, HEAD_DIM)
+    total = context + PREFILL_TOKENS
+    table = metadata.block_tables[0]
+    mask = causal_lower_right(PREFILL_TOKENS, total)
+    q = query.transpose(0, 1).unsqueeze(0)  # [1, heads, tokens, dim]
+
+    def run() -> torch.Tensor:
+        k, v = (cache[table].flatten(0, 1)[:total].transpose(0, 1)[None] for cache in kv_cache)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    return cuda_time(run)
+
+
 def decode_bytes(batch: int, context: int) -> int:
     return batch * (context + 1) * KV_HEADS * HEAD_DIM * 2 * 2  # K and V, bf16
 
@@ -116,9 +141,15 @@ def prefill_row(peaks: dict[str, float], context: int, seconds: float) -> dict:
     }
 
 
-def sweep(peaks: dict[str, float], batch: int = 64, context: int = 8192) -> list[dict[str, Any]]:
-    """Triton launch parameters at the shapes the goals name (decode batch 64, 8k context)."""
-    rows = []
+def sweep(
+    peaks: dict[str, float],
+    save: Callable[[list[dict[str, Any]]], None],
+    batch: int = 64,
+    context: int = 8192,
+) -> list[dict[str, Any]]:
+    """Triton launch parameters at the shapes the goals name (decode batch 64, 8k context);
+    `save` is handed the rows so far after each."""
+    rows: list[dict[str, Any]] = []
     for tile_n, warps, stages in itertools.product((32, 64, 128), (4, 8), (2, 3, 4)):
         config = KernelConfig(tile_n, warps, stages)
         label = {"backend": "triton", "tile_n": tile_n, "num_warps": warps, "num_stages": stages}
@@ -133,11 +164,13 @@ def sweep(peaks: dict[str, float], batch: int = 64, context: int = 8192) -> list
                 else:
                     rows.append({**label, **prefill_row(peaks, context, seconds)})
             print(json.dumps(rows[-1]), flush=True)
+            save(rows)
     for splits in (1, 4, 16, 32, None):
         seconds = time_triton([(context, 1)], None, splits)
         row = {"backend": "triton", "num_splits": splits or "auto"}
         rows.append({**row, **decode_row(peaks, 1, context, seconds)})
         print(json.dumps(rows[-1]), flush=True)
+        save(rows)
     return rows
 
 
@@ -167,18 +200,32 @@ def main() -> None:
             print(f"{backend_name} failed: {error!r}", flush=True)
             failed[backend_name] = repr(error)[:500]
         print(f"{backend_name} done at {time.perf_counter() - started:.0f} s", flush=True)
-    sweep_rows = sweep(peaks) if args.sweep else []
+    for context in (1024, 8192):
+        try:
+            seconds = time_sdpa_prefill(context)
+        except Exception as error:
+            failed[f"sdpa-prefill-{context}"] = repr(error)[:500]
+        else:
+            rows.append({"backend": "sdpa-gathered", **prefill_row(peaks, context, seconds)})
+            print(json.dumps(rows[-1]), flush=True)
     report = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "peaks": peaks,
         "results": rows,
         "failed": failed,
-        "sweep": sweep_rows,
+        "sweep": [],
         "seconds": round(time.perf_counter() - started, 1),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+
+    def save(sweep_rows: list[dict[str, Any]]) -> None:  # after every row: a time cap keeps some
+        report.update(sweep=sweep_rows, seconds=round(time.perf_counter() - started, 1))
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+
+    save([])
+    if args.sweep:
+        save(sweep(peaks, save))
     print(
         f"{'backend':8} {'kind':18} {'batch':>5} {'context':>7} {'us':>10} {'achieved':>14} "
         f"{'of peak':>8}"
