@@ -5,6 +5,7 @@ compiled forward under `--compile`. The runner it returns only runs steps."""
 
 from __future__ import annotations
 
+import logging
 import weakref
 
 import torch
@@ -38,6 +39,8 @@ from blockserve.runner.decode_graphs import (
 from blockserve.runner.kv_cache import allocate_kv_caches, num_blocks_for
 from blockserve.runner.model_runner import ModelRunner, RunnerParts
 from blockserve.runner.page_mapping import KVPagePopulator, keep_freed_memory
+
+logger = logging.getLogger(__name__)
 
 
 def build_runner(
@@ -136,11 +139,15 @@ def capture_decode_graphs(
     )  # fmt: skip
     graphs = DecodeGraphs(inputs, sizes)
     arch = runner.arch
-    with torch.inference_mode():
-        report = graphs.capture_all(
-            runner.forward, runner.kv_caches, backend,
-            (arch.num_heads, arch.num_kv_heads, arch.head_dim), capture,
-        )  # fmt: skip
+    try:
+        with torch.inference_mode():
+            report = graphs.capture_all(
+                runner.forward, runner.kv_caches, backend,
+                (arch.num_heads, arch.num_kv_heads, arch.head_dim), capture,
+            )  # fmt: skip
+    except Exception:  # the engine still serves, eagerly, as under --enforce-eager
+        logger.exception("capturing the decode graphs failed; decode steps run eagerly")
+        return None
     runner.decode_graphs = graphs
     return report
 

@@ -123,3 +123,34 @@ def count_replays(graphs: DecodeGraphs) -> list[bool]:
 
     graphs.run = counted  # type: ignore[method-assign]
     return replayed
+
+
+class FailingCapture:
+    """A capture the device refuses (as CUDA refuses an op that syncs during capture)."""
+
+    def capture(self, run: object) -> object:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    def memory_bytes(self) -> int:
+        return 0
+
+
+def test_a_failed_capture_leaves_the_engine_eager(
+    tiny_llama_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from blockserve import LLM, SamplingParams
+    from blockserve.runner.build import capture_decode_graphs
+
+    llm = LLM(
+        str(tiny_llama_dir), dtype="float32", device=DEVICE, attention_backend="triton",
+        num_gpu_blocks_override=64, max_num_seqs=8,
+    )  # fmt: skip
+    runner = llm.engine.core.runner
+    runner.decode_graphs = None
+    assert capture_decode_graphs(runner, ModelConfig(), 8, 128, capture=FailingCapture()) is None
+    assert runner.decode_graphs is None
+    assert "capturing the decode graphs failed; decode steps run eagerly" in caplog.text
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    (result,) = llm.generate([[5, 6, 7]], params, use_tqdm=False)
+    assert len(result.outputs[0].token_ids) == 3
+    llm.shutdown()
