@@ -160,12 +160,12 @@ def parity(path: Path, device: str, backend: str, vocab_size: int) -> dict[str, 
 class StepRecorder:
     """Wraps the engine core's step, its scheduler's schedule and its runner's execute: per
     step, the batch scheduled, the step's wall time and the runner's. Under async scheduling
-    a step applies the batch before the one it schedules, and the runner runs on the
-    pipeline's worker: its time is not the step's part, and is left at 0."""
+    a step launches the batch it schedules and finishes the one before: the runner's time is
+    not one step's part, and is left at 0."""
 
     def __init__(self, llm: LLM) -> None:
         self.core = llm.engine.core
-        self.asynchronous = self.core.pipeline is not None
+        self.asynchronous = self.core.scheduler_config.async_scheduling
         self.steps: list[tuple[int, int, float, float]] = []  # tokens, seqs, step s, runner s
         self.ends: list[float] = []  # when each step returned
         self.profile_at: int | None = None

@@ -11,8 +11,9 @@ input preparation, the forward and within it attention, sampling, and the output
 that follows the core's step), for the torch backend and float32. On a CPU the forward's
 share is mostly arithmetic a GPU does in microseconds; the other parts are host work a GPU
 would wait on. `--graph-path` sends decode steps through the CUDA-graph path (static
-inputs, buckets) with a replay that computes nothing (`--replay-ms`: that waits as a host
-waits on a device): what remains is the host's part of a step whose forward is one replay.
+inputs, buckets) with a replay that computes nothing: what remains is the host's part of a
+step whose forward is one replay. `--replay-ms` adds a simulated device that takes that long
+per replay while the host goes on, which reading the tokens back waits for.
 
     .venv/bin/python benchmarks/bench_host_overhead.py [--sequences 256] [--compile]
         [--graph-path [--replay-ms MS]] [--async-scheduling]
@@ -43,6 +44,7 @@ from blockserve.runner.decode_graphs import (
     StaticDecodeInputs,
     graph_batch_sizes,
 )
+from blockserve.runner.launched import LaunchedStep
 from blockserve.runner.model_runner import ModelRunner
 from tests.tiny_models import save_tiny_model
 
@@ -113,12 +115,12 @@ def main() -> None:
         "--replay-ms",
         type=float,
         default=0.0,
-        help="with --graph-path: the replay waits this long, as a host waits on a device",
+        help="with --graph-path: a device that takes this long per replay, asynchronously",
     )
     parser.add_argument(
         "--async-scheduling",
         action="store_true",
-        help="schedule each step while the one before it runs (on a worker thread)",
+        help="launch each step before the one ahead of it is read back",
     )
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -172,8 +174,7 @@ def main() -> None:
         "outside_runner_ms": None
         if args.async_scheduling
         else round(1e3 * statistics.median(s - r for s, r in decode), 2),
-        # The profiler sees the engine thread's ops, not the pipeline worker's.
-        "aten_ops_per_step": None if args.async_scheduling else profiled.get("aten_ops_per_step"),
+        "aten_ops_per_step": profiled.get("aten_ops_per_step"),
         "parts_ms": timed_parts,
         "torch": torch.__version__,
     }
@@ -182,20 +183,43 @@ def main() -> None:
 
 class FreeReplay:
     """A decode graph's stand-in: no plan, and a replay that returns the hidden states it
-    would leave (zeros) without computing them; after `device_s` seconds when given, waited
-    for as a host waits on a device (the GIL released)."""
+    would leave (zeros) without computing them. With `device_s`, a device that takes that
+    long per replay, one replay after another, asynchronously: the runner's `finish` waits
+    until its step's replay would be done, as it waits for a GPU's copy of the tokens."""
 
     def __init__(self, rows: int, hidden: int, device_s: float) -> None:
         self.hidden = torch.zeros(rows, hidden)
         self.device_s = device_s
+        self.free_at = 0.0  # when the simulated device finishes what it was given
+        self.replayed = False
 
     def prepare_decode_graph(self, metadata: object, *heads: int) -> None:
         return None
 
     def forward(self, ids: torch.Tensor, *rest: object) -> torch.Tensor:
-        if self.device_s:
-            time.sleep(self.device_s)
+        self.replayed = True
         return self.hidden[: ids.shape[0]]
+
+    def attach(self, runner: ModelRunner) -> None:
+        """Time each launched step's replay on the simulated device; `finish` waits for it."""
+        launch, finish = runner.launch, runner.finish
+        done_at: dict[int, float] = {}
+
+        def timed_launch(scheduler_output: object) -> LaunchedStep:
+            self.replayed = False
+            step = launch(scheduler_output)
+            if self.replayed:
+                self.free_at = max(time.perf_counter(), self.free_at) + self.device_s
+                done_at[id(step)] = self.free_at
+            return step
+
+        def timed_finish(step: LaunchedStep) -> object:
+            wait = done_at.pop(id(step), 0.0) - time.perf_counter()
+            if wait > 0:
+                time.sleep(wait)
+            return finish(step)
+
+        runner.launch, runner.finish = timed_launch, timed_finish  # type: ignore[method-assign]
 
 
 def use_free_replays(runner: ModelRunner, max_num_seqs: int, device_s: float = 0.0) -> None:
@@ -210,6 +234,8 @@ def use_free_replays(runner: ModelRunner, max_num_seqs: int, device_s: float = 0
     replay = FreeReplay(sizes[-1], runner.arch.hidden_size, device_s)
     graphs.capture_all(replay.forward, runner.kv_caches, replay, (0, 0, 0), EagerCapture())
     runner.decode_graphs = graphs
+    if device_s:
+        replay.attach(runner)
 
 
 def decode_parts(recorder: StepRecorder, parts: StepParts, batch: int) -> dict[str, float]:

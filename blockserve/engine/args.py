@@ -89,9 +89,10 @@ class EngineArgs:
     )
     async_scheduling: bool = option(
         False,
-        "schedule each step while the one before it runs (its sampled tokens sent as "
-        "placeholders the runner fills in); outputs are the same, in the same order; not "
-        "with --kv-offloading-size or --kv-cache-dir",
+        "schedule and launch each step before the one ahead of it is read back (its sampled "
+        "tokens sent as placeholders the runner fills on the device), so that the host's "
+        "work overlaps the device's; outputs are the same, in the same order; not with "
+        "--kv-offloading-size or --kv-cache-dir",
     )
     max_n: int = option(
         128, "most samples (`n`) one request may ask for (the OpenAI API's limit)", check=positive

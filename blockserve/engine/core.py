@@ -15,38 +15,29 @@ from blockserve.core.eviction import TailLRUConfig
 from blockserve.core.hashing import BlockHasher, BlockKeyInputs, RequestBlockHasher
 from blockserve.core.kv_cache_manager import KVCacheManager
 from blockserve.core.miss_ratio import MissRatioCurve
+from blockserve.engine.core_step import ScheduledStep, finish_step, run_step
 from blockserve.engine.outputs import (
     CoreStats,
     EngineCoreOutputs,
     KVCacheReport,
     MissRatioReport,
-    Started,
     TierStats,
 )
 from blockserve.engine.reports import kv_cache_report, miss_ratio_report
 from blockserve.engine.request import EngineCoreRequest, SampleId
-from blockserve.engine.step_pipeline import StepPipeline
 from blockserve.engine.tier_feed import create_kv_tiers, filled_blocks, tier_stats
 from blockserve.events.publisher import create_event_publisher
 from blockserve.runner.build import build_runner, capture_decode_graphs, warm_up_device
 from blockserve.runner.kv_cache import context_length
+from blockserve.runner.launched import LaunchedStep
 from blockserve.runner.page_mapping import blocks_per_step
-from blockserve.sched.output import ModelRunnerOutput, SchedulerOutput
+from blockserve.sched.output import ModelRunnerOutput
 from blockserve.sched.request import Request, RequestStatus
 from blockserve.sched.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
 _LOAD_WAIT_S = 0.05
-
-
-@dataclass(frozen=True, slots=True)
-class ScheduledStep:
-    """A step as scheduled: the runner's batch, the samples it starts, when it was made."""
-
-    output: SchedulerOutput
-    started: tuple[Started, ...]
-    now: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,10 +99,8 @@ class EngineCore:
         self.kv_tiers, self._kv_dir = create_kv_tiers(
             cache, self.runner, hasher, recorder.hash_format if recorder is not None else None
         )
-        # Async scheduling: the next step is scheduled while the worker runs this one.
-        self.pipeline: StepPipeline[ScheduledStep, ModelRunnerOutput | Exception] | None = None
-        if self.scheduler_config.async_scheduling:
-            self.pipeline = StepPipeline(self._execute, self.runner.bind_thread)
+        # Async scheduling: the step launched last and not finished yet.
+        self._in_flight: tuple[ScheduledStep, LaunchedStep | Exception] | None = None
         self.scheduler = Scheduler(
             config=self.scheduler_config,
             kv_cache_manager=self.kv_cache_manager,
@@ -171,42 +160,32 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> EngineCoreOutputs:
-        """Schedule, run the model, apply its tokens and publish the step's KV events. Under
-        async scheduling the step scheduled now runs on the pipeline's worker while this
-        applies the step before it, whose outputs it returns (none on the first)."""
+        """Schedule, run the model, apply its tokens and publish the step's KV events."""
         scheduled = self._schedule()
-        if self.pipeline is None:
-            return self._apply(scheduled, self._execute(scheduled))
-        previous = self.pipeline.submit(scheduled)
+        if not self.scheduler_config.async_scheduling:
+            return self._apply(scheduled, run_step(self.runner.execute, scheduled))
+        return self._step_ahead(scheduled)
+
+    def _step_ahead(self, scheduled: ScheduledStep) -> EngineCoreOutputs:
+        """Async scheduling: launch this step, then finish and apply the one before it (the
+        device runs this one meanwhile) and return its outputs (none on the first). A step
+        whose samples need the token history of the one before finishes that one first."""
+        previous, self._in_flight = self._in_flight, None
+        done = None
+        if previous is not None and not self.runner.can_launch_ahead(scheduled.output):
+            done = finish_step(self.runner, previous[1])
+        self._in_flight = (scheduled, run_step(self.runner.launch, scheduled))
         if previous is None:
             return EngineCoreOutputs(scheduled.now)
-        return self._apply(*previous)
+        return self._apply(
+            previous[0], done if done is not None else finish_step(self.runner, previous[1])
+        )
 
     def _schedule(self) -> ScheduledStep:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty and self.kv_tiers is not None and self.scheduler.num_loading:
             self.kv_tiers.wait_for_loads(_LOAD_WAIT_S)  # nothing to run until a load is in
-        requests = self.scheduler.requests
-        started = tuple(
-            (
-                s.request_id,
-                s.num_computed_tokens,
-                requests[s.request_id].cache_explanation,
-                requests[s.request_id].tier_cached_tokens,
-            )
-            for s in scheduler_output.scheduled
-            if s.new_request is not None
-        )
-        return ScheduledStep(scheduler_output, started, time.monotonic())
-
-    def _execute(self, scheduled: ScheduledStep) -> ModelRunnerOutput | Exception:
-        try:
-            return self.runner.execute(scheduled.output)
-        except Exception as exc:  # the batch fails; the core goes on
-            logger.exception(
-                "model step failed; failing the %d requests in it", len(scheduled.output.scheduled)
-            )
-            return exc
+        return ScheduledStep.of(scheduler_output, self.scheduler.requests)
 
     def _apply(
         self, scheduled: ScheduledStep, result: ModelRunnerOutput | Exception
@@ -280,8 +259,9 @@ class EngineCore:
     def shutdown(self) -> None:
         """Finish the step in flight and the tiers' queued writes, then close the tiers, the
         event publisher and the runner's page mapping."""
-        if self.pipeline is not None:
-            self.pipeline.shutdown()
+        if self._in_flight is not None:
+            finish_step(self.runner, self._in_flight[1])
+            self._in_flight = None
         if self.kv_tiers is not None:
             self.kv_tiers.close()
             self._publish_kv_events()

@@ -14,10 +14,11 @@ from blockserve.kernels import CpuKernels
 from blockserve.model.arch import LlamaArchConfig
 from blockserve.model.compile import CompileReport, mark_token_dim_dynamic
 from blockserve.model.loader import LoadedModel
-from blockserve.model.sampler import Sampler, SamplerOutput, SamplingBatch, SamplingRow
+from blockserve.model.sampler import Sampler, SamplingBatch, SamplingRow
 from blockserve.platform import HostCapabilities
 from blockserve.runner.decode_graphs import DecodeGraphs
 from blockserve.runner.inputs import ModelInputs, prepare_inputs
+from blockserve.runner.launched import LaunchedStep, copy_to_host, fill_from_device
 from blockserve.runner.page_mapping import KVPagePopulator
 from blockserve.runner.request_states import RequestStates
 from blockserve.sched.output import (
@@ -77,6 +78,8 @@ class ModelRunner:
         self.compile_report: CompileReport | None = None
         # Decode steps replayed from CUDA graphs (runner/decode_graphs.py), once captured.
         self.decode_graphs: DecodeGraphs | None = None
+        # The last step launched and not yet finished (async scheduling).
+        self._unfinished: LaunchedStep | None = None
 
     def use_compiled(self, forward: Callable[..., torch.Tensor], report: CompileReport) -> None:
         """Run steps through `forward`, the model's compiled graphs (warmed on this runner)."""
@@ -111,11 +114,6 @@ class ModelRunner:
             plan = self.backend.prepare(inputs.metadata)
             forward(inputs.input_ids, inputs.positions, self.kv_caches, plan)
 
-    def bind_thread(self) -> None:
-        """Make this runner's device the current one on the calling thread (a worker's)."""
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-
     def close(self) -> None:
         """Stop mapping KV cache pages in ahead (the engine is shutting down)."""
         if self.kv_pages is not None:
@@ -128,20 +126,30 @@ class ModelRunner:
     def prepare_inputs(self, scheduler_output: SchedulerOutput) -> ModelInputs:
         return prepare_inputs(scheduler_output, self.block_size, self.device)
 
-    @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step. Requests seen for the first time must carry `new_request`."""
+        return self.finish(self.launch(scheduler_output))
+
+    @torch.inference_mode()
+    def launch(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
+        """Run a step up to its sampled tokens, on the device and on their way to the host;
+        `finish` reads them. A step launched before the one ahead of it is finished
+        (async scheduling) takes that step's tokens for its placeholders on the device."""
+        previous, self._unfinished = self._unfinished, None
         self.requests.update(scheduler_output)
         if scheduler_output.is_empty:
-            return ModelRunnerOutput()
-        scheduler_output = self.requests.fill_placeholders(scheduler_output)
+            return LaunchedStep(output=ModelRunnerOutput())
+        if previous is None:
+            scheduler_output = self.requests.fill_placeholders(scheduler_output)
         inputs = self.prepare_inputs(scheduler_output)
+        if previous is not None:
+            fill_from_device(inputs, scheduler_output, previous)
         if self.kv_pages is not None:
             self.kv_pages.note_written(int(inputs.metadata.slot_mapping.max()) // self.block_size)
         hidden = self._run_forward(inputs)
         sampled_ids = [s.request_id for s in scheduler_output.scheduled if s.sample]
         if not sampled_ids:
-            return ModelRunnerOutput()
+            return LaunchedStep(output=ModelRunnerOutput())
         logits = self.model.compute_logits(hidden[inputs.sample_indices])  # [sampled, vocab]
         failed = self._apply_grammars(logits, sampled_ids)
         rows = self.requests.sampling_rows(scheduler_output, self.eos_token_ids)
@@ -150,8 +158,30 @@ class ModelRunner:
                 logits, SamplingBatch.build(rows, logits.shape[-1], logits.device)
             )
         except Exception:  # one row's inputs broke the batch: find it, spare the others
-            return self._sample_rows_alone(logits, sampled_ids, rows, failed)
-        return self._to_output(sampled_ids, result, failed)
+            return LaunchedStep(output=self._sample_rows_alone(logits, sampled_ids, rows, failed))
+        host, copied = copy_to_host(result)
+        self._unfinished = LaunchedStep(
+            sampled_ids=sampled_ids, token_ids=result.token_ids, host=host, failed=failed,
+            copied=copied,
+        )  # fmt: skip
+        return self._unfinished
+
+    def finish(self, step: LaunchedStep) -> ModelRunnerOutput:
+        """A launched step's output: its tokens appended to each request's history (and fed
+        to its grammar) once they are on the host."""
+        if self._unfinished is step:
+            self._unfinished = None
+        if step.output is not None:
+            return step.output
+        if step.copied is not None:
+            step.copied.synchronize()
+        assert step.host is not None
+        return self.requests.record(step.sampled_ids, step.host, step.failed)
+
+    def can_launch_ahead(self, scheduler_output: SchedulerOutput) -> bool:
+        """Whether the step can be launched before the one ahead of it is finished: none of
+        its samples needs the token history on the host (penalties, a grammar, min_tokens)."""
+        return not self.requests.history_bound(scheduler_output)
 
     def _run_forward(self, inputs: ModelInputs) -> torch.Tensor:
         """The step's hidden states: replayed from a graph where one holds the step."""
@@ -195,48 +225,11 @@ class ModelRunner:
             row_logits = logits[index : index + 1]
             try:
                 batch = SamplingBatch.build([row], row_logits.shape[-1], row_logits.device)
-                output = self._to_output([request_id], self.sampler(row_logits, batch), {})
+                output = self.requests.record([request_id], self.sampler(row_logits, batch), {})
             except Exception as exc:
                 failed[request_id] = f"{type(exc).__name__}: {exc}"
                 continue
             sampled.update(output.sampled_token_ids)
             logprobs.update(output.logprobs)
             failed.update(output.failed)
-        return ModelRunnerOutput(sampled, logprobs, failed)
-
-    def _to_output(
-        self, request_ids: list[RequestId], result: SamplerOutput, failed: dict[RequestId, str]
-    ) -> ModelRunnerOutput:
-        """The step's tokens, appended to each request's history and fed to its grammar; a
-        request whose grammar failed, or refused its token, is reported failed instead."""
-        token_ids = result.token_ids.tolist()
-        failed = dict(failed)
-        sampled: dict[RequestId, int] = {}
-        for request_id, token_id in zip(request_ids, token_ids, strict=True):
-            if request_id in failed:
-                continue
-            state = self.requests[request_id]
-            if state.matcher is not None and not state.matcher.consume_token(token_id):
-                # The mask allowed only what the matcher takes: a refusal here is a broken
-                # matcher, and fails this sample alone.
-                failed[request_id] = f"structured outputs: the constraint refused token {token_id}"
-                continue
-            state.output_token_ids.append(token_id)
-            sampled[request_id] = token_id
-        logprobs: dict[RequestId, TokenLogprobs] = {}
-        if result.logprobs is not None:
-            assert result.ranks is not None
-            assert result.top_ids is not None and result.top_logprobs is not None
-            chosen, ranks = result.logprobs.tolist(), result.ranks.tolist()
-            top_ids, top_lps = result.top_ids.tolist(), result.top_logprobs.tolist()
-            for row, request_id in enumerate(request_ids):
-                num_top = self.requests[request_id].params.logprobs
-                if num_top is None or request_id not in sampled:
-                    continue
-                logprobs[request_id] = TokenLogprobs(
-                    token_id=token_ids[row],
-                    logprob=chosen[row],
-                    rank=ranks[row],
-                    top=tuple(zip(top_ids[row][:num_top], top_lps[row][:num_top], strict=True)),
-                )
         return ModelRunnerOutput(sampled, logprobs, failed)

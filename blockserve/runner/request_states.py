@@ -1,6 +1,6 @@
 """What the runner remembers of each running request between steps (its token history, its
-seeded generator, its grammar matcher), and what a step takes from it: the tokens sent as
-placeholders, and each sampling row."""
+seeded generator, its grammar matcher), what a step takes from it (the tokens sent as
+placeholders, each sampling row) and what it adds (the sampled tokens)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,14 @@ import torch
 
 from blockserve.core.kv_cache_manager import RequestId
 from blockserve.grammar import GrammarCompiler
-from blockserve.model.sampler import SamplingRow
+from blockserve.model.sampler import SamplerOutput, SamplingRow
 from blockserve.sampling_params import SamplingParams
-from blockserve.sched.output import PLACEHOLDER_TOKEN, SchedulerOutput
+from blockserve.sched.output import (
+    PLACEHOLDER_TOKEN,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    TokenLogprobs,
+)
 
 
 @dataclass
@@ -80,6 +85,8 @@ class RequestStates:
                 continue
             count = request.token_ids.count(PLACEHOLDER_TOKEN)
             latest = self.states[request.request_id].output_token_ids[-count:]
+            # Shorter only when the step before failed for it: its output will be dropped.
+            latest = [*(0,) * (count - len(latest)), *latest]
             token_ids = (*request.token_ids[:-count], *latest)
             scheduled[index] = dataclasses.replace(request, token_ids=token_ids)
             filled = True
@@ -109,3 +116,58 @@ class RequestStates:
                 )
             )
         return rows
+
+    def history_bound(self, scheduler_output: SchedulerOutput) -> bool:
+        """Whether a sample of the step needs the token the step before is sampling for it on
+        the host: penalties, a grammar, or min_tokens not yet reached. (A step's other
+        samples have their whole history here.)"""
+        for scheduled in scheduler_output.scheduled:
+            state = self.states.get(scheduled.request_id)
+            if not scheduled.sample or scheduled.token_ids[-1] != PLACEHOLDER_TOKEN or not state:
+                continue
+            params = state.params
+            if (
+                params.uses_penalties
+                or params.structured_outputs is not None
+                or len(state.output_token_ids) < params.min_tokens
+            ):
+                return True
+        return False
+
+    def record(
+        self, request_ids: list[RequestId], result: SamplerOutput, failed: dict[RequestId, str]
+    ) -> ModelRunnerOutput:
+        """The step's tokens, appended to each request's history and fed to its grammar; a
+        request whose grammar failed, or refused its token, is reported failed instead; one
+        that ended while the step was in flight (its state gone) is left out."""
+        token_ids = result.token_ids.tolist()
+        failed = dict(failed)
+        sampled: dict[RequestId, int] = {}
+        for request_id, token_id in zip(request_ids, token_ids, strict=True):
+            state = self.states.get(request_id)
+            if request_id in failed or state is None:
+                continue
+            if state.matcher is not None and not state.matcher.consume_token(token_id):
+                # The mask allowed only what the matcher takes: a refusal here is a broken
+                # matcher, and fails this sample alone.
+                failed[request_id] = f"structured outputs: the constraint refused token {token_id}"
+                continue
+            state.output_token_ids.append(token_id)
+            sampled[request_id] = token_id
+        logprobs: dict[RequestId, TokenLogprobs] = {}
+        if result.logprobs is not None:
+            assert result.ranks is not None
+            assert result.top_ids is not None and result.top_logprobs is not None
+            chosen, ranks = result.logprobs.tolist(), result.ranks.tolist()
+            top_ids, top_lps = result.top_ids.tolist(), result.top_logprobs.tolist()
+            for row, request_id in enumerate(request_ids):
+                num_top = self.states[request_id].params.logprobs
+                if num_top is None or request_id not in sampled:
+                    continue
+                logprobs[request_id] = TokenLogprobs(
+                    token_id=token_ids[row],
+                    logprob=chosen[row],
+                    rank=ranks[row],
+                    top=tuple(zip(top_ids[row][:num_top], top_lps[row][:num_top], strict=True)),
+                )
+        return ModelRunnerOutput(sampled, logprobs, failed)

@@ -46,6 +46,23 @@ def test_greedy_and_seeded_samples_equal_the_synchronous_engine(tiny_llama_dir: 
     assert run_llm(tiny_llama_dir, params, asynchronous=True) == expected
 
 
+def test_samples_that_need_the_token_in_flight_equal_the_synchronous_engine(
+    tiny_llama_dir: Path,
+) -> None:
+    """Penalties and min_tokens read the token history on the host: such a step waits for
+    the one before it; the others beside it are launched ahead."""
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=20, repetition_penalty=1.5, presence_penalty=0.5)
+        if i % 3 == 0
+        else SamplingParams(temperature=0.0, max_tokens=20, min_tokens=8, stop_token_ids=[5 + i])
+        if i % 3 == 1
+        else SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+        for i in range(len(PROMPTS))
+    ]
+    expected = run_llm(tiny_llama_dir, params, asynchronous=False)
+    assert run_llm(tiny_llama_dir, params, asynchronous=True) == expected
+
+
 def test_stops_equal_the_synchronous_engine(tiny_llama_dir: Path) -> None:
     """Stop tokens and stop strings taken from the synchronous run's own outputs, so that
     each stops mid-generation."""
@@ -75,14 +92,16 @@ def test_an_abort_and_a_failing_step_leave_the_others_as_they_were(
                 async_scheduling=asynchronous,
             ).create_configs()
         )  # fmt: skip
-        real_execute = engine.core.runner.execute
+        # A fault where the step starts: the synchronous engine runs `execute`, which
+        # launches; the asynchronous one launches a step and finishes it later.
+        real_launch = engine.core.runner.launch
 
-        def execute(output, real_execute=real_execute):  # type: ignore[no-untyped-def]
+        def launch(output, real_launch=real_launch):  # type: ignore[no-untyped-def]
             if any(s.request_id == SampleId("bad", 0) for s in output.scheduled):
                 raise RuntimeError("injected fault")
-            return real_execute(output)
+            return real_launch(output)
 
-        monkeypatch.setattr(engine.core.runner, "execute", execute)
+        monkeypatch.setattr(engine.core.runner, "launch", launch)
         for name in ("a", "b", "c"):
             engine.add_request(RequestSpec(name, PROMPTS[ord(name) - 97], greedy))
         finished = run(engine, abort_at=4)
