@@ -80,6 +80,10 @@ class ModelConfig:
     # sizes (empty: 1, 2, 4, then every multiple of 8 up to max_num_seqs).
     enforce_eager: bool = False
     cuda_graph_sizes: tuple[int, ...] = ()
+    # A hub id's revision, the cache to download into, a tokenizer other than the model's.
+    revision: str | None = None
+    download_dir: str | None = None
+    tokenizer: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

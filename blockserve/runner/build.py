@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import logging
 import weakref
+from pathlib import Path
 
 import torch
 
 from blockserve.attention.selector import get_attention_backend
 from blockserve.config import CacheConfig, ModelConfig, default_cache_dir
+from blockserve.errors import ModelNotFoundError
 from blockserve.grammar import GrammarCompiler
 from blockserve.kernels import CpuKernels, fits_model
 from blockserve.model.arch import LlamaArchConfig
 from blockserve.model.compile import compile_forward
+from blockserve.model.hub import TOKENIZER_FILES, is_hub_id, snapshot
 from blockserve.model.loader import (
     LoadedModel,
     load_model,
@@ -55,7 +58,11 @@ def build_runner(
     host = probe_host(device)
     dtype = resolve_dtype(model_config.dtype, host)
     warn_if_slow(dtype, host)
-    model_dir = resolve_model_dir(model_config.model)
+    model_dir = resolve_model_dir(
+        model_config.model,
+        revision=model_config.revision,
+        download_dir=model_config.download_dir,
+    )
     arch = read_arch(model_dir)
     block_size = cache_config.block_size
     num_blocks = num_blocks_for(
@@ -66,7 +73,10 @@ def build_runner(
     kv_pages = None
     if device.type == "cpu" and kv_blocks_per_step > 0:  # maps while the weights load
         kv_pages = KVPagePopulator(kv_caches, ahead=2 * kv_blocks_per_step)
-    loaded = load_model(model_config.model, backend, dtype, name, model_dir=model_dir)
+    loaded = load_model(
+        model_config.model, backend, dtype, name, model_dir=model_dir,
+        tokenizer_dir=_tokenizer_dir(model_config),
+    )  # fmt: skip
     if kv_pages is not None:
         keep_freed_memory()  # for the steps' temporaries; the loading's are gone
         kv_pages.map_now(kv_blocks_per_step)  # the first step writes mapped memory
@@ -150,6 +160,19 @@ def capture_decode_graphs(
         return None
     runner.decode_graphs = graphs
     return report
+
+
+def _tokenizer_dir(model_config: ModelConfig) -> Path | None:
+    """--tokenizer's directory (a path, or a hub id's snapshot of its tokenizer files)."""
+    name = model_config.tokenizer
+    if name is None:
+        return None
+    if is_hub_id(name):
+        return snapshot(name, download_dir=model_config.download_dir, files=TOKENIZER_FILES)
+    path = Path(name).expanduser()
+    if not path.is_dir():
+        raise ModelNotFoundError(f"no tokenizer at {name!r}: expected a directory or a hub id")
+    return path
 
 
 def _device_name(configured: str) -> str:

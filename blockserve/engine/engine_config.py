@@ -1,0 +1,103 @@
+"""`EngineArgs` (checked one by one) to the frozen configs an engine is built from: the checks
+across options, then each config."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from blockserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from blockserve.errors import InvalidConfigError
+from blockserve.events.config import KVEventsConfig
+from blockserve.grammar_limits import ConstraintLimits
+
+# `args` is an EngineArgs (engine/args.py imports this module, so this one cannot import it
+# back; tests/engine/test_args.py builds every field through here).
+EngineArgs = Any
+
+GIB = 1 << 30
+
+
+def engine_config(args: EngineArgs) -> EngineConfig:
+    """The frozen configs of options already checked one by one: the checks across
+    options, then each config."""
+    _check_combinations(args)
+    return EngineConfig(
+        model=_model_config(args),
+        cache=CacheConfig(
+            block_size=args.block_size,
+            enable_prefix_caching=args.enable_prefix_caching,
+            prefix_caching_hash_algo=args.prefix_caching_hash_algo,
+            num_gpu_blocks_override=args.num_gpu_blocks_override,
+            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            eviction_policy=args.eviction_policy,
+            tlru_threshold_tokens=args.tlru_threshold_tokens,
+            tlru_next_prompt_tokens=args.tlru_next_prompt_tokens,
+            miss_ratio_samples=args.miss_ratio_samples,
+            kv_offloading_bytes=int(args.kv_offloading_size * GIB),
+            kv_cache_dir=args.kv_cache_dir,
+            kv_disk_bytes=int(args.kv_disk_size * GIB),
+            kv_cache_dir_clear_mismatch=args.kv_cache_dir_clear_mismatch,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            policy=args.scheduling_policy,
+            async_scheduling=args.async_scheduling,
+            lpm_aging_s=float(args.lpm_aging_s),
+            max_n=args.max_n,
+            max_request_seq_share=args.max_request_seq_share,
+        ),
+        kv_events=_kv_events_config(args),
+    )
+
+
+def _check_combinations(args: EngineArgs) -> None:
+    if (args.kv_offloading_size or args.kv_cache_dir) and not args.enable_prefix_caching:
+        raise InvalidConfigError(
+            "kv_offloading_size and kv_cache_dir (--kv-offloading-size, --kv-cache-dir) "
+            "are prefix-cache tiers: they need enable_prefix_caching"
+        )
+    if args.async_scheduling and (args.kv_offloading_size or args.kv_cache_dir):
+        raise InvalidConfigError(
+            "async_scheduling (--async-scheduling) cannot run with the KV tiers "
+            "(--kv-offloading-size, --kv-cache-dir): their loads write blocks a step in "
+            "flight may still be writing"
+        )
+
+
+def _model_config(args: EngineArgs) -> ModelConfig:
+    return ModelConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        attention_backend=args.attention_backend,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+        structured_outputs_max_whitespace=args.structured_outputs_max_whitespace,
+        structured_outputs_limits=ConstraintLimits(
+            max_bytes=args.structured_outputs_max_bytes,
+            max_rules=args.structured_outputs_max_rules,
+            max_choices=args.structured_outputs_max_choices,
+            max_nesting=args.structured_outputs_max_nesting,
+            compile_timeout_s=args.structured_outputs_compile_timeout,
+        ),
+        generation_config=args.generation_config,
+        compile=args.compile,
+        enforce_eager=args.enforce_eager,
+        cuda_graph_sizes=tuple(int(size) for size in args.cuda_graph_sizes),
+        revision=args.revision,
+        download_dir=args.download_dir,
+        tokenizer=args.tokenizer,
+    )
+
+
+def _kv_events_config(args: EngineArgs) -> KVEventsConfig | None:
+    value = args.kv_events_config
+    if value is None or isinstance(value, KVEventsConfig):
+        return value
+    try:
+        if isinstance(value, str):
+            return KVEventsConfig.from_json(value)
+        return KVEventsConfig.from_dict(value)
+    except InvalidConfigError as exc:
+        raise InvalidConfigError(f"kv_events_config (--kv-events-config) {exc}") from None
