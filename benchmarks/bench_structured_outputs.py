@@ -13,13 +13,18 @@ Sections:
             sampler alone (temperature 0.8, no top-p/top-k), then `apply_token_masks` + sampler
             with 0, 1 and all rows constrained (median µs per step over --steps steps). The
             0-row figure is the price every unconstrained batch pays.
+  whitespace  The default model asked for a JSON object (json_object, n=20, seed 0,
+            temperature 0.7, max_tokens 256, float32) under each
+            --structured-outputs-max-whitespace setting: how many samples close their object
+            (finish "stop") and parse, their median length, and the first sample's text.
 
-    .venv/bin/python benchmarks/bench_structured_outputs.py [--section backends sampler]
+    .venv/bin/python benchmarks/bench_structured_outputs.py [--section backends sampler whitespace]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import json
 import platform
@@ -221,6 +226,41 @@ def sampler_step(tokenizer: Any, vocab: int, rows: int, steps: int) -> dict[str,
     return results
 
 
+def whitespace(settings: tuple[int, ...] = (0, 2, 4, 16, -1)) -> list[dict[str, Any]]:
+    from blockserve import LLM, SamplingParams
+    from blockserve.sampling_params import StructuredOutputsParams
+
+    messages = [{"role": "user", "content": "Reply with a JSON object with a name and an age."}]
+    params = SamplingParams(
+        n=20, seed=0, temperature=0.7, max_tokens=256,
+        structured_outputs=StructuredOutputsParams(json_object=True),
+    )  # fmt: skip
+    rows = []
+    for max_whitespace in settings:
+        llm = LLM(
+            dtype="float32", max_model_len=2048, structured_outputs_max_whitespace=max_whitespace
+        )
+        (result,) = llm.chat([messages], params, use_tqdm=False)
+        llm.shutdown()
+        stopped = [o for o in result.outputs if o.finish_reason == "stop"]
+        parsed = 0
+        for output in stopped:
+            with contextlib.suppress(ValueError):
+                parsed += isinstance(json.loads(output.text), dict)
+        rows.append(
+            {
+                "max_whitespace": max_whitespace,
+                "samples": len(result.outputs),
+                "stopped": len(stopped),
+                "parsed": parsed,
+                "median_tokens": statistics.median(len(o.token_ids) for o in result.outputs),
+                "first": result.outputs[0].text,
+            }
+        )
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--section", nargs="+", default=["backends", "sampler"])
@@ -247,6 +287,8 @@ def main() -> None:
         results["backends"] = backends(tokenizer, vocab, args.repeats)
     if "sampler" in args.section:
         results["sampler"] = sampler_step(tokenizer, vocab, args.rows, args.steps)
+    if "whitespace" in args.section:
+        results["whitespace"] = whitespace()
     emit(results, args.out)
 
 

@@ -77,9 +77,12 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._workers: CompileWorkers | None = None
         self._compiled: OrderedDict[StructuredOutputsParams, llguidance.LLMatcher] = OrderedDict()
-        # Whitespace allowed between two JSON tokens: -1 any, 0 none (compact JSON). Unbounded,
-        # a small model can spend all of max_tokens on whitespace.
+        # Whitespace allowed between two JSON tokens: -1 any, 0 none but one space after each
+        # comma and colon (JSON as json.dumps prints it).
+        # Unbounded, a small model can spend all of max_tokens on whitespace.
         self._json_options: JsonCompileOptions = {"whitespace_flexible": max_whitespace != 0}
+        if max_whitespace == 0:
+            self._json_options.update(item_separator=", ", key_separator=": ")
         if max_whitespace > 0:
             self._json_options["whitespace_pattern"] = f"{_WHITESPACE}{{1,{max_whitespace}}}"
 

@@ -193,3 +193,20 @@ def test_a_matcher_for_a_bad_constraint_raises(compiler: GrammarCompiler) -> Non
     fails that sample alone)."""
     with pytest.raises(RuntimeError, match=r'does not compile: .*unknown name: "foo"'):
         compiler.matcher(StructuredOutputsParams(grammar="start: foo"))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_compact_json_is_json_dumps_spacing(tokenizer: Any, seed: int) -> None:
+    """--structured-outputs-max-whitespace 0: one space after each comma and colon and none
+    elsewhere, as json.dumps prints; the text parses and prints back the same."""
+    compiler = GrammarCompiler(
+        tokenizer, len(tokenizer), [tokenizer.eos_token_id], max_whitespace=0
+    )
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"type": "array", "items": {"enum": [1, 2]}}},
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    }
+    text = decode_constrained(compiler, tokenizer, StructuredOutputsParams(json=schema), seed)
+    assert json.dumps(json.loads(text)) == text
