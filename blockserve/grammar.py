@@ -82,7 +82,8 @@ class GrammarCompiler:
         # Unbounded, a small model can spend all of max_tokens on whitespace.
         self._json_options: JsonCompileOptions = {"whitespace_flexible": max_whitespace != 0}
         if max_whitespace == 0:
-            self._json_options.update(item_separator=", ", key_separator=": ")
+            self._json_options["item_separator"] = ", "
+            self._json_options["key_separator"] = ": "
         if max_whitespace > 0:
             self._json_options["whitespace_pattern"] = f"{_WHITESPACE}{{1,{max_whitespace}}}"
 

@@ -1,7 +1,8 @@
-"""Prometheus metrics (vLLM's names under `blockserve:`) and the periodic stats log line. Engine
-state (running/waiting requests, KV usage, prefix-cache and token counters) is read from the
-engine at scrape time; per-request latencies are observed by the server as requests finish. Each
-app has its own registry: nothing is global."""
+"""Prometheus metrics and the periodic stats log line. The metrics vLLM has are exposed twice:
+under `vllm:` with vLLM's label sets (`model_name`, `engine`), which dashboards and routers
+written for vLLM read, and under `blockserve:`; ours alone under `blockserve:`. Engine state is
+read at scrape time; per-request latencies are observed as requests finish. Each app has its
+own registry: nothing is global."""
 
 from __future__ import annotations
 
@@ -62,9 +63,7 @@ class EngineCollector(Collector):
             ),
         }
         for name, (doc, value) in gauges.items():
-            gauge = GaugeMetricFamily(f"blockserve:{name}", doc, labels=["model_name"])
-            gauge.add_metric(labels, value)
-            yield gauge
+            yield from _twins(GaugeMetricFamily, name, doc, self.model_name, value)
         if stats.estimated_hit_rates:
             curve = GaugeMetricFamily(
                 "blockserve:prefix_cache_hit_rate_estimate",
@@ -92,11 +91,28 @@ class EngineCollector(Collector):
             "generation_tokens": ("Tokens generated.", stats.num_generation_tokens),
         }
         for name, (doc, value) in counters.items():
-            counter = CounterMetricFamily(f"blockserve:{name}", doc, labels=["model_name"])
-            counter.add_metric(labels, value)
-            yield counter
+            yield from _twins(CounterMetricFamily, name, doc, self.model_name, value)
         if stats.kv_tiers:
             yield from _tier_metrics(stats, labels)
+
+
+# vLLM's engine label: this server is one engine (data-parallel rank 0).
+VLLM_ENGINE = "0"
+
+
+def _twins(
+    family: type[GaugeMetricFamily] | type[CounterMetricFamily],
+    name: str,
+    doc: str,
+    model_name: str,
+    value: float,
+) -> Iterator[Metric]:
+    """One value as `vllm:{name}` (model_name, engine) and `blockserve:{name}` (model_name)."""
+    vllm = family(f"vllm:{name}", doc, labels=["model_name", "engine"])
+    vllm.add_metric([model_name, VLLM_ENGINE], value)
+    ours = family(f"blockserve:{name}", doc, labels=["model_name"])
+    ours.add_metric([model_name], value)
+    yield from (vllm, ours)
 
 
 _TIER_COUNTERS = {
@@ -140,36 +156,61 @@ class ServerMetrics:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(engine, model_name))
-        self.request_success = Counter(
-            "blockserve:request_success",
-            "Finished requests, by finish reason.",
-            ["model_name", "finished_reason"],
-            registry=self.registry,
+        self.request_success = _TwinCounter(
+            "request_success", "Finished requests, by finish reason.", self
         )
-        self.time_to_first_token = Histogram(
-            "blockserve:time_to_first_token_seconds",
-            "Time to the first token.",
-            ["model_name"],
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
+        self.time_to_first_token = _TwinHistogram(
+            "time_to_first_token_seconds", "Time to the first token.", self
         )
-        self.inter_token_latency = Histogram(
-            "blockserve:inter_token_latency_seconds",
-            "Time between output tokens.",
-            ["model_name"],
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
+        self.inter_token_latency = _TwinHistogram(
+            "inter_token_latency_seconds", "Time between output tokens.", self
         )
-        self.e2e_request_latency = Histogram(
-            "blockserve:e2e_request_latency_seconds",
-            "Request latency, arrival to finish.",
-            ["model_name"],
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
+        self.e2e_request_latency = _TwinHistogram(
+            "e2e_request_latency_seconds", "Request latency, arrival to finish.", self
         )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _TwinHistogram:
+    """A latency histogram under both names (vLLM's labels on `vllm:`)."""
+
+    def __init__(self, name: str, doc: str, metrics: ServerMetrics) -> None:
+        self.model_name = metrics.model_name
+        self.vllm = Histogram(
+            f"vllm:{name}", doc, ["model_name", "engine"], buckets=LATENCY_BUCKETS,
+            registry=metrics.registry,
+        )  # fmt: skip
+        self.ours = Histogram(
+            f"blockserve:{name}", doc, ["model_name"], buckets=LATENCY_BUCKETS,
+            registry=metrics.registry,
+        )  # fmt: skip
+
+    def observe(self, seconds: float, times: int = 1) -> None:
+        vllm = self.vllm.labels(self.model_name, VLLM_ENGINE)
+        ours = self.ours.labels(self.model_name)
+        for _ in range(times):
+            vllm.observe(seconds)
+            ours.observe(seconds)
+
+
+class _TwinCounter:
+    """Finished requests by reason under both names (vLLM's labels on `vllm:`)."""
+
+    def __init__(self, name: str, doc: str, metrics: ServerMetrics) -> None:
+        self.model_name = metrics.model_name
+        self.vllm = Counter(
+            f"vllm:{name}", doc, ["model_name", "engine", "finished_reason"],
+            registry=metrics.registry,
+        )  # fmt: skip
+        self.ours = Counter(
+            f"blockserve:{name}", doc, ["model_name", "finished_reason"], registry=metrics.registry
+        )
+
+    def inc(self, reason: str, amount: int = 1) -> None:
+        self.vllm.labels(self.model_name, VLLM_ENGINE, reason).inc(amount)
+        self.ours.labels(self.model_name, reason).inc(amount)
 
 
 @dataclass
@@ -185,30 +226,26 @@ class RequestTimer:
 
     def on_output(self, num_tokens: int) -> None:
         now = time.monotonic()
-        labels = self.metrics.time_to_first_token.labels(self.metrics.model_name)
         if self.last is None and num_tokens > 0:
-            labels.observe(now - self.start)
+            self.metrics.time_to_first_token.observe(now - self.start)
         elif self.last is not None and num_tokens > self.num_tokens:
-            per_token = (now - self.last) / (num_tokens - self.num_tokens)
-            itl = self.metrics.inter_token_latency.labels(self.metrics.model_name)
-            for _ in range(num_tokens - self.num_tokens):
-                itl.observe(per_token)
+            new_tokens = num_tokens - self.num_tokens
+            self.metrics.inter_token_latency.observe((now - self.last) / new_tokens, new_tokens)
         if num_tokens > self.num_tokens:
             self.last, self.num_tokens = now, num_tokens
 
     def on_finish(self, finish_reasons: list[str]) -> None:
         """The engine finished the request: e2e once, and one success per choice."""
         self.finished = True
-        name = self.metrics.model_name
-        self.metrics.e2e_request_latency.labels(name).observe(time.monotonic() - self.start)
+        self.metrics.e2e_request_latency.observe(time.monotonic() - self.start)
         for reason in finish_reasons:
-            self.metrics.request_success.labels(name, reason).inc()
+            self.metrics.request_success.inc(reason)
 
     def on_abort(self, num_choices: int) -> None:
         """The server aborted it unfinished (the client left, or the drain deadline): its
         choices count as `abort`; no e2e latency (it was not served to the end)."""
         self.finished = True
-        self.metrics.request_success.labels(self.metrics.model_name, "abort").inc(num_choices)
+        self.metrics.request_success.inc("abort", num_choices)
 
 
 def format_stats_line(previous: EngineStats, current: EngineStats, seconds: float) -> str:

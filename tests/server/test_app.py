@@ -3,6 +3,8 @@ cache report, and API-key auth on /v1/* only."""
 
 from __future__ import annotations
 
+import json
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +14,7 @@ import openai
 import pytest
 import torch
 from fastapi.testclient import TestClient
+from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 import blockserve
@@ -182,3 +185,75 @@ def test_debug_routes_exist_only_when_enabled() -> None:
     paths = {route.path for route in opened.routes}  # type: ignore[attr-defined]
     assert {"/debug/kv_cache", "/debug/miss_ratio_curve"} <= paths
     assert TestClient(closed).get("/debug/miss_ratio_curve").status_code == 404
+
+
+ROOT = Path(__file__).resolve().parents[2]
+# vLLM 0.32.0's metrics this server exposes, with their types and label names, as
+# vllm/v1/metrics/loggers.py defines them (`make peer-vllm` installs it under .peer/).
+VLLM_032_METRICS = {
+    "vllm:num_requests_running": ("gauge", {"model_name", "engine"}),
+    "vllm:num_requests_waiting": ("gauge", {"model_name", "engine"}),
+    "vllm:kv_cache_usage_perc": ("gauge", {"model_name", "engine"}),
+    "vllm:prefix_cache_queries": ("counter", {"model_name", "engine"}),
+    "vllm:prefix_cache_hits": ("counter", {"model_name", "engine"}),
+    "vllm:num_preemptions": ("counter", {"model_name", "engine"}),
+    "vllm:prompt_tokens": ("counter", {"model_name", "engine"}),
+    "vllm:generation_tokens": ("counter", {"model_name", "engine"}),
+    "vllm:request_success": ("counter", {"model_name", "engine", "finished_reason"}),
+    "vllm:time_to_first_token_seconds": ("histogram", {"model_name", "engine"}),
+    "vllm:inter_token_latency_seconds": ("histogram", {"model_name", "engine"}),
+    "vllm:e2e_request_latency_seconds": ("histogram", {"model_name", "engine"}),
+}
+
+
+def test_vllm_metric_names_types_and_labels(server: ServerProcess) -> None:
+    """Dashboards and routers written for vLLM read these names: each is there with vLLM's
+    type and labels, the model's served name and engine "0"; one more request of 3 tokens
+    moves both names' counters alike."""
+    before = metric_families(server)
+    body = {"prompt": list(range(30, 50)), "max_tokens": 3}
+    assert httpx.post(f"{server.url}/v1/completions", json=body).status_code == 200
+    after = metric_families(server)
+    exposed = {
+        name: (f.type, {label for s in f.samples for label in s.labels if label != "le"})
+        for name, f in after.items()
+        if name.startswith("vllm:")
+    }
+    assert exposed == VLLM_032_METRICS
+    for prefix in ("vllm", "blockserve"):
+        moved = {
+            name: value(after, f"{prefix}:{name}") - value(before, f"{prefix}:{name}")
+            for name in ("generation_tokens", "request_success", "prompt_tokens")
+        }
+        assert moved == {"generation_tokens": 3.0, "request_success": 1.0, "prompt_tokens": 20.0}
+    (success,) = [s for s in after["vllm:request_success"].samples if s.name.endswith("_total")]
+    assert (success.labels["engine"], success.labels["finished_reason"]) == ("0", "length")
+
+
+def metric_families(server: ServerProcess) -> dict[str, Metric]:
+    """/metrics' families, but prometheus_client's `_created` series."""
+    text = httpx.get(f"{server.url}/metrics").text
+    return {
+        f.name: f for f in text_string_to_metric_families(text) if not f.name.endswith("_created")
+    }
+
+
+def value(families: dict[str, Metric], name: str) -> float:
+    """A counter's total over its series."""
+    return sum(s.value for s in families[name].samples if s.name.endswith("_total"))
+
+
+def test_the_grafana_dashboard_reads_metrics_the_server_exposes(server: ServerProcess) -> None:
+    """docs/grafana/serving-dashboard.json: every series its queries name exists here under
+    either prefix (`vllm`, the default, reads a vLLM server too)."""
+    dashboard = json.loads((ROOT / "docs" / "grafana" / "serving-dashboard.json").read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    named = {m for expr in exprs for m in re.findall(r"\$\{prefix\}:(\w+)", expr)}
+    assert len(exprs) == 14 and len(named) == 12
+    exposed = {
+        sample.name
+        for family in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text)
+        for sample in family.samples
+    }
+    for prefix in ("vllm", "blockserve"):
+        assert sorted(f"{prefix}:{m}" for m in named if f"{prefix}:{m}" not in exposed) == []
