@@ -226,6 +226,15 @@ class ServerConfig:
         "seconds running requests get to finish after SIGTERM; then each ends with an error",
         check=at_least(0),
     )
+    disable_log_stats: bool = option(False, "no periodic stats line (vLLM's flag)")
+    disable_log_requests: bool = option(
+        False, "vLLM's older flag, accepted: this server logs no request's contents"
+    )
+    uvicorn_log_level: str = option(
+        "info",
+        "uvicorn's log level (vLLM's flag)",
+        choices=("critical", "error", "warning", "info", "debug", "trace"),
+    )
     stats_interval_s: float = 10.0
 
     def __post_init__(self) -> None:

@@ -46,3 +46,27 @@ def share(value: float) -> str | None:
 
 def non_empty_or_none(value: str | None) -> str | None:
     return None if value is None or value else "must not be empty"
+
+
+def one_device(value: int) -> str | None:
+    if value == 1:
+        return None
+    return (
+        f"must be 1, got {value}: this engine runs one device per replica; serve more "
+        "devices as replicas (blockserve serve --replicas N)"
+    )
+
+
+def chunked_prefill(value: bool) -> str | None:
+    if value:
+        return None
+    return "cannot be turned off: prompts over --max-num-batched-tokens are always chunked"
+
+
+def no_swap_space(value: float | None) -> str | None:
+    if value is None:
+        return None
+    return (
+        "is not a flag of vLLM 0.32 either: preemption recomputes, and blocks leaving the "
+        "device go to the host tier (--kv-offloading-size GiB)"
+    )

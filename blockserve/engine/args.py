@@ -159,6 +159,27 @@ class EngineArgs:
     device: str = option(
         "auto", "auto (CUDA if present, else CPU), cpu, or cuda:N", check=arg_checks.device
     )
+    tensor_parallel_size: int = option(
+        1, "vLLM's flag; one device per replica here", check=arg_checks.one_device
+    )
+    enable_chunked_prefill: bool = option(
+        True,
+        "vLLM's flag: prompts longer than --max-num-batched-tokens are prefilled in chunks "
+        "(always, here)",
+        check=arg_checks.chunked_prefill,
+    )
+    swap_space: float | None = option(
+        None, "vLLM's old flag, refused as vLLM 0.32 refuses it", check=arg_checks.no_swap_space
+    )
+    trust_remote_code: bool = option(
+        False,
+        "vLLM's flag, accepted: the Llama-family models served here run no code of their own",
+    )
+    load_format: str = option(
+        "auto",
+        "vLLM's flag: auto (a directory's safetensors, or a .gguf file), safetensors or gguf",
+        choices=("auto", "safetensors", "gguf"),
+    )
     compile: bool = option(
         False,
         "compile the decoder layers' math between attentions with torch.compile (inductor) "

@@ -63,6 +63,12 @@ def _check_combinations(args: EngineArgs) -> None:
             "(--kv-offloading-size, --kv-cache-dir): their loads write blocks a step in "
             "flight may still be writing"
         )
+    gguf = str(args.model or "").endswith(".gguf")
+    if args.load_format != "auto" and (args.load_format == "gguf") != gguf:
+        raise InvalidConfigError(
+            f"load_format (--load-format) {args.load_format} does not fit the model "
+            f"{args.model or '(the embedded SmolLM2, safetensors)'}"
+        )
 
 
 def _model_config(args: EngineArgs) -> ModelConfig:

@@ -76,11 +76,15 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
-        stats_task = asyncio.create_task(log_stats_periodically(engine, config.stats_interval_s))
+        stats_task = None
+        if not config.disable_log_stats:
+            stats = log_stats_periodically(engine, config.stats_interval_s)
+            stats_task = asyncio.create_task(stats)
         try:
             yield
         finally:
-            stats_task.cancel()
+            if stats_task is not None:
+                stats_task.cancel()
             await asyncio.to_thread(engine.shutdown)
 
     app = FastAPI(title="blockserve", version=__version__, lifespan=lifespan)

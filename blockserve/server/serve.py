@@ -73,7 +73,7 @@ def _serve_on(
             app,
             host=server_config.host,
             port=server_config.port,
-            log_level="info",
+            log_level=server_config.uvicorn_log_level,
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
             http=with_header_deadline(server_config.header_timeout),
             timeout_keep_alive=server_config.timeout_keep_alive,

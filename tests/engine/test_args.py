@@ -53,6 +53,11 @@ GOOD: dict[str, tuple[object, list[str]]] = {
     "revision": ("v1.0", ["--revision", "v1.0"]),
     "download_dir": ("/srv/hub", ["--download-dir", "/srv/hub"]),
     "tokenizer": ("org/tokenizer", ["--tokenizer", "org/tokenizer"]),
+    "tensor_parallel_size": (1, ["--tensor-parallel-size", "1"]),
+    "enable_chunked_prefill": (True, ["--enable-chunked-prefill"]),
+    "swap_space": (None, []),
+    "trust_remote_code": (True, ["--trust-remote-code"]),
+    "load_format": ("safetensors", ["--load-format", "safetensors"]),
     "kv_offloading_size": (1.5, ["--kv-offloading-size", "1.5"]),
     "kv_cache_dir": ("/var/kv", ["--kv-cache-dir", "/var/kv"]),
     "kv_disk_size": (2.0, ["--kv-disk-size", "2"]),
@@ -115,6 +120,11 @@ BAD: dict[str, list[tuple[object, list[str] | None]]] = {
     "revision": [("", ["--revision", ""]), (3, None)],
     "download_dir": [("", ["--download-dir", ""])],
     "tokenizer": [("", ["--tokenizer", ""])],
+    "tensor_parallel_size": [(2, ["--tensor-parallel-size", "2"])],
+    "enable_chunked_prefill": [(False, ["--no-enable-chunked-prefill"])],
+    "swap_space": [(4.0, ["--swap-space", "4"])],
+    "trust_remote_code": [("yes", None)],
+    "load_format": [("pt", ["--load-format", "pt"]), ("gguf", ["--load-format", "gguf"])],
     "kv_offloading_size": [(-1.0, ["--kv-offloading-size", "-1"]), (float("nan"), None)],
     "kv_cache_dir": [(3, None)],
     "kv_disk_size": [(-2.0, ["--kv-disk-size", "-2"])],
@@ -125,6 +135,12 @@ BAD: dict[str, list[tuple[object, list[str] | None]]] = {
         ({"endpointt": "tcp://*:1"}, None),
     ],
 }
+
+
+# vLLM's flags taken as vLLM takes them that change nothing here: their values are this
+# engine's own (one device, chunked prefill, no remote code, the format the model has).
+AS_IN_VLLM = {"tensor_parallel_size", "enable_chunked_prefill", "swap_space", "trust_remote_code",
+              "load_format"}  # fmt: skip
 
 
 def configs_from_flags(flags: list[str]) -> EngineConfig:
@@ -143,7 +159,7 @@ def test_flag_and_keyword_build_the_same_config(name: str) -> None:
     value, flags = GOOD[name]
     from_keyword = EngineArgs(**{name: value}).create_configs()  # type: ignore[arg-type]
     assert configs_from_flags(flags) == from_keyword
-    assert from_keyword != EngineArgs().create_configs()
+    assert (from_keyword == EngineArgs().create_configs()) == (name in AS_IN_VLLM)
 
 
 @pytest.mark.parametrize(
@@ -211,3 +227,40 @@ def test_kv_events_config_accepts_json_dict_or_config() -> None:
         assert EngineArgs(kv_events_config=value).create_configs().kv_events == expected
     config = EngineArgs(kv_events_config=expected).create_configs()
     assert config.kv_events is expected  # a built config passes through as it is
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--tensor-parallel-size", "2"],
+            "tensor_parallel_size (--tensor-parallel-size) must be 1, got 2: this engine runs one "
+            "device per replica; serve more devices as replicas (blockserve serve --replicas N)",
+        ),
+        (
+            ["--swap-space", "4"],
+            "swap_space (--swap-space) is not a flag of vLLM 0.32 either: preemption recomputes, "
+            "and blocks leaving the device go to the host tier (--kv-offloading-size GiB)",
+        ),
+        (
+            ["--load-format", "gguf"],
+            "load_format (--load-format) gguf does not fit the model (the embedded SmolLM2, "
+            "safetensors)",
+        ),
+        (
+            ["--model", "/models/m.gguf", "--load-format", "safetensors"],
+            "load_format (--load-format) safetensors does not fit the model /models/m.gguf",
+        ),
+    ],
+)
+def test_vllm_flags_this_engine_cannot_honour_are_refused_in_one_line(
+    flags: list[str], message: str
+) -> None:
+    with pytest.raises(InvalidConfigError) as refused:
+        configs_from_flags(flags)
+    assert str(refused.value) == message
+
+
+def test_load_format_gguf_fits_a_gguf_model() -> None:
+    configs = configs_from_flags(["--model", "/models/m.gguf", "--load-format", "gguf"])
+    assert configs.model.model == "/models/m.gguf"

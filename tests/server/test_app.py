@@ -4,6 +4,7 @@ cache report, and API-key auth on /v1/* only."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 import time
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ import blockserve
 from blockserve.bench.server_process import ServerProcess
 from blockserve.config import ServerConfig
 from blockserve.engine.client import ModelInfo
+from blockserve.engine.outputs import EngineStats
 from blockserve.platform import probe_host
 from blockserve.server.app import build_app
 from tests.server.conftest import tiny_server
@@ -257,3 +259,41 @@ def test_the_grafana_dashboard_reads_metrics_the_server_exposes(server: ServerPr
     }
     for prefix in ("vllm", "blockserve"):
         assert sorted(f"{prefix}:{m}" for m in named if f"{prefix}:{m}" not in exposed) == []
+
+
+class StatsClient(IdleClient):
+    """An engine client that starts, stops, and always has one request running."""
+
+    def start(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+    def stats(self) -> EngineStats:
+        return EngineStats(1, 0, 0.5, 0, 0, 0, 0, 0)
+
+
+@pytest.mark.parametrize("disabled", [False, True])
+def test_disable_log_stats_silences_the_stats_line(
+    disabled: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = ServerConfig(disable_log_stats=disabled, stats_interval_s=0.01)
+    caplog.set_level(logging.INFO, logger="blockserve.stats")
+    with TestClient(build_app(StatsClient(), config)):  # type: ignore[arg-type]
+        time.sleep(0.2)
+    lines = [r.message for r in caplog.records if r.name == "blockserve.stats"]
+    assert (lines == []) == disabled
+    assert all(line.startswith("Avg prompt throughput") for line in lines)
+
+
+def test_uvicorn_log_level_reaches_uvicorn(
+    tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """--uvicorn-log-level warning: the server serves, and uvicorn's info lines are gone."""
+    args = ["--uvicorn-log-level", "warning", "--disable-log-requests"]
+    for process in tiny_server(tiny_llama_dir, tmp_path_factory, args):
+        assert httpx.get(f"{process.url}/health").status_code == 200
+        log = process.log_path.read_text()
+        assert "Application startup complete" not in log
+        assert "loading the model" in log  # blockserve's own info lines stay
