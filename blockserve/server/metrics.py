@@ -1,8 +1,7 @@
-"""Prometheus metrics and the periodic stats log line. The metrics vLLM has are exposed twice:
-under `vllm:` with vLLM's label sets (`model_name`, `engine`), which dashboards and routers
-written for vLLM read, and under `blockserve:`; ours alone under `blockserve:`. Engine state is
-read at scrape time; per-request latencies are observed as requests finish. Each app has its
-own registry: nothing is global."""
+"""Prometheus metrics and the stats log line. vLLM's metrics twice: as `vllm:` with vLLM's labels
+(`model_name`, `engine`), for dashboards written for vLLM, and as `blockserve:`; ours under
+`blockserve:` only. Engine state is read at scrape time, latencies as requests finish; each
+app has its own registry."""
 
 from __future__ import annotations
 
