@@ -84,6 +84,7 @@ class ModelConfig:
     revision: str | None = None
     download_dir: str | None = None
     tokenizer: str | None = None
+    max_logprobs: int = 20  # the most logprobs a request may ask for
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,6 @@ from typing import Any
 
 from blockserve.errors import InvalidRequestError
 
-_MAX_LOGPROBS = 20
 # What torch.Generator.manual_seed takes: the seeds of all `n` samples (seed + index) must fit.
 _MIN_SEED, _MAX_SEED = -(2**63), 2**64 - 1
 _FLOAT_FIELDS = (
@@ -156,10 +155,10 @@ class SamplingParams:
             fail(f"min_tokens must be non-negative, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             fail(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        for name in ("logprobs", "prompt_logprobs"):
+        for name in ("logprobs", "prompt_logprobs"):  # the most: the engine's --max-logprobs
             value = getattr(self, name)
-            if value is not None and not 0 <= value <= _MAX_LOGPROBS:
-                fail(f"{name} must be in [0, {_MAX_LOGPROBS}], got {value}")
+            if value is not None and value < 0:
+                fail(f"{name} must be non-negative, got {value}")
         if any(not s for s in self.stop):
             fail("stop strings must be non-empty")
 

@@ -41,6 +41,7 @@ class ClusterEngineClient(PoolTokenizing):
             scheduling_policy=front.scheduling_policy,
             max_n=front.max_n,
             max_bytes_per_token=front.max_bytes_per_token,
+            max_logprobs=front.max_logprobs,
         )
         self._tokenizers = TokenizerPool(processor, tokenizer_workers)
         self._model_info = ModelInfo(

@@ -31,6 +31,7 @@ class FrontEnd:
     max_n: int
     max_bytes_per_token: int | None
     num_blocks: int  # this replica's KV blocks: the bound of its mirror and credits
+    max_logprobs: int = 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +97,7 @@ class EngineReplica:
             max_n=processor.max_n,
             max_bytes_per_token=processor.max_bytes_per_token,
             num_blocks=core.info.num_blocks,
+            max_logprobs=processor.max_logprobs,
         )
         logger.info("replica ready; KV events on %s", self.kv_events_endpoint)
 

@@ -180,6 +180,11 @@ class EngineArgs:
         "vLLM's flag: auto (a directory's safetensors, or a .gguf file), safetensors or gguf",
         choices=("auto", "safetensors", "gguf"),
     )
+    max_logprobs: int = option(
+        20,
+        "the most logprobs (top_logprobs) a request may ask for (vLLM's flag)",
+        check=at_least(0),
+    )
     compile: bool = option(
         False,
         "compile the decoder layers' math between attentions with torch.compile (inductor) "

@@ -94,6 +94,7 @@ def _model_config(args: EngineArgs) -> ModelConfig:
         revision=args.revision,
         download_dir=args.download_dir,
         tokenizer=args.tokenizer,
+        max_logprobs=args.max_logprobs,
     )
 
 

@@ -32,6 +32,8 @@ class InputProcessor:
     # UTF-8 bytes of the longest token's string: a prompt of b bytes has at least
     # ceil(b / max_bytes_per_token) tokens, which bounds it before any tokenizing.
     max_bytes_per_token: int | None = None
+    # The most logprobs (and prompt logprobs) a request may ask for (--max-logprobs).
+    max_logprobs: int = 20
     # Compiles structured-outputs constraints (thread-safe, as the tokenizer is); a
     # constraint that does not compile is refused here, before the request is queued.
     grammar: GrammarCompiler | None = None
@@ -100,6 +102,13 @@ class InputProcessor:
         if spec.lora_name is not None:
             # The name would key the blocks, but no adapter would run: refuse, not mislead.
             raise InvalidRequestError("LoRA adapters are not supported yet", "lora_name")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(spec.params, name)
+            if value is not None and value > self.max_logprobs:
+                raise InvalidRequestError(
+                    f"{name} must be at most {self.max_logprobs} (--max-logprobs), got {value}",
+                    name,
+                )
         if spec.params.prompt_logprobs is not None:
             # The scheduler keeps such requests off the cache (they need every position's
             # logits), but the runner does not compute prompt logprobs yet.

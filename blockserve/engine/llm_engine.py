@@ -133,6 +133,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         scheduling_policy=config.scheduler.policy,
         max_n=config.scheduler.max_n,
         max_bytes_per_token=longest_token_bytes(core.tokenizer, info.vocab_size),
+        max_logprobs=config.model.max_logprobs,
         grammar=core.runner.grammar,
     )
     return LLMEngine(core, processor, defaults)

@@ -51,6 +51,16 @@ def test_a_good_spec_is_tokenized() -> None:
             "prompt_logprobs are not supported yet",
         ),
         (
+            RequestSpec("a", "hi", SamplingParams(logprobs=21)),
+            "logprobs",
+            "logprobs must be at most 20 (--max-logprobs), got 21",
+        ),
+        (
+            RequestSpec("a", "hi", SamplingParams(prompt_logprobs=25)),
+            "prompt_logprobs",
+            "prompt_logprobs must be at most 20 (--max-logprobs), got 25",
+        ),
+        (
             RequestSpec("a", "hi", priority=1),
             "priority",
             "priority is only supported with the priority scheduling policy",
@@ -158,3 +168,14 @@ def test_longest_token_bytes_reads_the_vocabulary() -> None:
     """The bound is the longest token string in UTF-8; ids without a token are skipped."""
     assert longest_token_bytes(RefusingTokenizer(), 4) == 4
     assert longest_token_bytes(SentencePieceLike(), 2) == 6  # "▁é": 3 + 2 bytes, "你好": 6
+
+
+def test_max_logprobs_bounds_what_a_request_may_ask() -> None:
+    """--max-logprobs 30: 30 top logprobs pass, 31 do not (vLLM's flag; its default is 20)."""
+    processor = InputProcessor(
+        CharTokenizer(), vocab_size=1000, max_model_len=32, scheduling_policy="fcfs", max_n=4,
+        max_logprobs=30,
+    )  # fmt: skip
+    assert processor.process(RequestSpec("a", "hi", SamplingParams(logprobs=30)), set())
+    with pytest.raises(InvalidRequestError, match="at most 30 "):
+        processor.process(RequestSpec("b", "hi", SamplingParams(logprobs=31)), set())
