@@ -85,6 +85,8 @@ class ModelConfig:
     download_dir: str | None = None
     tokenizer: str | None = None
     max_logprobs: int = 20  # the most logprobs a request may ask for
+    # The chat template to use instead of the tokenizer's: a file, or the template itself.
+    chat_template: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -180,6 +180,12 @@ class EngineArgs:
         "vLLM's flag: auto (a directory's safetensors, or a .gguf file), safetensors or gguf",
         choices=("auto", "safetensors", "gguf"),
     )
+    chat_template: str | None = option(
+        None,
+        "the chat template to use instead of the tokenizer's: a file holding it, or the "
+        "template itself (vLLM's flag)",
+        check=arg_checks.non_empty_or_none,
+    )
     max_logprobs: int = option(
         20,
         "the most logprobs (top_logprobs) a request may ask for (vLLM's flag)",

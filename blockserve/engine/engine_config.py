@@ -95,6 +95,7 @@ def _model_config(args: EngineArgs) -> ModelConfig:
         download_dir=args.download_dir,
         tokenizer=args.tokenizer,
         max_logprobs=args.max_logprobs,
+        chat_template=args.chat_template,
     )
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from blockserve.attention.metadata import AttentionBackend
 from blockserve.attention.selector import get_attention_backend
 from blockserve.config import CacheConfig, ModelConfig, default_cache_dir
 from blockserve.errors import ModelNotFoundError
@@ -73,10 +74,7 @@ def build_runner(
     kv_pages = None
     if device.type == "cpu" and kv_blocks_per_step > 0:  # maps while the weights load
         kv_pages = KVPagePopulator(kv_caches, ahead=2 * kv_blocks_per_step)
-    loaded = load_model(
-        model_config.model, backend, dtype, name, model_dir=model_dir,
-        tokenizer_dir=_tokenizer_dir(model_config),
-    )  # fmt: skip
+    loaded = _load_model(model_config, backend, dtype, name, model_dir)
     if kv_pages is not None:
         keep_freed_memory()  # for the steps' temporaries; the loading's are gone
         kv_pages.map_now(kv_blocks_per_step)  # the first step writes mapped memory
@@ -162,6 +160,23 @@ def capture_decode_graphs(
     return report
 
 
+def _load_model(
+    model_config: ModelConfig,
+    backend: AttentionBackend,
+    dtype: torch.dtype,
+    device: str,
+    model_dir: Path,
+) -> LoadedModel:
+    """The weights and the tokenizer (--tokenizer's, with --chat-template's template)."""
+    loaded = load_model(
+        model_config.model, backend, dtype, device, model_dir=model_dir,
+        tokenizer_dir=_tokenizer_dir(model_config),
+    )  # fmt: skip
+    if model_config.chat_template is not None:
+        loaded.tokenizer.chat_template = chat_template_text(model_config.chat_template)
+    return loaded
+
+
 def _tokenizer_dir(model_config: ModelConfig) -> Path | None:
     """--tokenizer's directory (a path, or a hub id's snapshot of its tokenizer files)."""
     name = model_config.tokenizer
@@ -173,6 +188,17 @@ def _tokenizer_dir(model_config: ModelConfig) -> Path | None:
     if not path.is_dir():
         raise ModelNotFoundError(f"no tokenizer at {name!r}: expected a directory or a hub id")
     return path
+
+
+def chat_template_text(value: str) -> str:
+    """--chat-template's template: the file it names, or the value itself (as vLLM reads it)."""
+    path = Path(value).expanduser()
+    try:
+        if path.is_file():
+            return path.read_text()
+    except OSError:  # a template too long to be a file name
+        pass
+    return value
 
 
 def _device_name(configured: str) -> str:

@@ -4,6 +4,7 @@ message stays plain text, so a user cannot close their turn and forge a system m
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -90,3 +91,26 @@ def test_a_failing_template_is_the_requests_fault(tokenizer: Any) -> None:
     )
     with pytest.raises(InvalidRequestError, match="the chat template failed: no tools"):
         chat_prompt_ids(strict, [{"role": "tool", "content": "x"}])
+
+
+@pytest.mark.parametrize("from_file", [False, True])
+def test_chat_template_flag_replaces_the_models(
+    tiny_llama_dir: Path, tmp_path: Path, from_file: bool
+) -> None:
+    """--chat-template, inline or as a file (as vLLM takes it): chats render through it."""
+    from blockserve import LLM, SamplingParams
+
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}|"
+    value = template
+    if from_file:
+        (tmp_path / "template.jinja").write_text(template)
+        value = str(tmp_path / "template.jinja")
+    llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", num_gpu_blocks_override=32,
+              chat_template=value)  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    (result,) = llm.chat([[{"role": "user", "content": "hello"}]], params, use_tqdm=False)
+    tokenizer = llm.engine.core.tokenizer
+    assert list(result.prompt_token_ids) == tokenizer.encode(
+        "<user>hello|", add_special_tokens=False
+    )
+    llm.shutdown()
