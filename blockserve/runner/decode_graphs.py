@@ -98,7 +98,6 @@ class CudaGraphCapture:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: list[torch.cuda.CUDAGraph] = []
         self._reserved_before = torch.cuda.memory_reserved(device)
 
     def capture(self, run: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
@@ -107,7 +106,6 @@ class CudaGraphCapture:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             output = run()
-        self.graphs.append(graph)
 
         def replay() -> torch.Tensor:
             graph.replay()
@@ -174,7 +172,6 @@ class DecodeGraphs:
         self.inputs = inputs
         self.sizes = sizes
         self.replays: dict[int, Callable[[], torch.Tensor]] = {}
-        self.report: GraphReport | None = None
 
     def capture_all(
         self,
@@ -196,8 +193,7 @@ class DecodeGraphs:
 
             self.replays[bucket] = capture.capture(run)
         seconds = time.perf_counter() - start
-        self.report = GraphReport(self.sizes, seconds, capture.memory_bytes())
-        return self.report
+        return GraphReport(self.sizes, seconds, capture.memory_bytes())
 
     def run(self, inputs: ModelInputs) -> torch.Tensor | None:
         metadata = inputs.metadata

@@ -47,9 +47,6 @@ class RequestStates:
     def __getitem__(self, request_id: RequestId) -> RequestState:
         return self.states[request_id]
 
-    def __len__(self) -> int:
-        return len(self.states)
-
     def update(self, scheduler_output: SchedulerOutput) -> None:
         for request_id in scheduler_output.finished_request_ids:
             self.states.pop(request_id, None)
