@@ -144,8 +144,9 @@ def parity(path: Path, device: str, backend: str, vocab_size: int) -> dict[str, 
     del model
     free_device()
     llm = LLM(
-        str(path), dtype="float32", device=device, attention_backend=backend, max_model_len=2048
-    )
+        str(path), dtype="float32", device=device, attention_backend=backend,
+        max_model_len=2048, kv_cache_memory_bytes=KV_CACHE_BYTES if device == "cuda" else None,
+    )  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     llm.shutdown()

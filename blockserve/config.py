@@ -32,8 +32,9 @@ TOOL_CALL_PARSERS = ("hermes",)
 class CacheConfig:
     """The paged KV cache and its prefix cache.
 
-    The cache is sized by `num_gpu_blocks_override` (a block count) or by
-    `kv_cache_memory_bytes`; with neither, the runner picks a default budget.
+    The cache is sized by `num_gpu_blocks_override` (a block count), else by
+    `kv_cache_memory_bytes`, else (runner/kv_budget.py) by VLLM_CPU_KVCACHE_SPACE on a CPU, else
+    by `gpu_memory_utilization` (its default 0.9 on CUDA; 2 GiB on a CPU when it is None).
     """
 
     block_size: int = 16
@@ -41,6 +42,7 @@ class CacheConfig:
     prefix_caching_hash_algo: str = "sha256"
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float | None = None
     eviction_policy: str = "lru"
     tlru_threshold_tokens: int = 512  # tlru's xi: the prefill a turn may pay within its budget
     tlru_next_prompt_tokens: int = 128  # tlru's q: the expected length of a next turn
@@ -130,6 +132,10 @@ def _non_empty_strings(values: tuple[str, ...]) -> str | None:
     if not isinstance(values, tuple) or not all(isinstance(v, str) and v for v in values):
         return f"must be a tuple of non-empty strings, got {values!r}"
     return None
+
+
+def _non_empty_string(value: str) -> str | None:
+    return None if value else "must not be empty"
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,6 +238,12 @@ class ServerConfig:
     disable_log_stats: bool = option(False, "no periodic stats line (vLLM's flag)")
     disable_log_requests: bool = option(
         False, "vLLM's older flag, accepted: this server logs no request's contents"
+    )
+    response_role: str = option(
+        "assistant",
+        "the role of a chat completion's message when the request adds the generation prompt "
+        "(without it, the role of the request's last message), as in vLLM",
+        check=_non_empty_string,
     )
     uvicorn_log_level: str = option(
         "info",

@@ -113,9 +113,18 @@ class EngineArgs:
     )
     kv_cache_memory_bytes: int | None = option(
         None,
-        "KV cache size in bytes (default 2 GiB, on a GPU too: size it for the device)",
+        "KV cache size in bytes (default: 2 GiB on a CPU; on CUDA what "
+        "--gpu-memory-utilization leaves)",
         check=positive,
         exclusive_group="kv-cache-size",
+    )
+    gpu_memory_utilization: float | None = option(
+        None,
+        "the share of the device's memory the engine may take, its KV cache sized from what "
+        "the model leaves at its peak as vLLM profiles it (default on CUDA: 0.9); on a CPU, "
+        "as vLLM's CPU backend reads it, the share of the host's memory (default: 2 GiB of "
+        "KV cache, or VLLM_CPU_KVCACHE_SPACE GiB). --kv-cache-memory-bytes takes precedence",
+        check=arg_checks.share,
     )
     num_gpu_blocks_override: int | None = option(
         None,

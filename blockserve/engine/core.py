@@ -28,6 +28,7 @@ from blockserve.engine.request import EngineCoreRequest, SampleId
 from blockserve.engine.tier_feed import create_kv_tiers, filled_blocks, tier_stats
 from blockserve.events.publisher import create_event_publisher
 from blockserve.runner.build import build_runner, capture_decode_graphs, warm_up_device
+from blockserve.runner.kv_budget import LargestStep
 from blockserve.runner.kv_cache import context_length
 from blockserve.runner.launched import LaunchedStep
 from blockserve.runner.page_mapping import blocks_per_step
@@ -69,7 +70,8 @@ class EngineCore:
         per_step = blocks_per_step(
             sched.max_num_batched_tokens, sched.max_num_seqs, config.cache.block_size
         )
-        self.runner = build_runner(config.model, config.cache, per_step)
+        largest = LargestStep(sched.max_num_batched_tokens, sched.max_num_seqs)
+        self.runner = build_runner(config.model, config.cache, per_step, largest)
         loaded = self.runner.loaded
         max_model_len = context_length(
             config.model.max_model_len, loaded.arch, self.runner.num_blocks, config.cache.block_size

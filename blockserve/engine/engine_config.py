@@ -29,6 +29,7 @@ def engine_config(args: EngineArgs) -> EngineConfig:
             prefix_caching_hash_algo=args.prefix_caching_hash_algo,
             num_gpu_blocks_override=args.num_gpu_blocks_override,
             kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            gpu_memory_utilization=args.gpu_memory_utilization,
             eviction_policy=args.eviction_policy,
             tlru_threshold_tokens=args.tlru_threshold_tokens,
             tlru_next_prompt_tokens=args.tlru_next_prompt_tokens,

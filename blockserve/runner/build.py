@@ -6,6 +6,7 @@ compiled forward under `--compile`. The runner it returns only runs steps."""
 from __future__ import annotations
 
 import logging
+import os
 import weakref
 from pathlib import Path
 
@@ -40,6 +41,14 @@ from blockserve.runner.decode_graphs import (
     StaticDecodeInputs,
     graph_batch_sizes,
 )
+from blockserve.runner.kv_budget import (
+    LargestStep,
+    cuda_memory,
+    fixed_kv_bytes,
+    profile_lengths,
+    scratch_blocks,
+    size_from_memory,
+)
 from blockserve.runner.kv_cache import allocate_kv_caches, num_blocks_for
 from blockserve.runner.model_runner import ModelRunner, RunnerParts
 from blockserve.runner.page_mapping import KVPagePopulator, keep_freed_memory
@@ -48,10 +57,15 @@ logger = logging.getLogger(__name__)
 
 
 def build_runner(
-    model_config: ModelConfig, cache_config: CacheConfig, kv_blocks_per_step: int = 0
+    model_config: ModelConfig,
+    cache_config: CacheConfig,
+    kv_blocks_per_step: int = 0,
+    largest_step: LargestStep | None = None,
 ) -> ModelRunner:
     """`kv_blocks_per_step`: the most never-used blocks a step can take; on a CPU their pages
-    are mapped in ahead of the steps (page_mapping.py). 0: left to first writes."""
+    are mapped in ahead of the steps (page_mapping.py). 0: left to first writes.
+    `largest_step`: what the memory profile runs when the memory sizes the cache (default:
+    the scheduler's defaults)."""
     name = _device_name(model_config.device)
     device = torch.device(name)
     kernels = CpuKernels()  # ours once loaded (a thread builds or loads them); torch's before
@@ -60,28 +74,24 @@ def build_runner(
     dtype = resolve_dtype(model_config.dtype, host)
     warn_if_slow(dtype, host)
     model_dir = resolve_model_dir(
-        model_config.model,
-        revision=model_config.revision,
-        download_dir=model_config.download_dir,
+        model_config.model, revision=model_config.revision, download_dir=model_config.download_dir
     )
     arch = read_arch(model_dir)
     block_size = cache_config.block_size
-    num_blocks = num_blocks_for(
-        arch, block_size, dtype, cache_config.num_gpu_blocks_override,
-        cache_config.kv_cache_memory_bytes,
-    )  # fmt: skip
-    kv_caches = allocate_kv_caches(arch, num_blocks, block_size, dtype, device)
+    num_blocks = _fixed_num_blocks(cache_config, arch, block_size, dtype, device)
+    profiled = profile_lengths(largest_step or LargestStep(), arch.max_position_embeddings)
+    before = cuda_memory(device) if num_blocks is None and device.type == "cuda" else None
+    kv_caches = allocate_kv_caches(
+        arch, num_blocks or scratch_blocks(profiled, block_size), block_size, dtype, device
+    )
     kv_pages = None
-    if device.type == "cpu" and kv_blocks_per_step > 0:  # maps while the weights load
-        kv_pages = KVPagePopulator(kv_caches, ahead=2 * kv_blocks_per_step)
+    if num_blocks is not None and device.type == "cpu" and kv_blocks_per_step > 0:
+        kv_pages = KVPagePopulator(kv_caches, ahead=2 * kv_blocks_per_step)  # while loading
     loaded = _load_model(model_config, backend, dtype, name, model_dir)
     if kv_pages is not None:
         keep_freed_memory()  # for the steps' temporaries; the loading's are gone
         kv_pages.map_now(kv_blocks_per_step)  # the first step writes mapped memory
     _start_cpu_kernels(kernels, device, dtype, arch, loaded)
-    # Unseeded requests draw from one generator seeded by --seed: a run is reproducible.
-    generator = torch.Generator(device=device)
-    generator.manual_seed(model_config.seed)
     runner = ModelRunner(
         RunnerParts(
             device=device,
@@ -89,21 +99,46 @@ def build_runner(
             backend=backend,
             arch=arch,
             block_size=block_size,
-            num_blocks=num_blocks,
+            num_blocks=kv_caches[0].shape[1],
             kv_caches=kv_caches,
             kv_pages=kv_pages,
             loaded=loaded,
-            sampler=Sampler(generator, kernels),
+            sampler=_seeded_sampler(model_config.seed, device, kernels),
             kernels=kernels,
             grammar=_grammar_compiler(model_config, loaded, arch),
         )
     )
+    if num_blocks is None:
+        size_from_memory(runner, cache_config, profiled, before)
     if model_config.compile:  # warmed on the runner: its inputs, its cache, its backend
-        forward, report = compile_forward(
-            runner.model, backend, default_cache_dir(), runner.warm_up
+        runner.use_compiled(
+            *compile_forward(runner.model, backend, default_cache_dir(), runner.warm_up)
         )
-        runner.use_compiled(forward, report)
     return runner
+
+
+def _seeded_sampler(seed: int, device: torch.device, kernels: CpuKernels) -> Sampler:
+    """Unseeded requests draw from one generator seeded by --seed: a run is reproducible."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return Sampler(generator, kernels)
+
+
+def _fixed_num_blocks(
+    cache_config: CacheConfig,
+    arch: LlamaArchConfig,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> int | None:
+    """The block count the flags fix before the model loads; None when the memory left
+    after it decides (--gpu-memory-utilization)."""
+    if cache_config.num_gpu_blocks_override is not None:
+        return num_blocks_for(arch, block_size, dtype, cache_config.num_gpu_blocks_override, None)
+    nbytes = fixed_kv_bytes(cache_config, device.type, os.environ)
+    if nbytes is None:
+        return None
+    return num_blocks_for(arch, block_size, dtype, None, nbytes)
 
 
 def warm_up_device(runner: ModelRunner, max_model_len: int) -> None:

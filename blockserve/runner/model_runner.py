@@ -114,6 +114,34 @@ class ModelRunner:
             plan = self.backend.prepare(inputs.metadata)
             forward(inputs.input_ids, inputs.positions, self.kv_caches, plan)
 
+    @torch.inference_mode()
+    def profile_run(self, lengths: list[int]) -> None:
+        """One step of prefills of `lengths` tokens from position 0, each in blocks of its own
+        after the null block, logits and probabilities for each: the memory a step can take."""
+        steps, first = [], 1
+        for index, length in enumerate(lengths):
+            count = -(-length // self.block_size)
+            blocks = tuple(range(first, first + count))
+            steps.append(
+                ScheduledRequest(
+                    request_id=f"profile-{index}",
+                    token_ids=(0,) * length,
+                    num_computed_tokens=0,
+                    block_ids=blocks,
+                    sample=True,
+                )
+            )
+            first += count
+        inputs = self.prepare_inputs(SchedulerOutput(tuple(steps)))
+        plan = self.backend.prepare(inputs.metadata)
+        hidden = self.forward(inputs.input_ids, inputs.positions, self.kv_caches, plan)
+        torch.softmax(self.model.compute_logits(hidden[inputs.sample_indices]).float(), dim=-1)
+
+    def use_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        """Run over `kv_caches` from now on (sized once the model's memory is known)."""
+        self.kv_caches = kv_caches
+        self.num_blocks = kv_caches[0].shape[1] if kv_caches else 0
+
     def close(self) -> None:
         """Stop mapping KV cache pages in ahead (the engine is shutting down)."""
         if self.kv_pages is not None:

@@ -61,16 +61,12 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
         salt_per_key=config.cache_salt_per_key,
         default_chat_max_tokens=config.default_chat_max_tokens,
         trust_chat_special_tokens=config.trust_chat_special_tokens,
+        response_role=config.response_role,
         drain=Drain(config.shutdown_timeout),
         served_names=served_names,
         default_sampling=info.default_sampling,
         tool_call_parser=config.tool_call_parser if config.enable_auto_tool_choice else None,
-        limits=RequestLimits(
-            max_prompts_per_request=config.max_prompts_per_request,
-            max_stop_strings=config.max_stop_strings,
-            max_stop_chars=config.max_stop_chars,
-            max_request_tokens=config.max_request_tokens,
-        ),
+        limits=_request_limits(config),
     )
 
     @contextlib.asynccontextmanager
@@ -108,6 +104,15 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
         _add_debug_routes(app, ctx)
     app.openapi = lambda: openapi_schema(app, open_paths)  # type: ignore[method-assign]
     return app
+
+
+def _request_limits(config: ServerConfig) -> RequestLimits:
+    return RequestLimits(
+        max_prompts_per_request=config.max_prompts_per_request,
+        max_stop_strings=config.max_stop_strings,
+        max_stop_chars=config.max_stop_chars,
+        max_request_tokens=config.max_request_tokens,
+    )
 
 
 def _add_openai_routes(app: FastAPI, ctx: ServingContext, info: ModelInfo) -> None:

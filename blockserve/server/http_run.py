@@ -50,6 +50,7 @@ class ServingContext:
     salt_per_key: bool = False  # --cache-salt-per-key
     default_chat_max_tokens: int = 2048  # --default-chat-max-tokens
     trust_chat_special_tokens: bool = False  # --trust-chat-special-tokens
+    response_role: str = "assistant"  # --response-role
     drain: Drain = field(default_factory=lambda: Drain(0.0))
     served_names: tuple[str, ...] = ()  # every name a request may use
     # --tool-call-parser when --enable-auto-tool-choice is on: tool_choice "auto" reads calls

@@ -115,10 +115,10 @@ async def chat_prompt(
 
 
 def _chat_choice(
-    choice: CompletionOutput, token_text: TokenText, want_logprobs: bool, plan: ToolPlan
+    choice: CompletionOutput, token_text: TokenText, want_logprobs: bool, plan: ToolPlan, role: str
 ) -> dict:
     logprobs = chat_logprobs(choice.logprobs or (), token_text) if want_logprobs else None
-    message, called = reply_message(plan, choice.text)
+    message, called = reply_message(plan, choice.text, role)
     return {
         "index": choice.index,
         "message": message,
@@ -151,6 +151,7 @@ async def create_chat_completion(
     await run.start(params, body.priority, salt, request, body.return_cache_explanation)
     created = int(time.time())
     token_text = TokenText(ctx.tokenizer)
+    role = ctx.response_role if body.add_generation_prompt else body.messages[-1].role
 
     def base(choices: list[dict[str, Any]], kind: str = "chat.completion.chunk") -> dict[str, Any]:
         return {
@@ -163,7 +164,7 @@ async def create_chat_completion(
 
     if not body.stream:
         (output,) = await final_outputs(run, request)
-        choices = [_chat_choice(c, token_text, body.logprobs, plan) for c in output.outputs]
+        choices = [_chat_choice(c, token_text, body.logprobs, plan, role) for c in output.outputs]
         return JSONResponse({**base(choices, "chat.completion"), "usage": usage([output])})
 
     streams: dict[int, ToolCallStream] = {}
@@ -186,7 +187,7 @@ async def create_chat_completion(
         return base([_chat_delta(index, message, logprobs, finish)])
 
     def role_chunk(index: int) -> list[dict[str, Any]]:
-        return [base([_chat_delta(index, {"role": "assistant", "content": ""})])]
+        return [base([_chat_delta(index, {"role": role, "content": ""})])]
 
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     return stream_response(run, params.n, chunk, base if include_usage else None, role_chunk)

@@ -118,22 +118,24 @@ def _call(name: str, arguments: str, index: int | None = None) -> dict[str, Any]
     return call if index is None else {"index": index, **call}
 
 
-def reply_message(plan: ToolPlan, text: str) -> tuple[dict[str, Any], bool]:
-    """A finished output's assistant message, and whether it calls tools. An output cut
+def reply_message(
+    plan: ToolPlan, text: str, role: str = "assistant"
+) -> tuple[dict[str, Any], bool]:
+    """A finished output's message (in `role`), and whether it calls tools. An output cut
     short by max_tokens keeps what the stream would have sent: a named function's partial
     arguments, or the calls that completed."""
     if plan.mode == "none":
-        return {"role": "assistant", "content": text}, False
+        return {"role": role, "content": text}, False
     if plan.mode == "named":
         assert plan.function is not None
         calls = [_call(plan.function, text)]
-        return {"role": "assistant", "content": None, "tool_calls": calls}, True
+        return {"role": role, "content": None, "tool_calls": calls}, True
     stream = ToolCallStream(plan)
     delta = stream.delta(text, finished=True)
     calls = [
         {k: v for k, v in call.items() if k != "index"} for call in delta.get("tool_calls", [])
     ]
-    message: dict[str, Any] = {"role": "assistant", "content": delta.get("content") or None}
+    message: dict[str, Any] = {"role": role, "content": delta.get("content") or None}
     if calls:
         message["tool_calls"] = calls
     return message, bool(calls)

@@ -41,6 +41,7 @@ GOOD: dict[str, tuple[object, list[str]]] = {
     "max_n": (4, ["--max-n", "4"]),
     "max_model_len": (1024, ["--max-model-len", "1024"]),
     "kv_cache_memory_bytes": (1 << 20, ["--kv-cache-memory-bytes", str(1 << 20)]),
+    "gpu_memory_utilization": (0.5, ["--gpu-memory-utilization", "0.5"]),
     "num_gpu_blocks_override": (64, ["--num-gpu-blocks-override", "64"]),
     "dtype": ("float32", ["--dtype", "float32"]),
     "attention_backend": ("torch", ["--attention-backend", "torch"]),
@@ -102,6 +103,10 @@ BAD: dict[str, list[tuple[object, list[str] | None]]] = {
     "max_n": [(0, ["--max-n", "0"])],
     "max_model_len": [(0, ["--max-model-len", "0"])],
     "kv_cache_memory_bytes": [(0, ["--kv-cache-memory-bytes", "0"])],
+    "gpu_memory_utilization": [
+        (0.0, ["--gpu-memory-utilization", "0"]),
+        (1.5, ["--gpu-memory-utilization", "1.5"]),
+    ],
     "num_gpu_blocks_override": [
         (1, ["--num-gpu-blocks-override", "1"]),
         (-3, ["--num-gpu-blocks-override", "-3"]),

@@ -105,11 +105,20 @@ def test_miss_ratio_curve_on_the_debug_route_and_in_metrics(server: ServerProces
 def server_with_keys(
     tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
-    """Two API keys (one from BLOCKSERVE_API_KEY would be ignored: flags win), per-key salts."""
+    """Two API keys (one from BLOCKSERVE_API_KEY would be ignored: flags win), per-key salts,
+    and --response-role."""
     yield from tiny_server(
         tiny_llama_dir,
         tmp_path_factory,
-        ["--api-key", "sekret", "--api-key", "second", "--cache-salt-per-key"],
+        [
+            "--api-key",
+            "sekret",
+            "--api-key",
+            "second",
+            "--cache-salt-per-key",
+            "--response-role",
+            "helper",
+        ],
         env={"BLOCKSERVE_API_KEY": "ignored"},
     )
 
@@ -154,6 +163,29 @@ def test_per_key_salts_keep_tenants_apart(server_with_keys: ServerProcess) -> No
         return int(usage.prompt_tokens_details.cached_tokens or 0)
 
     assert [cached("sekret"), cached("sekret"), cached("second")] == [0, 32, 0]
+
+
+def test_response_role(server_with_keys: ServerProcess) -> None:
+    """--response-role names the reply's role (streamed and not) when the generation prompt
+    is added; without it the reply continues the last message, in its role (vLLM's rule)."""
+    client = openai.OpenAI(base_url=f"{server_with_keys.url}/v1", api_key="sekret", max_retries=0)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+
+    def roles(**extra: object) -> tuple[str, str | None]:
+        reply = client.chat.completions.create(
+            model=None,
+            messages=messages,
+            max_tokens=2,
+            extra_body=extra,  # type: ignore[arg-type]
+        )
+        stream = client.chat.completions.create(
+            model=None, messages=messages, max_tokens=2, stream=True,  # type: ignore[arg-type]
+            extra_body=extra,
+        )  # fmt: skip
+        return reply.choices[0].message.role, next(iter(stream)).choices[0].delta.role
+
+    assert roles() == ("helper", "helper")
+    assert roles(add_generation_prompt=False) == ("user", "user")
 
 
 class IdleClient:
