@@ -89,6 +89,7 @@ class ModelConfig:
     max_logprobs: int = 20  # the most logprobs a request may ask for
     # The chat template to use instead of the tokenizer's: a file, or the template itself.
     chat_template: str | None = None
+    cpu_threads: int | None = None  # None: adapted to the host (cpu_threads.py)
 
 
 @dataclass(frozen=True, slots=True)

@@ -76,7 +76,10 @@ class EngineReplica:
 
         torch.set_num_threads(threads)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        args = dataclasses.replace(engine_args, kv_events_config=events_config())
+        threads_flag = engine_args.cpu_threads or threads  # the replica's share, unless given
+        args = dataclasses.replace(
+            engine_args, kv_events_config=events_config(), cpu_threads=threads_flag
+        )
         self.engine = AsyncEngine.from_config(args.create_configs())
         self._started = False
         core = self.engine.engine.core

@@ -200,6 +200,13 @@ class EngineArgs:
         "the most logprobs (top_logprobs) a request may ask for (vLLM's flag)",
         check=at_least(0),
     )
+    cpu_threads: int | None = option(
+        None,
+        "compute threads on a CPU (default: one per core this process may use, fewer while "
+        "other processes keep cores busy, re-read twice a second; OMP_NUM_THREADS or "
+        "VLLM_CPU_OMP_THREADS_BIND=LIST, vLLM's, fix them)",
+        check=positive,
+    )
     compile: bool = option(
         False,
         "compile the decoder layers' math between attentions with torch.compile (inductor) "

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from blockserve.config import CacheConfig, EngineConfig
 from blockserve.core.events import KVEventBatch, KVEventRecorder
@@ -15,6 +18,7 @@ from blockserve.core.eviction import TailLRUConfig
 from blockserve.core.hashing import BlockHasher, BlockKeyInputs, RequestBlockHasher
 from blockserve.core.kv_cache_manager import KVCacheManager
 from blockserve.core.miss_ratio import MissRatioCurve
+from blockserve.cpu_threads import ThreadGovernor, plan_threads
 from blockserve.engine.core_step import ScheduledStep, finish_step, run_step
 from blockserve.engine.outputs import (
     CoreStats,
@@ -109,6 +113,7 @@ class EngineCore:
             eos_token_ids=self.runner.eos_token_ids,
             tiers=self.kv_tiers,
         )
+        self.threads = _thread_governor(config.model.cpu_threads, self.runner.device)
         self.info = CoreInfo(
             model_name=loaded.name,
             model_path=str(loaded.model_dir),
@@ -119,6 +124,7 @@ class EngineCore:
             block_size=cache.block_size,
             runtime={
                 **self.runner.host.report(loaded.dtype),
+                **({"threads": self.threads.threads} if self.threads is not None else {}),
                 "compiled": self.runner.compile_report is not None,
                 "cuda_graphs": 0 if graphs is None else len(graphs.sizes),
             },
@@ -164,6 +170,8 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         """Schedule, run the model, apply its tokens and publish the step's KV events."""
         scheduled = self._schedule()
+        if self.threads is not None:
+            self.threads.before_step()
         if not self.scheduler_config.async_scheduling:
             return self._apply(scheduled, run_step(self.runner.execute, scheduled))
         return self._step_ahead(scheduled)
@@ -271,3 +279,10 @@ class EngineCore:
             self._kv_dir.close()
         self.event_publisher.shutdown()
         self.runner.close()
+
+
+def _thread_governor(cpu_threads: int | None, device: torch.device) -> ThreadGovernor | None:
+    """On a CPU, what sets the compute threads before each step (cpu_threads.py)."""
+    if device.type != "cpu":
+        return None
+    return ThreadGovernor(plan_threads(cpu_threads, os.environ, frozenset(os.sched_getaffinity(0))))

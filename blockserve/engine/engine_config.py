@@ -97,6 +97,7 @@ def _model_config(args: EngineArgs) -> ModelConfig:
         tokenizer=args.tokenizer,
         max_logprobs=args.max_logprobs,
         chat_template=args.chat_template,
+        cpu_threads=args.cpu_threads,
     )
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import signal
 import socket
 from types import FrameType
@@ -14,6 +15,7 @@ from types import FrameType
 import uvicorn
 
 from blockserve.config import EngineConfig, ServerConfig
+from blockserve.cpu_threads import place_front_end, plan_threads
 from blockserve.engine.async_engine import AsyncEngine
 from blockserve.errors import InvalidConfigError
 from blockserve.server.app import build_app
@@ -58,6 +60,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def _serve_on(
     listening: socket.socket, engine_config: EngineConfig, server_config: ServerConfig
 ) -> int:
+    affinity = frozenset(os.sched_getaffinity(0))  # the event loop and the tokenizers' threads
+    place_front_end(plan_threads(engine_config.model.cpu_threads, os.environ, affinity), affinity)
     engine = AsyncEngine.from_config(engine_config, server_config.tokenizer_workers)
     app = build_app(engine, server_config)
     kv_events_config = engine_config.kv_events
