@@ -7,8 +7,10 @@ holds no logic a library user would need.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
+import time
 from collections.abc import Sequence
 
 from blockserve import __version__
@@ -52,6 +54,12 @@ def _add_events_parser(subparsers: argparse._SubParsersAction) -> None:
     events.add_argument(
         "--max-events", type=int, default=None, help="exit after printing this many events"
     )
+    events.add_argument(
+        "--hint-after",
+        type=float,
+        default=10.0,
+        help="seconds without any event before saying what a server needs to publish them",
+    )
 
 
 def run_events(args: argparse.Namespace) -> int:
@@ -59,9 +67,16 @@ def run_events(args: argparse.Namespace) -> int:
 
     subscriber = KVEventSubscriber(args.endpoint, args.replay_endpoint, args.topic)
     remaining = args.max_events
+    hint_at = time.monotonic() + args.hint_after  # until the first batch arrives
     try:
         while remaining is None or remaining > 0:
-            for seq, batch in subscriber.poll(timeout_ms=200):
+            batches = subscriber.poll(timeout_ms=200)
+            if batches:
+                hint_at = math.inf
+            elif time.monotonic() > hint_at:
+                print(events_hint(args.endpoint, args.hint_after), file=sys.stderr, flush=True)
+                hint_at = math.inf
+            for seq, batch in batches:
                 for event in batch.events[:remaining]:
                     print(format_event(seq, batch, event, args.json), flush=True)
                 if remaining is not None:
@@ -73,6 +88,16 @@ def run_events(args: argparse.Namespace) -> int:
     finally:
         subscriber.close()
     return 0
+
+
+def events_hint(endpoint: str, waited_s: float) -> str:
+    """What `blockserve events` prints when nothing arrives: servers publish only when asked."""
+    port = endpoint.rsplit(":", 1)[-1]
+    config = f'{{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:{port}"}}'
+    return (
+        f"blockserve events: no KV events from {endpoint} in {waited_s:g} s; a server "
+        f"publishes them only when started with --kv-events-config '{config}'"
+    )
 
 
 def _add_replay_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -112,6 +112,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    # Added to the raw logits before sampling (token id -> bias, clamped to [-100, 100] as
+    # vLLM clamps it); logprobs stay those of the raw distribution. Ids may come as strings
+    # of digits, as JSON keys are; they are stored as ints.
+    logit_bias: dict[Any, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -120,6 +124,9 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         self._validate()
+        if self.logit_bias is not None:
+            bias = _checked_logit_bias(self.logit_bias)
+            object.__setattr__(self, "logit_bias", bias or None)
 
     def _validate(self) -> None:
         def fail(message: str) -> None:
@@ -173,3 +180,40 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+
+MAX_LOGIT_BIAS_ENTRIES = 300  # one request's logit_bias entries (OpenAI's limit)
+
+
+def _checked_logit_bias(bias: Any) -> dict[int, float]:
+    """`bias` as {token id: value in [-100, 100]}; InvalidRequestError naming `logit_bias`
+    for anything else. Token ids are checked against the vocabulary by the engine."""
+    if not isinstance(bias, dict):
+        raise InvalidRequestError("logit_bias must map token ids to numbers", "logit_bias")
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidRequestError(
+            f"logit_bias may have at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(bias)}",
+            "logit_bias",
+        )
+    checked = {}
+    for key, value in bias.items():
+        token = _token_id(key)
+        if token is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise InvalidRequestError(
+                f"logit_bias must map token ids to numbers, got {key!r}: {value!r}", "logit_bias"
+            )
+        if not math.isfinite(value):
+            raise InvalidRequestError(
+                f"logit_bias values must be finite, got {value}", "logit_bias"
+            )
+        checked[token] = min(100.0, max(-100.0, float(value)))
+    return checked
+
+
+def _token_id(key: Any) -> int | None:
+    """A token id given as an int or, as JSON object keys are, a string of digits."""
+    if isinstance(key, int) and not isinstance(key, bool) and key >= 0:
+        return key
+    if isinstance(key, str) and key.isdigit():
+        return int(key)
+    return None

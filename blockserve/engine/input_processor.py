@@ -109,10 +109,6 @@ class InputProcessor:
                     f"{name} must be at most {self.max_logprobs} (--max-logprobs), got {value}",
                     name,
                 )
-        if spec.params.prompt_logprobs is not None:
-            # The scheduler keeps such requests off the cache (they need every position's
-            # logits), but the runner does not compute prompt logprobs yet.
-            raise InvalidRequestError("prompt_logprobs are not supported yet", "prompt_logprobs")
         constraint = spec.params.structured_outputs
         if constraint is not None:
             # The constraint decides where the output ends (with EOS): ignoring or banning EOS
@@ -151,6 +147,13 @@ class InputProcessor:
             raise InvalidRequestError(
                 f"stop token id {bad[0]} is out of range for a vocabulary of {self.vocab_size}",
                 "stop_token_ids",
+            )
+        bad = sorted(t for t in params.logit_bias or () if t >= self.vocab_size)
+        if bad:
+            raise InvalidRequestError(
+                f"logit_bias token id {bad[0]} is out of range for a vocabulary of "
+                f"{self.vocab_size}",
+                "logit_bias",
             )
 
     def _token_ids(self, prompt: str | tuple[int, ...]) -> tuple[int, ...]:

@@ -19,7 +19,7 @@ from blockserve.engine.outputs import (
     RequestOutput,
 )
 from blockserve.engine.request import EngineCoreRequest, SampleId, ValidatedRequest
-from blockserve.sched.output import RequestUpdate
+from blockserve.sched.output import RequestUpdate, TokenLogprobs
 
 
 @dataclass
@@ -45,6 +45,8 @@ class _RequestState:
     tier_cached_tokens: dict[str, int] = field(default_factory=dict)
     cache_explanation: CacheExplanation | None = None
     error: str | None = None
+    # prompt_logprobs: None at the first position (nothing predicts it), then each token's
+    prompt_logprobs: tuple[Logprob | None, ...] | None = None
 
     @property
     def finished(self) -> bool:
@@ -182,10 +184,9 @@ class OutputProcessor:
         self.num_generation_tokens += len(update.new_token_ids)
         sample.token_ids.extend(update.new_token_ids)
         if sample.logprobs is not None and update.logprobs is not None:
-            lp = update.logprobs
-            sample.logprobs.append(
-                Logprob(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank, top=dict(lp.top))
-            )
+            sample.logprobs.append(_logprob(update.logprobs))
+        if update.prompt_logprobs is not None and state.prompt_logprobs is None:
+            state.prompt_logprobs = (None, *map(_logprob, update.prompt_logprobs))
         stop = sample.detokenizer.update(list(update.new_token_ids))
         stopped_here = stop is not None and not update.status.is_finished
         if stopped_here:
@@ -225,4 +226,9 @@ class OutputProcessor:
             ),
             error=state.error,
             cache_explanation=state.cache_explanation,
+            prompt_logprobs=state.prompt_logprobs,
         )
+
+
+def _logprob(lp: TokenLogprobs) -> Logprob:
+    return Logprob(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank, top=dict(lp.top))

@@ -68,6 +68,9 @@ class RequestOutput:
     cache_explanation: CacheExplanation | None = None
     # The part of num_cached_tokens loaded from each tier below the device ("host", "disk").
     tier_cached_tokens: dict[str, int] = field(default_factory=dict)
+    # prompt_logprobs, when asked: None for the first token, then each prompt token's logprob
+    # given those before it, with the top alternatives (as vLLM's RequestOutput has them).
+    prompt_logprobs: tuple[Logprob | None, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,6 +36,7 @@ class SamplingBatch:
     seen_in_prompt: torch.Tensor | None  # [rows, vocab] bool
     output_counts: torch.Tensor | None  # [rows, vocab] float32
     banned: tuple[torch.Tensor, torch.Tensor] | None  # (row indices, token ids)
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, token ids, values)
     generators: tuple[torch.Generator | None, ...]
     num_logprobs: int | None  # the largest top-N asked for; None = no logprobs
     all_greedy: bool
@@ -66,6 +67,7 @@ class SamplingBatch:
         banned_rows = [i for i, row in enumerate(rows) for _ in row.banned_token_ids]
         banned_ids = [t for row in rows for t in row.banned_token_ids]
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        bias = [(i, t, v) for i, p in enumerate(params) for t, v in (p.logit_bias or {}).items()]
         penalty = column if use_penalties else (lambda values, neutral: None)
         return cls(
             temperature=torch.tensor(
@@ -86,6 +88,7 @@ class SamplingBatch:
                 if banned_ids
                 else None
             ),
+            bias=_bias_tensors(bias, device) if bias else None,
             generators=tuple(row.generator for row in rows),
             num_logprobs=max(logprobs) if logprobs else None,
             all_greedy=all(p.is_greedy for p in params),
@@ -93,14 +96,26 @@ class SamplingBatch:
 
     @property
     def argmax_only(self) -> bool:
-        """Every row's token is the argmax of its raw logits: greedy, nothing banned, no
-        penalties, no logprobs."""
+        """Every row's token is the argmax of its raw logits: greedy, nothing banned or
+        biased, no penalties, no logprobs."""
         return (
             self.all_greedy
             and self.banned is None
+            and self.bias is None
             and self.output_counts is None
             and self.num_logprobs is None
         )
+
+
+def _bias_tensors(
+    entries: list[tuple[int, int, float]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rows, ids, values = zip(*entries, strict=True)
+    return (
+        torch.tensor(rows, device=device),
+        torch.tensor(ids, device=device),
+        torch.tensor(values, dtype=torch.float32, device=device),
+    )
 
 
 def _as_col(values: torch.Tensor | None) -> torch.Tensor | None:
@@ -168,12 +183,12 @@ class Sampler:
     """Draws from `generator` for rows without their own seed; every other input arrives in
     the `SamplingBatch`.
 
-    Order of operations, per row: ban tokens (EOS before `min_tokens`), penalties (repetition,
-    frequency, presence), temperature, then the top-k / top-p / min-p filters, then sampling
-    (argmax for greedy rows). Logprobs, when asked, are of the raw model distribution (before
-    any of that), as vLLM reports them. No Python loop over the vocabulary; the only per-row
-    loop draws the noise of rows with their own seed, so a seeded request samples the same
-    tokens in any batch.
+    Order of operations, per row: logit_bias, ban tokens (EOS before `min_tokens`), penalties
+    (repetition, frequency, presence), temperature, then the top-k / top-p / min-p filters,
+    then sampling (argmax for greedy rows). Logprobs, when asked, are of the raw model
+    distribution (before any of that), as vLLM reports them. No Python loop over the
+    vocabulary; the only per-row loop draws the noise of rows with their own seed, so a seeded
+    request samples the same tokens in any batch.
     """
 
     def __init__(
@@ -196,6 +211,9 @@ class Sampler:
             )
         logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if batch.num_logprobs is not None else None
+        if batch.bias is not None:
+            rows, ids, values = batch.bias
+            logits = logits.index_put((rows, ids), values, accumulate=True)
         if batch.banned is not None:
             logits = logits.index_put(
                 batch.banned, torch.tensor(float("-inf"), device=logits.device)

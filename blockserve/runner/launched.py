@@ -10,7 +10,12 @@ import torch
 from blockserve.core.kv_cache_manager import RequestId
 from blockserve.model.sampler import SamplerOutput
 from blockserve.runner.inputs import ModelInputs
-from blockserve.sched.output import PLACEHOLDER_TOKEN, ModelRunnerOutput, SchedulerOutput
+from blockserve.sched.output import (
+    PLACEHOLDER_TOKEN,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    TokenLogprobs,
+)
 
 
 @dataclass
@@ -25,6 +30,7 @@ class LaunchedStep:
     host: SamplerOutput | None = None
     failed: dict[RequestId, str] = field(default_factory=dict)
     copied: torch.cuda.Event | None = None
+    prompt_logprobs: dict[RequestId, tuple[TokenLogprobs, ...]] = field(default_factory=dict)
 
 
 def copy_to_host(result: SamplerOutput) -> tuple[SamplerOutput, torch.cuda.Event | None]:

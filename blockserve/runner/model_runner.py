@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ from blockserve.runner.decode_graphs import DecodeGraphs
 from blockserve.runner.inputs import ModelInputs, prepare_inputs
 from blockserve.runner.launched import LaunchedStep, copy_to_host, fill_from_device
 from blockserve.runner.page_mapping import KVPagePopulator
+from blockserve.runner.prompt_logprobs import gather_prompt_logprobs
 from blockserve.runner.request_states import RequestStates
 from blockserve.sched.output import (
     ModelRunnerOutput,
@@ -175,9 +177,12 @@ class ModelRunner:
         if self.kv_pages is not None:
             self.kv_pages.note_written(int(inputs.metadata.slot_mapping.max()) // self.block_size)
         hidden = self._run_forward(inputs)
+        prompt = gather_prompt_logprobs(
+            self.model.compute_logits, hidden, scheduler_output, self.requests
+        )
         sampled_ids = [s.request_id for s in scheduler_output.scheduled if s.sample]
         if not sampled_ids:
-            return LaunchedStep(output=ModelRunnerOutput())
+            return LaunchedStep(output=ModelRunnerOutput(prompt_logprobs=prompt))
         logits = self.model.compute_logits(hidden[inputs.sample_indices])  # [sampled, vocab]
         failed = self._apply_grammars(logits, sampled_ids)
         rows = self.requests.sampling_rows(scheduler_output, self.eos_token_ids)
@@ -186,11 +191,12 @@ class ModelRunner:
                 logits, SamplingBatch.build(rows, logits.shape[-1], logits.device)
             )
         except Exception:  # one row's inputs broke the batch: find it, spare the others
-            return LaunchedStep(output=self._sample_rows_alone(logits, sampled_ids, rows, failed))
+            alone = self._sample_rows_alone(logits, sampled_ids, rows, failed)
+            return LaunchedStep(output=dataclasses.replace(alone, prompt_logprobs=prompt))
         host, copied = copy_to_host(result)
         self._unfinished = LaunchedStep(
             sampled_ids=sampled_ids, token_ids=result.token_ids, host=host, failed=failed,
-            copied=copied,
+            copied=copied, prompt_logprobs=prompt,
         )  # fmt: skip
         return self._unfinished
 
@@ -204,7 +210,10 @@ class ModelRunner:
         if step.copied is not None:
             step.copied.synchronize()
         assert step.host is not None
-        return self.requests.record(step.sampled_ids, step.host, step.failed)
+        output = self.requests.record(step.sampled_ids, step.host, step.failed)
+        if not step.prompt_logprobs:
+            return output
+        return dataclasses.replace(output, prompt_logprobs=step.prompt_logprobs)
 
     def can_launch_ahead(self, scheduler_output: SchedulerOutput) -> bool:
         """Whether the step can be launched before the one ahead of it is finished: none of

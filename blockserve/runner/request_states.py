@@ -33,6 +33,8 @@ class RequestState:
     # The structured-outputs matcher, advanced with every sampled token; or why it failed.
     matcher: llguidance.LLMatcher | None = field(default=None, repr=False)
     grammar_error: str | None = None
+    # prompt_logprobs: positions 0.. of the prompt computed so far (runner/prompt_logprobs.py)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list, repr=False)
 
 
 class RequestStates:

@@ -80,6 +80,8 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[RequestId, int] = field(default_factory=dict)
     logprobs: dict[RequestId, TokenLogprobs] = field(default_factory=dict)
     failed: dict[RequestId, str] = field(default_factory=dict)
+    # prompt_logprobs of the requests whose prompt ended in the step (positions 1..)
+    prompt_logprobs: dict[RequestId, tuple[TokenLogprobs, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,4 +92,5 @@ class RequestUpdate:
     new_token_ids: tuple[int, ...]
     status: RequestStatus
     logprobs: TokenLogprobs | None = None
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
     stop_reason: int | str | None = None  # the stop token id, when one ended it

@@ -262,6 +262,7 @@ class Scheduler:
                     new_token_ids=(token_id,),
                     status=request.status,
                     logprobs=runner_output.logprobs.get(request.request_id),
+                    prompt_logprobs=runner_output.prompt_logprobs.get(request.request_id),
                     stop_reason=request.stop_reason,
                 )
             )

@@ -21,16 +21,13 @@ from blockserve.config import ServerConfig
 from blockserve.engine.client import EngineClient, ModelInfo
 from blockserve.errors import InvalidRequestError
 from blockserve.server.auth import RequireApiKey
+from blockserve.server.completions import create_completion
 from blockserve.server.drain import Drain, RefuseWhileDraining
 from blockserve.server.errors import install_error_handlers, openapi_schema
 from blockserve.server.http_run import ServingContext
 from blockserve.server.limits import BodySizeLimit
 from blockserve.server.metrics import ServerMetrics, log_stats_periodically
-from blockserve.server.openai_routes import (
-    chat_prompt,
-    create_chat_completion,
-    create_completion,
-)
+from blockserve.server.openai_routes import chat_prompt, create_chat_completion
 from blockserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,

@@ -97,8 +97,6 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 UNSUPPORTED_FIELDS = (
-    "prompt_logprobs",
-    "logit_bias",
     "logits_processors",
     "use_beam_search",
     "truncate_prompt_tokens",

@@ -1,7 +1,7 @@
-"""`/v1/completions` and `/v1/chat/completions`: requests in, engine streams out. Each prompt
-becomes one engine request (its `n` samples inside it). Non-streaming handlers watch for a client
-disconnect and abort; streaming handlers abort when the response stream is closed. Validation and
-refusal errors surface before any byte of a stream is sent."""
+"""`/v1/chat/completions` (completions.py has `/v1/completions`): requests in, engine streams
+out. Non-streaming handlers watch for a client disconnect and abort; streaming handlers abort
+when the response stream is closed. Validation and refusal errors surface before any byte of a
+stream is sent."""
 
 from __future__ import annotations
 
@@ -12,11 +12,10 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from blockserve.engine.outputs import CompletionOutput
-from blockserve.errors import InvalidRequestError
+from blockserve.engine.outputs import CompletionOutput, RequestOutput
 from blockserve.server.http_run import HttpRun, ServingContext, final_outputs, stream_response
-from blockserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from blockserve.server.responses import TokenText, chat_logprobs, completion_logprobs, usage
+from blockserve.server.protocol import ChatCompletionRequest
+from blockserve.server.responses import TokenText, chat_logprobs, prompt_logprobs_json, usage
 from blockserve.server.tools import (
     ToolCallStream,
     ToolPlan,
@@ -24,84 +23,6 @@ from blockserve.server.tools import (
     plan_tools,
     reply_message,
 )
-
-
-def _completion_choice(
-    index: int, choice: CompletionOutput, token_text: TokenText, body: CompletionRequest
-) -> dict[str, Any]:
-    want_logprobs = body.logprobs is not None
-    extra = {"token_ids": list(choice.token_ids)} if body.return_token_ids else {}
-    return {
-        **extra,
-        "index": index,
-        "text": choice.text,
-        "logprobs": completion_logprobs(choice.logprobs or (), token_text, 0)
-        if want_logprobs
-        else None,
-        "finish_reason": choice.finish_reason,
-        "stop_reason": choice.stop_reason,
-    }
-
-
-async def create_completion(
-    ctx: ServingContext, body: CompletionRequest, request: Request
-) -> JSONResponse | StreamingResponse:
-    ctx.check_model(body.model)
-    if body.echo:
-        raise InvalidRequestError("echo is not supported")
-    # No default: a completion's max_tokens is 16 unless the body sets it (null: no limit).
-    params = body.sampling_params(None, body.logprobs, body.constraint(), ctx.default_sampling)
-    prompts = body.prompts()
-    ctx.check_limits(params, len(prompts))
-    run = HttpRun(ctx, body.request_id or f"cmpl-{uuid.uuid4().hex}", prompts)
-    salt = ctx.cache_salt(request, body.cache_salt)
-    await run.start(params, body.priority, salt, request, body.return_cache_explanation)
-    created = int(time.time())
-    token_text = TokenText(ctx.tokenizer)
-    want_logprobs = body.logprobs is not None
-    n = params.n
-
-    def base(choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {
-            "id": run.request_id,
-            "object": "text_completion",
-            "created": created,
-            "model": ctx.model_name,
-            "choices": choices,
-        }
-
-    if not body.stream:
-        outputs = await final_outputs(run, request)
-        choices = [
-            _completion_choice(i * n + c.index, c, token_text, body)
-            for i, output in enumerate(outputs)
-            for c in output.outputs
-        ]
-        return JSONResponse({**base(choices), "usage": usage(outputs)})
-
-    def chunk(index: int, choice: CompletionOutput, delta: tuple[str, int, int, bool]) -> dict:
-        text, first, end, finished = delta
-        logprobs = None
-        if want_logprobs and choice.logprobs is not None:
-            logprobs = completion_logprobs(choice.logprobs[first:end], token_text, 0)
-        extra = {"token_ids": list(choice.token_ids[first:end])} if body.return_token_ids else {}
-        return base(
-            [
-                {
-                    "index": index,
-                    "text": text,
-                    "logprobs": logprobs,
-                    **extra,
-                    "finish_reason": choice.finish_reason if finished else None,
-                    "stop_reason": choice.stop_reason if finished else None,
-                }
-            ]
-        )
-
-    include_usage = body.stream_options is not None and body.stream_options.include_usage
-    return stream_response(
-        run, n, chunk, base if include_usage else None, every_token=body.return_token_ids
-    )
 
 
 async def chat_prompt(
@@ -125,6 +46,14 @@ def _chat_choice(
         "logprobs": logprobs,
         "finish_reason": finish_reason(plan, choice.finish_reason, called),
         "stop_reason": choice.stop_reason,
+    }
+
+
+def _chat_response(base: dict[str, Any], output: RequestOutput, token_text: TokenText) -> dict:
+    return {
+        **base,
+        "usage": usage([output]),
+        "prompt_logprobs": prompt_logprobs_json(output.prompt_logprobs, token_text),
     }
 
 
@@ -165,7 +94,7 @@ async def create_chat_completion(
     if not body.stream:
         (output,) = await final_outputs(run, request)
         choices = [_chat_choice(c, token_text, body.logprobs, plan, role) for c in output.outputs]
-        return JSONResponse({**base(choices, "chat.completion"), "usage": usage([output])})
+        return JSONResponse(_chat_response(base(choices, "chat.completion"), output, token_text))
 
     streams: dict[int, ToolCallStream] = {}
 

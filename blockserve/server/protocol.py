@@ -57,6 +57,8 @@ class _SamplingFields(Body):
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[str, float] | None = None
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None
     priority: int = 0
@@ -78,6 +80,8 @@ class _SamplingFields(Body):
     def _check(self) -> _SamplingFields:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be set when stream is true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs are not available when stream is true")
         return self
 
     def constraint(self) -> StructuredOutputsParams | None:
@@ -115,10 +119,12 @@ class _SamplingFields(Body):
         logprobs: int | None,
         constraint: StructuredOutputsParams | None = None,
         defaults: Mapping[str, float | int] | None = None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """The engine's SamplingParams; InvalidRequestError for out-of-range values. A field
         the request leaves unset takes the model's generation-config default, if any, else
-        the API's; max_tokens is `decide_max_tokens(default_max_tokens, defaults)`."""
+        the API's; max_tokens is `decide_max_tokens(default_max_tokens, defaults)`;
+        prompt_logprobs is the request's, else `prompt_logprobs` (echo's)."""
         defaults = defaults or {}
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
@@ -145,6 +151,10 @@ class _SamplingFields(Body):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             structured_outputs=constraint,
+            logit_bias=dict(self.logit_bias) if self.logit_bias is not None else None,
+            prompt_logprobs=self.prompt_logprobs
+            if self.prompt_logprobs is not None
+            else prompt_logprobs,
         )
 
 

@@ -55,22 +55,58 @@ class TokenText:
     def __call__(self, token_id: int) -> str:
         return str(self.tokenizer.decode([token_id]))
 
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of a sequence of ids (an echoed token-id prompt)."""
+        return str(self.tokenizer.decode(list(ids)))
+
 
 def completion_logprobs(
-    logprobs: Sequence[Logprob], token_text: TokenText, text_offset: int
+    logprobs: Sequence[Logprob | None],
+    token_text: TokenText,
+    text_offset: int,
+    token_ids: Sequence[int] | None = None,
 ) -> dict[str, Any]:
-    """The legacy completions logprobs object: parallel lists per token."""
-    tokens = [token_text(lp.token_id) for lp in logprobs]
+    """The legacy completions logprobs object: parallel lists per token. An echoed prompt's
+    first token has no logprob (None, as `token_ids` names it)."""
+    ids = token_ids if token_ids is not None else [lp.token_id for lp in logprobs if lp]
+    tokens = [token_text(token_id) for token_id in ids]
     offsets = []
     for token in tokens:
         offsets.append(text_offset)
         text_offset += len(token)
     return {
         "tokens": tokens,
-        "token_logprobs": [lp.logprob for lp in logprobs],
-        "top_logprobs": [{token_text(t): value for t, value in lp.top.items()} for lp in logprobs],
+        "token_logprobs": [None if lp is None else lp.logprob for lp in logprobs],
+        "top_logprobs": [
+            None if lp is None else {token_text(t): value for t, value in lp.top.items()}
+            for lp in logprobs
+        ],
         "text_offset": offsets,
     }
+
+
+def prompt_logprobs_json(
+    logprobs: Sequence[Logprob | None] | None, token_text: TokenText
+) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's `prompt_logprobs`: per prompt token, None for the first, else {token id: its
+    logprob, rank and text} for the token and its top alternatives (-inf as -9999.0)."""
+    if logprobs is None:
+        return None
+
+    def entry(token_id: int, value: float, rank: int | None) -> dict[str, Any]:
+        logprob = max(value, -9999.0)
+        return {"logprob": logprob, "rank": rank, "decoded_token": token_text(token_id)}
+
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for lp in logprobs:
+        if lp is None:
+            out.append(None)
+            continue
+        ranked = sorted(lp.top.items(), key=lambda item: -item[1])
+        position = {str(t): entry(t, v, rank) for rank, (t, v) in enumerate(ranked, start=1)}
+        position[str(lp.token_id)] = entry(lp.token_id, lp.logprob, lp.rank)
+        out.append(position)
+    return out
 
 
 def chat_logprobs(logprobs: Sequence[Logprob], token_text: TokenText) -> dict[str, Any]:

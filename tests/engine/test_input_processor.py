@@ -46,9 +46,9 @@ def test_a_good_spec_is_tokenized() -> None:
             "LoRA adapters are not supported yet",
         ),
         (
-            RequestSpec("a", "hi", SamplingParams(prompt_logprobs=1)),
-            "prompt_logprobs",
-            "prompt_logprobs are not supported yet",
+            RequestSpec("a", "hi", SamplingParams(logit_bias={1000: 1.0})),
+            "logit_bias",
+            "logit_bias token id 1000 is out of range for a vocabulary of 1000",
         ),
         (
             RequestSpec("a", "hi", SamplingParams(logprobs=21)),

@@ -117,8 +117,8 @@ def test_bad_requests_raise_and_leave_the_engine_clean(tiny_llama_dir: Path) -> 
             llm.generate(prompt, params, use_tqdm=False)
     with pytest.raises(InvalidRequestError, match="priority"):
         llm.generate("hi", GREEDY, priority=[1], use_tqdm=False)
-    with pytest.raises(InvalidRequestError, match="prompt_logprobs are not supported"):
-        llm.generate("hi", SamplingParams(prompt_logprobs=1), use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="prompt_logprobs must be at most 20"):
+        llm.generate("hi", SamplingParams(prompt_logprobs=21), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
     assert llm.generate("hi", GREEDY, use_tqdm=False)[0].finished
 

@@ -72,3 +72,35 @@ def test_server_publishes_and_events_cli_prints(tiny_llama_dir: Path, tmp_path: 
     assert event["type"] == "BlockStored"
     assert (len(event["block_hashes"]), event["parent_block_hash"]) == (2, None)
     assert (event["token_ids"], event["block_size"], event["medium"]) == (prompt[:32], 16, "GPU")
+
+
+def test_events_without_a_publisher_says_what_the_server_needs() -> None:
+    """Nothing publishes on the port: after --hint-after seconds the CLI says, once, which
+    flag makes a server publish (instead of waiting in silence), and keeps listening."""
+    port = free_port()
+    cli = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "blockserve.cli",
+            "events",
+            "--endpoint",
+            f"tcp://127.0.0.1:{port}",
+            "--hint-after",
+            "0.5",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert cli.stderr is not None
+        line = cli.stderr.readline()  # the hint ends the silence; bounded by the CLI's own wait
+        assert cli.poll() is None  # still listening
+    finally:
+        cli.kill()
+        cli.wait()
+    config = f'{{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:{port}"}}'
+    assert line == (
+        f"blockserve events: no KV events from tcp://127.0.0.1:{port} in 0.5 s; a server "
+        f"publishes them only when started with --kv-events-config '{config}'\n"
+    )
