@@ -46,10 +46,14 @@ def parse_cpu_list(text: str) -> frozenset[int]:
 
 
 def plan_threads(
-    cpu_threads: int | None, environ: Mapping[str, str], affinity: frozenset[int]
+    cpu_threads: int | None,
+    environ: Mapping[str, str],
+    affinity: frozenset[int],
+    default_threads: int,
 ) -> ThreadPlan:
     """--cpu-threads N: N threads; VLLM_CPU_OMP_THREADS_BIND=LIST: one per listed core, kept
-    there; OMP_NUM_THREADS: as many; else adaptive, up to one per core this process may use."""
+    there; OMP_NUM_THREADS: as many; else adaptive, up to torch's default (one per physical
+    core) within the cores this process may use."""
     bind = environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto").strip()
     if bind not in ("auto", "all", "nobind", ""):
         cores = parse_cpu_list(bind)
@@ -63,7 +67,7 @@ def plan_threads(
     omp = environ.get("OMP_NUM_THREADS", "").strip()
     if omp.isdigit() and int(omp) > 0:
         return ThreadPlan(affinity, int(omp), adaptive=False)
-    return ThreadPlan(affinity, len(affinity), adaptive=True)
+    return ThreadPlan(affinity, max(1, min(len(affinity), default_threads)), adaptive=True)
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,15 @@ from typing import Any
 import pytest
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """The suite's engines (and the servers it starts) run a fixed thread count: an adapted
+    one would follow the load of the suite's own servers, and float32 sums differ in their
+    last bits between counts (tests/test_cpu_threads.py tests the adapting)."""
+    import torch
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.tiny_models import save_tiny_model

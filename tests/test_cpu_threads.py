@@ -61,12 +61,18 @@ def test_cpu_lists() -> None:
     ],
 )
 def test_the_plan(cpu_threads: int | None, environ: dict[str, str], plan: ThreadPlan) -> None:
-    assert plan_threads(cpu_threads, environ, FOUR) == plan
+    assert plan_threads(cpu_threads, environ, FOUR, default_threads=4) == plan
+
+
+def test_the_adaptive_count_starts_at_torchs_default() -> None:
+    """torch's default is one thread per physical core: two logical CPUs each do not double
+    it."""
+    assert plan_threads(None, {}, FOUR, default_threads=2) == ThreadPlan(FOUR, 2, adaptive=True)
 
 
 def test_binding_to_cores_the_process_lacks_is_refused() -> None:
     with pytest.raises(InvalidConfigError) as error:
-        plan_threads(None, {"VLLM_CPU_OMP_THREADS_BIND": "2-5"}, FOUR)
+        plan_threads(None, {"VLLM_CPU_OMP_THREADS_BIND": "2-5"}, FOUR, default_threads=4)
     assert str(error.value) == "VLLM_CPU_OMP_THREADS_BIND=2-5 names cores this process may not use"
 
 
@@ -181,7 +187,8 @@ def test_beside_a_real_cpu_bound_process_the_count_drops() -> None:
 @pytest.mark.skipif(len(AFFINITY) < 2, reason="needs two cores: one bound, one for the rest")
 def test_bound_threads_and_the_front_end_take_their_own_cores() -> None:
     first = min(AFFINITY)
-    plan = plan_threads(None, {"VLLM_CPU_OMP_THREADS_BIND": str(first)}, AFFINITY)
+    bind = {"VLLM_CPU_OMP_THREADS_BIND": str(first)}
+    plan = plan_threads(None, bind, AFFINITY, default_threads=len(AFFINITY))
     seen: dict[str, set[int]] = {}
 
     def engine() -> None:

@@ -285,4 +285,5 @@ def _thread_governor(cpu_threads: int | None, device: torch.device) -> ThreadGov
     """On a CPU, what sets the compute threads before each step (cpu_threads.py)."""
     if device.type != "cpu":
         return None
-    return ThreadGovernor(plan_threads(cpu_threads, os.environ, frozenset(os.sched_getaffinity(0))))
+    affinity = frozenset(os.sched_getaffinity(0))
+    return ThreadGovernor(plan_threads(cpu_threads, os.environ, affinity, torch.get_num_threads()))

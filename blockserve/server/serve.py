@@ -61,7 +61,8 @@ def _serve_on(
     listening: socket.socket, engine_config: EngineConfig, server_config: ServerConfig
 ) -> int:
     affinity = frozenset(os.sched_getaffinity(0))  # the event loop and the tokenizers' threads
-    place_front_end(plan_threads(engine_config.model.cpu_threads, os.environ, affinity), affinity)
+    plan = plan_threads(engine_config.model.cpu_threads, os.environ, affinity, len(affinity))
+    place_front_end(plan, affinity)
     engine = AsyncEngine.from_config(engine_config, server_config.tokenizer_workers)
     app = build_app(engine, server_config)
     kv_events_config = engine_config.kv_events
