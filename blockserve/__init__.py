@@ -11,9 +11,10 @@ from blockserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from blockserve.engine.llm import LLM
+    from blockserve.lora.adapter import LoRARequest
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "__version__"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
@@ -21,4 +22,8 @@ def __getattr__(name: str) -> Any:
         from blockserve.engine.llm import LLM
 
         return LLM
+    if name == "LoRARequest":
+        from blockserve.lora.adapter import LoRARequest
+
+        return LoRARequest
     raise AttributeError(f"module 'blockserve' has no attribute {name!r}")

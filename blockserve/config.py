@@ -113,6 +113,23 @@ class SchedulerConfig:
     max_request_seq_share: float = 0.5
     # Schedule step N+1 while step N runs, its sampled tokens as placeholders (engine/core.py).
     async_scheduling: bool = False
+    max_loras: int = 0  # the most distinct LoRA adapters one step may hold (0: LoRA off)
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAConfig:
+    """LoRA adapters (--enable-lora): `max_loras` in the runner's slots at once, ranks up to
+    `max_lora_rank`, `max_cpu_loras` kept loaded in host memory (None: `max_loras`), and the
+    (name, path) pairs of --lora-modules, read at start-up."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    modules: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def host_capacity(self) -> int:
+        return max(self.max_loras, self.max_cpu_loras or self.max_loras)
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +140,7 @@ class EngineConfig:
     cache: CacheConfig
     scheduler: SchedulerConfig
     kv_events: KVEventsConfig | None = None
+    lora: LoRAConfig | None = None  # None: --enable-lora not given
 
 
 def _port(value: int) -> str | None:

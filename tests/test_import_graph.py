@@ -95,6 +95,7 @@ LAYERS = (
     ("kernels",),
     ("sched", "attention", "grammar"),
     ("model",),
+    ("lora",),
     ("runner",),
     ("engine", "blockserve"),  # the package's __init__ exposes the engine's LLM
     ("server",),

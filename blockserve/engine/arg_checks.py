@@ -3,6 +3,7 @@ which): each returns None for a good value, else what is wrong with it."""
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -46,6 +47,33 @@ def share(value: float) -> str | None:
 
 def non_empty_or_none(value: str | None) -> str | None:
     return None if value is None or value else "must not be empty"
+
+
+def lora_module(value: str) -> tuple[str, str]:
+    """`name=path` or vLLM's JSON form: (name, path); ValueError with what is wrong."""
+    if value.lstrip().startswith("{"):
+        try:
+            entry = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"not JSON: {exc.msg}") from None
+        if not isinstance(entry, dict) or not entry.get("name") or not entry.get("path"):
+            raise ValueError(f"needs a name and a path, got {value}")
+        return str(entry["name"]), str(entry["path"])
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"expected name=path, got {value!r}")
+    return name, path
+
+
+def lora_modules(values: Any) -> str | None:
+    if not isinstance(values, (tuple, list)):
+        return f"must be a list of name=path entries, got {values!r}"
+    try:
+        names = [lora_module(str(value))[0] for value in values]
+    except ValueError as exc:
+        return str(exc)
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    return f"names {', '.join(repeated)} twice" if repeated else None
 
 
 def one_device(value: int) -> str | None:

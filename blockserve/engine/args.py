@@ -15,12 +15,13 @@ from blockserve.core.eviction import EVICTION_POLICIES
 from blockserve.core.hashing import HASH_FUNCTIONS
 from blockserve.engine import arg_checks
 from blockserve.engine.engine_config import engine_config
+from blockserve.engine.lora_args import LoRAArgs
 from blockserve.events.config import KVEventsConfig
 from blockserve.options import add_arguments, at_least, from_namespace, option, positive, validate
 
 
 @dataclass(frozen=True, slots=True)
-class EngineArgs:
+class EngineArgs(LoRAArgs):
     """The engine's options; `create_configs()` checks them and builds an `EngineConfig`.
 
     Each field carries its default, choices, help and check; `blockserve serve` generates its

@@ -109,6 +109,7 @@ class AsyncEngine(PoolTokenizing):
             tokenizer=processor.tokenizer,
             default_sampling=engine.default_sampling,
             runtime=engine.core.info.runtime,
+            lora_adapters=dict(lora.paths) if (lora := engine.core.runner.lora) else {},
         )
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}

@@ -29,6 +29,8 @@ class ModelInfo:
     default_sampling: Mapping[str, float | int] = field(default_factory=dict)
     # Where the engine runs (device, ISA level, dtype, threads), for /version.
     runtime: Mapping[str, str | int | bool] = field(default_factory=dict)
+    # The LoRA adapters served at start (--lora-modules): name -> path.
+    lora_adapters: Mapping[str, str] = field(default_factory=dict)
 
 
 class EngineClient(Protocol):

@@ -75,7 +75,7 @@ class EngineCore:
             sched.max_num_batched_tokens, sched.max_num_seqs, config.cache.block_size
         )
         largest = LargestStep(sched.max_num_batched_tokens, sched.max_num_seqs)
-        self.runner = build_runner(config.model, config.cache, per_step, largest)
+        self.runner = build_runner(config.model, config.cache, per_step, largest, config.lora)
         loaded = self.runner.loaded
         max_model_len = context_length(
             config.model.max_model_len, loaded.arch, self.runner.num_blocks, config.cache.block_size

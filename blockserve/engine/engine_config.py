@@ -5,7 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from blockserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from blockserve.config import (
+    CacheConfig,
+    EngineConfig,
+    LoRAConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
+from blockserve.engine import arg_checks
 from blockserve.errors import InvalidConfigError
 from blockserve.events.config import KVEventsConfig
 from blockserve.grammar_limits import ConstraintLimits
@@ -47,8 +54,10 @@ def engine_config(args: EngineArgs) -> EngineConfig:
             lpm_aging_s=float(args.lpm_aging_s),
             max_n=args.max_n,
             max_request_seq_share=args.max_request_seq_share,
+            max_loras=args.max_loras if args.enable_lora or args.lora_modules else 0,
         ),
         kv_events=_kv_events_config(args),
+        lora=_lora_config(args),
     )
 
 
@@ -63,6 +72,11 @@ def _check_combinations(args: EngineArgs) -> None:
             "async_scheduling (--async-scheduling) cannot run with the KV tiers "
             "(--kv-offloading-size, --kv-cache-dir): their loads write blocks a step in "
             "flight may still be writing"
+        )
+    if (args.enable_lora or args.lora_modules) and args.compile:
+        raise InvalidConfigError(
+            "enable_lora (--enable-lora) cannot run with --compile: the adapters' products "
+            "change with every step's batch"
         )
     gguf = str(args.model or "").endswith(".gguf")
     if args.load_format != "auto" and (args.load_format == "gguf") != gguf:
@@ -98,6 +112,17 @@ def _model_config(args: EngineArgs) -> ModelConfig:
         max_logprobs=args.max_logprobs,
         chat_template=args.chat_template,
         cpu_threads=args.cpu_threads,
+    )
+
+
+def _lora_config(args: EngineArgs) -> LoRAConfig | None:
+    if not (args.enable_lora or args.lora_modules):  # adapters to serve imply --enable-lora
+        return None
+    return LoRAConfig(
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
+        modules=tuple(arg_checks.lora_module(str(entry)) for entry in args.lora_modules),
     )
 
 

@@ -37,6 +37,8 @@ class InputProcessor:
     # Compiles structured-outputs constraints (thread-safe, as the tokenizer is); a
     # constraint that does not compile is refused here, before the request is queued.
     grammar: GrammarCompiler | None = None
+    # The adapters a request may name (--enable-lora's registered ones); None: LoRA is off.
+    lora_names: Container[str] | None = None
 
     def process(self, spec: RequestSpec, live_request_ids: Container[str]) -> ValidatedRequest:
         """The spec, checked and tokenized; InvalidRequestError for the first field at fault."""
@@ -99,9 +101,12 @@ class InputProcessor:
     def _check_options(self, spec: RequestSpec) -> None:
         if spec.cache_salt is not None and not spec.cache_salt:
             raise InvalidRequestError("cache_salt must be a non-empty string", "cache_salt")
-        if spec.lora_name is not None:
-            # The name would key the blocks, but no adapter would run: refuse, not mislead.
-            raise InvalidRequestError("LoRA adapters are not supported yet", "lora_name")
+        if spec.lora_name is not None and self.lora_names is None:
+            raise InvalidRequestError(
+                "LoRA adapters are served with --enable-lora only", "lora_name"
+            )
+        if spec.lora_name is not None and spec.lora_name not in (self.lora_names or ()):
+            raise InvalidRequestError(f"no LoRA adapter named {spec.lora_name!r}", "lora_name")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(spec.params, name)
             if value is not None and value > self.max_logprobs:

@@ -12,6 +12,7 @@ from blockserve.engine.chat import Message
 from blockserve.engine.llm_engine import LLMEngine, build_engine
 from blockserve.engine.outputs import EngineStats, RequestOutput
 from blockserve.engine.request import PromptInput, RequestSpec, as_prompt_list
+from blockserve.lora.adapter import LoRARequest
 from blockserve.model.tokenizer import Tokenizer
 from blockserve.sampling_params import SamplingParams
 
@@ -50,12 +51,14 @@ class LLM:
         priority: Sequence[int] | None = None,
         cache_salt: str | Sequence[str | None] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order.
 
         A prompt is a string, a list of token ids, or vLLM's `{"prompt": text}` or
-        `{"prompt_token_ids": ids}`. `sampling_params`, `priority` and
-        `cache_salt` are one value for all prompts or one per prompt.
+        `{"prompt_token_ids": ids}`. `sampling_params`, `priority`, `cache_salt` and
+        `lora_request` (an adapter, read on first use) are one value for all prompts or one
+        per prompt.
         """
         prompt_list = as_prompt_list(prompts)
         count = len(prompt_list)
@@ -64,13 +67,19 @@ class LLM:
         )
         priorities = _per_prompt(0 if priority is None else priority, count, "priority")
         salts = _per_prompt(cache_salt, count, "cache_salt")
+        loras = _per_prompt(lora_request, count, "lora_request")
         request_ids = []
         try:
-            for prompt, p, prio, salt in zip(prompt_list, params, priorities, salts, strict=True):
+            for prompt, p, prio, salt, lora in zip(
+                prompt_list, params, priorities, salts, loras, strict=True
+            ):
                 request_id = str(self._next_id)
                 self._next_id += 1
+                name = self._lora_name(lora)
                 self.engine.add_request(
-                    RequestSpec(request_id, prompt, p, priority=prio, cache_salt=salt)
+                    RequestSpec(
+                        request_id, prompt, p, priority=prio, cache_salt=salt, lora_name=name
+                    )
                 )
                 request_ids.append(request_id)
             return self._run(request_ids, use_tqdm)
@@ -91,6 +100,15 @@ class LLM:
         processor = self.engine.input_processor
         token_prompts = [list(processor.chat_prompt(c)) for c in conversations]  # type: ignore[arg-type]
         return self.generate(token_prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _lora_name(self, lora: LoRARequest | None) -> str | None:
+        """The adapter's name, once it is registered (read now on its first use)."""
+        if lora is None:
+            return None
+        lora_names = self.engine.input_processor.lora_names
+        if lora_names is not None and lora.lora_name not in lora_names:
+            self.engine.add_lora(lora.lora_name, lora.lora_path)
+        return lora.lora_name
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         pending = set(request_ids)

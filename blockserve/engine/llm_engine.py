@@ -17,6 +17,7 @@ from blockserve.engine.input_processor import InputProcessor, longest_token_byte
 from blockserve.engine.output_processor import OutputProcessor
 from blockserve.engine.outputs import EngineStats, KVCacheReport, MissRatioReport, RequestOutput
 from blockserve.engine.request import RequestSpec, ValidatedRequest
+from blockserve.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,12 @@ class LLMEngine:
         """Queue a request that an input processor of this engine already checked."""
         for core_request in self.output_processor.add_request(request):
             self.core.add_request(core_request)
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Read, check and register an adapter (LoRAError when it cannot be served)."""
+        if self.core.runner.lora is None:
+            raise InvalidRequestError("LoRA adapters are served with --enable-lora only")
+        self.core.runner.lora.register(name, path)
 
     def abort_request(self, request_ids: Iterable[str]) -> None:
         """End requests now; their blocks are freed (and stay cached) before the next step.
@@ -135,5 +142,6 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         max_bytes_per_token=longest_token_bytes(core.tokenizer, info.vocab_size),
         max_logprobs=config.model.max_logprobs,
         grammar=core.runner.grammar,
+        lora_names=core.runner.lora.paths if core.runner.lora is not None else None,
     )
     return LLMEngine(core, processor, defaults)

@@ -14,10 +14,12 @@ import torch
 
 from blockserve.attention.metadata import AttentionBackend
 from blockserve.attention.selector import get_attention_backend
-from blockserve.config import CacheConfig, ModelConfig, default_cache_dir
+from blockserve.config import CacheConfig, LoRAConfig, ModelConfig, default_cache_dir
 from blockserve.errors import ModelNotFoundError
 from blockserve.grammar import GrammarCompiler
 from blockserve.kernels import CpuKernels, fits_model
+from blockserve.lora.layers import LoRASlots, wrap_projections
+from blockserve.lora.manager import LoRAManager
 from blockserve.model.arch import LlamaArchConfig
 from blockserve.model.compile import compile_forward
 from blockserve.model.hub import TOKENIZER_FILES, is_hub_id, snapshot
@@ -61,11 +63,11 @@ def build_runner(
     cache_config: CacheConfig,
     kv_blocks_per_step: int = 0,
     largest_step: LargestStep | None = None,
+    lora_config: LoRAConfig | None = None,
 ) -> ModelRunner:
-    """`kv_blocks_per_step`: the most never-used blocks a step can take; on a CPU their pages
-    are mapped in ahead of the steps (page_mapping.py). 0: left to first writes.
-    `largest_step`: what the memory profile runs when the memory sizes the cache (default:
-    the scheduler's defaults)."""
+    """`kv_blocks_per_step`: the most never-used blocks a step can take, their pages mapped
+    in ahead on a CPU (page_mapping.py; 0: at first writes). `largest_step`: what the memory
+    profile runs when memory sizes the cache. `lora_config`: the adapters (lora/)."""
     name = _device_name(model_config.device)
     device = torch.device(name)
     kernels = CpuKernels()  # ours once loaded (a thread builds or loads them); torch's before
@@ -106,6 +108,7 @@ def build_runner(
             sampler=_seeded_sampler(model_config.seed, device, kernels),
             kernels=kernels,
             grammar=_grammar_compiler(model_config, loaded, arch),
+            lora=_lora_manager(lora_config, loaded, arch, dtype, device),
         )
     )
     if num_blocks is None:
@@ -115,6 +118,27 @@ def build_runner(
             *compile_forward(runner.model, backend, default_cache_dir(), runner.warm_up)
         )
     return runner
+
+
+def _lora_manager(
+    config: LoRAConfig | None,
+    loaded: LoadedModel,
+    arch: LlamaArchConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> LoRAManager | None:
+    """The adapters' slot pool over the wrapped projections, --lora-modules read and checked."""
+    if config is None:
+        return None
+    slots = LoRASlots(
+        arch=arch, max_loras=config.max_loras, max_rank=config.max_lora_rank, dtype=dtype,
+        device=device,
+    )  # fmt: skip
+    step = wrap_projections(loaded.model, arch, slots)
+    manager = LoRAManager(config=config, arch=arch, dtype=dtype, slots=slots, step=step)
+    for name, path in config.modules:
+        manager.register(name, path)
+    return manager
 
 
 def _seeded_sampler(seed: int, device: torch.device, kernels: CpuKernels) -> Sampler:
@@ -166,7 +190,9 @@ def capture_decode_graphs(
     capture the decode forward at each batch size of --cuda-graph-sizes (vLLM's by default)
     and hand the graphs to the runner. With `capture` (tests), on any device."""
     backend = runner.backend
-    if model_config.enforce_eager or not isinstance(backend, GraphPlanner):
+    if model_config.enforce_eager or runner.lora is not None:  # adapters vary by step
+        return None
+    if not isinstance(backend, GraphPlanner):
         return None
     if capture is None:
         if runner.device.type != "cuda":

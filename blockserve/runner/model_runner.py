@@ -12,6 +12,7 @@ from blockserve.attention.metadata import AttentionBackend
 from blockserve.core.kv_cache_manager import RequestId
 from blockserve.grammar import GrammarCompiler, apply_token_masks
 from blockserve.kernels import CpuKernels
+from blockserve.lora.manager import LoRAManager
 from blockserve.model.arch import LlamaArchConfig
 from blockserve.model.compile import CompileReport, mark_token_dim_dynamic
 from blockserve.model.loader import LoadedModel
@@ -49,6 +50,7 @@ class RunnerParts:
     sampler: Sampler
     grammar: GrammarCompiler
     kernels: CpuKernels  # ours on a CPU, once loaded
+    lora: LoRAManager | None = None  # --enable-lora's adapters
 
 
 class ModelRunner:
@@ -74,6 +76,7 @@ class ModelRunner:
         self.model = parts.loaded.model
         self.sampler = parts.sampler
         self.grammar = parts.grammar
+        self.lora = parts.lora
         self.requests = RequestStates(parts.device, parts.grammar)
         # The forward each step runs: the model itself, or its compiled graphs (--compile).
         self.forward: Callable[..., torch.Tensor] = self.model
@@ -174,6 +177,8 @@ class ModelRunner:
         inputs = self.prepare_inputs(scheduler_output)
         if previous is not None:
             fill_from_device(inputs, scheduler_output, previous)
+        if self.lora is not None:
+            self.lora.begin_step(scheduler_output.scheduled, self.requests.lora_of)
         if self.kv_pages is not None:
             self.kv_pages.note_written(int(inputs.metadata.slot_mapping.max()) // self.block_size)
         hidden = self._run_forward(inputs)

@@ -33,6 +33,7 @@ class RequestState:
     # The structured-outputs matcher, advanced with every sampled token; or why it failed.
     matcher: llguidance.LLMatcher | None = field(default=None, repr=False)
     grammar_error: str | None = None
+    lora_name: str | None = None  # the adapter it runs under
     # prompt_logprobs: positions 0.. of the prompt computed so far (runner/prompt_logprobs.py)
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list, repr=False)
 
@@ -48,6 +49,9 @@ class RequestStates:
 
     def __getitem__(self, request_id: RequestId) -> RequestState:
         return self.states[request_id]
+
+    def lora_of(self, request_id: RequestId) -> str | None:
+        return self.states[request_id].lora_name
 
     def update(self, scheduler_output: SchedulerOutput) -> None:
         for request_id in scheduler_output.finished_request_ids:
@@ -65,6 +69,7 @@ class RequestStates:
                 output_token_ids=list(new.output_token_ids),
                 params=new.sampling_params,
                 generator=generator,
+                lora_name=new.lora_name,
             )
             constraint = new.sampling_params.structured_outputs
             if constraint is not None:

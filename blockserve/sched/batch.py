@@ -32,9 +32,10 @@ def batch_for_runner(
         new_data = None
         if request.request_id in first_sent:
             new_data = NewRequestData(
-                tuple(request.prompt_token_ids),
-                tuple(request.output_token_ids),
-                request.sampling_params,
+                prompt_token_ids=tuple(request.prompt_token_ids),
+                output_token_ids=tuple(request.output_token_ids),
+                sampling_params=request.sampling_params,
+                lora_name=request.lora_name,
             )
         token_ids = request.all_token_ids[start:end]
         if len(token_ids) < num_new:  # tokens still in flight

@@ -22,6 +22,7 @@ class NewRequestData:
     prompt_token_ids: tuple[int, ...]
     output_token_ids: tuple[int, ...]
     sampling_params: SamplingParams
+    lora_name: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -161,6 +161,7 @@ class Scheduler:
         """Admit waiting requests in queue order (fair share aside: `held` counts each group's
         slots) while they fit; returns the admitted ids."""
         new_request_ids: set[RequestId] = set()
+        adapters = {r.lora_name for r in self.running if r.lora_name is not None}
         while (
             self.waiting
             and budget > 0
@@ -168,6 +169,10 @@ class Scheduler:
         ):
             head = self.waiting.peek()
             request = self.fair_share.next_to_admit(head, self.waiting, held)
+            if request.lora_name is not None and request.lora_name not in adapters:
+                if len(adapters) >= self.config.max_loras:
+                    break  # its adapter needs a slot the running ones hold: wait, in order
+                adapters.add(request.lora_name)
             hit_blocks, num_hits = self.kv_cache_manager.get_computed_blocks(request)
             tier_hits = (
                 self.loads.lookup(request, len(hit_blocks)) if self.loads is not None else []

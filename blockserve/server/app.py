@@ -64,6 +64,7 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
         default_sampling=info.default_sampling,
         tool_call_parser=config.tool_call_parser if config.enable_auto_tool_choice else None,
         limits=_request_limits(config),
+        lora_adapters=info.lora_adapters,
     )
 
     @contextlib.asynccontextmanager
@@ -135,6 +136,11 @@ def _add_openai_routes(app: FastAPI, ctx: ServingContext, info: ModelInfo) -> No
             }
             for name in ctx.served_names
         ]
+        cards += [
+            {"id": name, "object": "model", "created": created, "owned_by": "blockserve",
+             "root": path, "parent": ctx.model_name, "max_model_len": info.max_model_len}
+            for name, path in ctx.lora_adapters.items()
+        ]  # fmt: skip
         return {"object": "list", "data": cards}
 
 

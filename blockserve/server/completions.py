@@ -69,7 +69,7 @@ def _checked(body: CompletionRequest) -> CompletionRequest:
 async def create_completion(
     ctx: ServingContext, body: CompletionRequest, request: Request
 ) -> JSONResponse | StreamingResponse:
-    ctx.check_model(body.model)
+    lora_name = ctx.check_model(body.model)
     _checked(body)
     # No default: a completion's max_tokens is 16 unless the body sets it (null: no limit).
     echoed_logprobs = body.logprobs if body.echo else None
@@ -81,7 +81,7 @@ async def create_completion(
     ctx.check_limits(params, len(prompts))
     run = HttpRun(ctx, body.request_id or f"cmpl-{uuid.uuid4().hex}", prompts)
     salt = ctx.cache_salt(request, body.cache_salt)
-    await run.start(params, body.priority, salt, request, body.return_cache_explanation)
+    await run.start(params, body.priority, salt, request, body.return_cache_explanation, lora_name)
     created, token_text, n = int(time.time()), TokenText(ctx.tokenizer), params.n
 
     def base(choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -89,7 +89,7 @@ async def create_completion(
             "id": run.request_id,
             "object": "text_completion",
             "created": created,
-            "model": ctx.model_name,
+            "model": lora_name or ctx.model_name,
             "choices": choices,
         }
 

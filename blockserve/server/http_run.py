@@ -59,6 +59,7 @@ class ServingContext:
     # The model's generation-config defaults (--generation-config): field -> value.
     default_sampling: Mapping[str, float | int] = field(default_factory=dict)
     limits: RequestLimits = field(default_factory=RequestLimits)  # what one request may ask
+    lora_adapters: Mapping[str, str] = field(default_factory=dict)  # name -> path
 
     def check_limits(self, params: SamplingParams, num_prompts: int) -> None:
         """InvalidRequestError if the request asks for more than `limits` allow."""
@@ -71,9 +72,14 @@ class ServingContext:
             return client_salt
         return salt_for_key(request.state.api_key, client_salt)
 
-    def check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter `model` names, or None for the base model; ModelNotFoundError
+        (a 404) for a name nothing is served under."""
+        if model is not None and model in self.lora_adapters:
+            return model
         if model is not None and model != self.model_name and model not in self.served_names:
             raise ModelNotFoundError(f"The model `{model}` does not exist.")
+        return None
 
 
 class HttpRun:
@@ -114,6 +120,7 @@ class HttpRun:
         salt: str | None,
         request: Request,
         explain_cache: bool = False,
+        lora_name: str | None = None,
     ) -> None:
         """Submit every prompt and wait for its first output: refusals raise here. A client
         that leaves while its prompts wait in the queue aborts them before they are scheduled
@@ -129,6 +136,7 @@ class HttpRun:
                     priority=priority,
                     cache_salt=salt,
                     explain_cache=explain_cache,
+                    lora_name=lora_name,
                     group_id=self._engine_id,  # its prompts share one fair share of the slots
                 )
             )

@@ -66,7 +66,7 @@ def _chat_delta(
 async def create_chat_completion(
     ctx: ServingContext, body: ChatCompletionRequest, request: Request
 ) -> JSONResponse | StreamingResponse:
-    ctx.check_model(body.model)
+    lora_name = ctx.check_model(body.model)
     num_logprobs = body.num_logprobs()
     plan = plan_tools(body, ctx.tool_call_parser)
     prompt = await chat_prompt(ctx, body, plan.tools)
@@ -77,7 +77,7 @@ async def create_chat_completion(
     ctx.check_limits(params, 1)
     run = HttpRun(ctx, body.request_id or f"chatcmpl-{uuid.uuid4().hex}", [prompt])
     salt = ctx.cache_salt(request, body.cache_salt)
-    await run.start(params, body.priority, salt, request, body.return_cache_explanation)
+    await run.start(params, body.priority, salt, request, body.return_cache_explanation, lora_name)
     created = int(time.time())
     token_text = TokenText(ctx.tokenizer)
     role = ctx.response_role if body.add_generation_prompt else body.messages[-1].role
@@ -87,7 +87,7 @@ async def create_chat_completion(
             "id": run.request_id,
             "object": kind,
             "created": created,
-            "model": ctx.model_name,
+            "model": lora_name or ctx.model_name,
             "choices": choices,
         }
 

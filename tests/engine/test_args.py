@@ -56,6 +56,14 @@ GOOD: dict[str, tuple[object, list[str]]] = {
     "tokenizer": ("org/tokenizer", ["--tokenizer", "org/tokenizer"]),
     "max_logprobs": (5, ["--max-logprobs", "5"]),
     "cpu_threads": (1, ["--cpu-threads", "1"]),
+    "enable_lora": (True, ["--enable-lora"]),
+    "lora_modules": (
+        ("a=/x", '{"name": "b", "path": "/y"}'),
+        ["--lora-modules", "a=/x", '{"name": "b", "path": "/y"}'],
+    ),
+    "max_loras": (3, ["--max-loras", "3"]),
+    "max_lora_rank": (8, ["--max-lora-rank", "8"]),
+    "max_cpu_loras": (4, ["--max-cpu-loras", "4"]),
     "chat_template": ("{{ messages }}", ["--chat-template", "{{ messages }}"]),
     "tensor_parallel_size": (1, ["--tensor-parallel-size", "1"]),
     "enable_chunked_prefill": (True, ["--enable-chunked-prefill"]),
@@ -130,6 +138,15 @@ BAD: dict[str, list[tuple[object, list[str] | None]]] = {
     "tokenizer": [("", ["--tokenizer", ""])],
     "max_logprobs": [(-1, ["--max-logprobs", "-1"])],
     "cpu_threads": [(0, ["--cpu-threads", "0"]), ("2", None)],
+    "enable_lora": [("yes", None)],
+    "lora_modules": [
+        (("a",), ["--lora-modules", "a"]),
+        (("a=/x", "a=/y"), ["--lora-modules", "a=/x", "a=/y"]),
+        (('{"name": "b"}',), ["--lora-modules", '{"name": "b"}']),
+    ],
+    "max_loras": [(0, ["--max-loras", "0"])],
+    "max_lora_rank": [(0, ["--max-lora-rank", "0"])],
+    "max_cpu_loras": [(0, ["--max-cpu-loras", "0"])],
     "chat_template": [("", ["--chat-template", ""])],
     "tensor_parallel_size": [(2, ["--tensor-parallel-size", "2"])],
     "enable_chunked_prefill": [(False, ["--no-enable-chunked-prefill"])],
@@ -151,7 +168,9 @@ BAD: dict[str, list[tuple[object, list[str] | None]]] = {
 # vLLM's flags taken as vLLM takes them that change nothing here: their values are this
 # engine's own (one device, chunked prefill, no remote code, the format the model has).
 AS_IN_VLLM = {"tensor_parallel_size", "enable_chunked_prefill", "swap_space", "trust_remote_code",
-              "load_format"}  # fmt: skip
+              "load_format",
+              # without --enable-lora, as in vLLM, the adapters' bounds change nothing
+              "max_loras", "max_lora_rank", "max_cpu_loras"}  # fmt: skip
 
 
 def configs_from_flags(flags: list[str]) -> EngineConfig:

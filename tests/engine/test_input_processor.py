@@ -43,7 +43,7 @@ def test_a_good_spec_is_tokenized() -> None:
         (
             RequestSpec("a", "hi", lora_name="sql"),
             "lora_name",
-            "LoRA adapters are not supported yet",
+            "LoRA adapters are served with --enable-lora only",
         ),
         (
             RequestSpec("a", "hi", SamplingParams(logit_bias={1000: 1.0})),

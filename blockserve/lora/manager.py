@@ -1,0 +1,93 @@
+"""The runner's adapters: the registered names and paths, the loaded adapters kept in host
+memory (least recently used out past `max_cpu_loras`, read again from their path when next
+needed), and before each step the slots its adapters take and its tokens' groups."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+import torch
+
+from blockserve.config import LoRAConfig
+from blockserve.lora.adapter import LoRAAdapter, LoRAError, load_adapter
+from blockserve.lora.layers import LoRASlots, LoRAStep
+from blockserve.model.arch import LlamaArchConfig
+from blockserve.sched.output import ScheduledRequest
+
+
+class LoRAManager:
+    def __init__(
+        self,
+        config: LoRAConfig,
+        arch: LlamaArchConfig,
+        dtype: torch.dtype,
+        slots: LoRASlots,
+        step: LoRAStep,
+    ) -> None:
+        self.config, self.arch, self.dtype = config, arch, dtype
+        self.slots, self.step = slots, step
+        self.paths: dict[str, str] = {}
+        self._host: OrderedDict[str, LoRAAdapter] = OrderedDict()
+        self._slot_used: list[int] = [0] * config.max_loras  # the step that last used each
+        self._steps = 0
+
+    def register(self, name: str, path: str) -> None:
+        """Read and check the adapter now (LoRAError when it cannot be served)."""
+        adapter = load_adapter(name, path, self.arch, self.config.max_lora_rank, self.dtype)
+        self.paths[name] = path
+        self._keep(adapter)
+        if name in self.slots.resident:  # a new version under a known name
+            self.slots.install(adapter, self.slots.resident.index(name))
+
+    def unregister(self, name: str) -> None:
+        self.paths.pop(name)
+        self._host.pop(name, None)
+        if name in self.slots.resident:
+            self.slots.resident[self.slots.resident.index(name)] = None
+
+    def begin_step(
+        self, scheduled: Sequence[ScheduledRequest], lora_of: Callable[[str], str | None]
+    ) -> None:
+        """Slots for the step's adapters (at most `max_loras`: the scheduler's bound) and
+        the rows of each adapter's tokens in the step's flat batch."""
+        self._steps += 1
+        rows: dict[str, list[int]] = {}
+        start = 0
+        for request in scheduled:
+            name = lora_of(request.request_id)  # type: ignore[arg-type]
+            if name is not None:
+                rows.setdefault(name, []).extend(range(start, start + len(request.token_ids)))
+            start += len(request.token_ids)
+        segments = []
+        for name, token_rows in rows.items():
+            slot = self._slot_for(name, set(rows))
+            self._slot_used[slot] = self._steps
+            device = self.slots.a[0, "q_proj"].device
+            segments.append((slot, torch.tensor(token_rows, device=device)))
+        self.step.segments = segments
+
+    def _slot_for(self, name: str, needed: set[str]) -> int:
+        resident = self.slots.resident
+        if name in resident:
+            return resident.index(name)
+        free = [s for s, held in enumerate(resident) if held is None or held not in needed]
+        if not free:
+            raise LoRAError(f"a step holds more adapters than --max-loras {len(resident)}")
+        slot = min(free, key=lambda s: (resident[s] is not None, self._slot_used[s]))
+        self.slots.install(self._adapter(name), slot)
+        return slot
+
+    def _adapter(self, name: str) -> LoRAAdapter:
+        adapter = self._host.get(name)
+        if adapter is None:  # left host memory: read again
+            path = self.paths[name]
+            adapter = load_adapter(name, path, self.arch, self.config.max_lora_rank, self.dtype)
+        self._keep(adapter)
+        return adapter
+
+    def _keep(self, adapter: LoRAAdapter) -> None:
+        self._host[adapter.name] = adapter
+        self._host.move_to_end(adapter.name)
+        while len(self._host) > self.config.host_capacity:
+            self._host.popitem(last=False)
