@@ -5,7 +5,7 @@ gather-matmul, as batched torch ops; base-model tokens take no product)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,14 +25,22 @@ FUSED = {
 
 @dataclass
 class LoRAStep:
-    """The current step's token groups: (slot, the rows of its tokens), shared by every
-    wrapped projection; set before each forward."""
+    """The current step's grouping, shared by every wrapped projection (set before each
+    forward): `slots` [G] the slots of its G adapters, ascending; `src` [N] the rows of their
+    tokens, group by group; `dest` [N] each token's place in a [G, width] padded layout (None
+    when every group has `width` tokens: `src` order is the layout)."""
 
-    segments: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    slots: torch.Tensor | None = None
+    src: torch.Tensor | None = None
+    dest: torch.Tensor | None = None
+    width: int = 0
+    all_slots: bool = False  # slots == every slot, in order: the stacks need no gather
 
 
 class LoRASlots:
-    """The slot pool: per (layer, module) A [slots, in, R] and B [slots, R, out]."""
+    """The slot pool: per (layer, fused projection) A [slots, in, K R] (its K modules' A side
+    by side) and B [slots, K R, out] (block-diagonal: module k's B under its rows, over its
+    output columns), zero where an adapter has no module or a smaller rank."""
 
     def __init__(
         self,
@@ -42,52 +50,72 @@ class LoRASlots:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
+        shapes = module_shapes(arch)
+        self.max_rank = max_rank
         self.a: dict[tuple[int, str], torch.Tensor] = {}
         self.b: dict[tuple[int, str], torch.Tensor] = {}
-        for module, (fan_in, fan_out) in module_shapes(arch).items():
+        self.columns: dict[str, list[tuple[str, int, int]]] = {}  # module, first column, width
+        for fused, modules in FUSED.items():
+            first, columns = 0, []
+            for module in modules:
+                columns.append((module, first, shapes[module][1]))
+                first += shapes[module][1]
+            self.columns[fused] = columns
+            fan_in, ranks = shapes[modules[0]][0], max_rank * len(modules)
             for layer in range(arch.num_layers):
-                shape_a, shape_b = (max_loras, fan_in, max_rank), (max_loras, max_rank, fan_out)
-                self.a[layer, module] = torch.zeros(shape_a, dtype=dtype, device=device)
-                self.b[layer, module] = torch.zeros(shape_b, dtype=dtype, device=device)
+                self.a[layer, fused] = torch.zeros(
+                    (max_loras, fan_in, ranks), dtype=dtype, device=device
+                )
+                self.b[layer, fused] = torch.zeros(
+                    (max_loras, ranks, first), dtype=dtype, device=device
+                )
         self.resident: list[str | None] = [None] * max_loras
 
     def install(self, adapter: LoRAAdapter, slot: int) -> None:
         """Put `adapter` in `slot`: its modules' A and B, zeros for every other module."""
-        for key, a_stack in self.a.items():
+        for (layer, fused), a_stack in self.a.items():
+            b_stack = self.b[layer, fused]
             a_stack[slot].zero_()
-            self.b[key][slot].zero_()
-            pair = adapter.weights.get(key)
-            if pair is not None:
+            b_stack[slot].zero_()
+            for k, (module, first, width) in enumerate(self.columns[fused]):
+                pair = adapter.weights.get((layer, module))
+                if pair is None:
+                    continue
                 a, b = pair
-                a_stack[slot, :, : a.shape[1]].copy_(a)
-                self.b[key][slot, : b.shape[0]].copy_(b)
+                rows = slice(k * self.max_rank, k * self.max_rank + a.shape[1])
+                a_stack[slot, :, rows].copy_(a)
+                b_stack[slot, rows, first : first + width].copy_(b)
         self.resident[slot] = adapter.name
 
 
 class LoRALinear(nn.Module):
-    """A fused projection plus, for each token under an adapter, its low-rank update."""
+    """A fused projection plus, for each token under an adapter, its low-rank update: the
+    step's adapter tokens in a [G, width] layout, two batched products, added back."""
 
-    def __init__(
-        self, base: nn.Module, layer: int, fused: str, arch: LlamaArchConfig,
-        slots: LoRASlots, step: LoRAStep,
-    ) -> None:  # fmt: skip
+    def __init__(self, base: nn.Module, a: torch.Tensor, b: torch.Tensor, step: LoRAStep) -> None:
         super().__init__()
-        self.base = base
-        shapes = module_shapes(arch)
-        offsets, start = [], 0
-        for module in FUSED[fused]:
-            offsets.append((module, start, shapes[module][1]))
-            start += shapes[module][1]
-        self.layer, self.offsets, self.slots, self.step = layer, offsets, slots, step
+        self.base, self.a, self.b, self.step = base, a, b, step
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
-        for slot, rows in self.step.segments:
-            xs = x.index_select(0, rows)
-            for module, start, size in self.offsets:
-                a, b = self.slots.a[self.layer, module], self.slots.b[self.layer, module]
-                out[:, start : start + size].index_add_(0, rows, (xs @ a[slot]) @ b[slot])
-        return out
+        step = self.step
+        if step.src is None:
+            return out
+        assert step.slots is not None
+        a = self.a if step.all_slots else self.a.index_select(0, step.slots)
+        b = self.b if step.all_slots else self.b.index_select(0, step.slots)
+        groups, width = a.shape[0], step.width
+        picked = x.index_select(0, step.src)
+        if step.dest is None:
+            padded = picked.view(groups, width, -1)
+        else:
+            padded = x.new_zeros(groups * width, x.shape[1])
+            padded.index_copy_(0, step.dest, picked)
+            padded = padded.view(groups, width, -1)
+        delta = torch.bmm(torch.bmm(padded, a), b).view(groups * width, -1)
+        if step.dest is not None:
+            delta = delta.index_select(0, step.dest)
+        return out.index_add_(0, step.src, delta)
 
 
 def wrap_projections(model: nn.Module, arch: LlamaArchConfig, slots: LoRASlots) -> LoRAStep:
@@ -99,9 +127,6 @@ def wrap_projections(model: nn.Module, arch: LlamaArchConfig, slots: LoRASlots) 
             (layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
             (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj"),
         ):  # fmt: skip
-            base = getattr(owner, name)
-            wrapped = LoRALinear(
-                base=base, layer=index, fused=name, arch=arch, slots=slots, step=step
-            )
-            setattr(owner, name, wrapped)
+            a, b = slots.a[index, name], slots.b[index, name]
+            setattr(owner, name, LoRALinear(getattr(owner, name), a, b, step))
     return step

@@ -59,13 +59,27 @@ class LoRAManager:
             if name is not None:
                 rows.setdefault(name, []).extend(range(start, start + len(request.token_ids)))
             start += len(request.token_ids)
-        segments = []
-        for name, token_rows in rows.items():
-            slot = self._slot_for(name, set(rows))
+        groups = sorted((self._slot_for(name, set(rows)), r) for name, r in rows.items())
+        for slot, _ in groups:
             self._slot_used[slot] = self._steps
-            device = self.slots.a[0, "q_proj"].device
-            segments.append((slot, torch.tensor(token_rows, device=device)))
-        self.step.segments = segments
+        self._set_layout(groups)
+
+    def _set_layout(self, groups: list[tuple[int, list[int]]]) -> None:
+        """The step's [G, width] layout of its adapter tokens (LoRAStep)."""
+        step = self.step
+        if not groups:
+            step.slots = step.src = step.dest = None
+            return
+        device = self.slots.a[0, "qkv_proj"].device
+        width = max(len(r) for _, r in groups)
+        src = [row for _, r in groups for row in r]
+        dest = [g * width + i for g, (_, r) in enumerate(groups) for i in range(len(r))]
+        slots = [slot for slot, _ in groups]
+        step.slots = torch.tensor(slots, device=device)
+        step.src = torch.tensor(src, device=device)
+        step.dest = None if len(dest) == len(groups) * width else torch.tensor(dest, device=device)
+        step.width = width
+        step.all_slots = slots == list(range(len(self.slots.resident)))
 
     def _slot_for(self, name: str, needed: set[str]) -> int:
         resident = self.slots.resident

@@ -1,0 +1,127 @@
+"""LoRA's cost in a decode step: the embedded model decoding a batch of 64 requests, spread
+over 8 adapters (rank 16, all seven projections, random weights written in PEFT's format), and
+the same batch on the base model; the median full-batch decode step of each, and the ratio.
+
+    .venv/bin/python benchmarks/bench_lora.py [--dtype auto|float32] [--adapters 8]
+        [--batch 64] [--rank 16] [--profile] [--out FILE]
+
+`--profile` also prints torch.profiler's table of one full-batch step under the adapters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_gpu_engine import StepRecorder
+from report import emit
+
+from blockserve import LLM, LoRARequest, SamplingParams
+from blockserve.lora.adapter import MODULES, module_shapes
+from blockserve.model.arch import LlamaArchConfig
+
+DECODE_TOKENS = 48
+
+
+def write_adapter(path: Path, arch: LlamaArchConfig, rank: int, seed: int) -> Path:
+    """A PEFT-format adapter on every projection of every layer, random A and B."""
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(arch.num_layers):
+        for module, (fan_in, fan_out) in module_shapes(arch).items():
+            part = "self_attn" if module in MODULES[:4] else "mlp"
+            key = f"base_model.model.model.layers.{layer}.{part}.{module}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=generator) * 0.02
+            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=generator) * 0.02
+    path.mkdir(parents=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    config = {"r": rank, "lora_alpha": rank, "target_modules": list(MODULES), "bias": "none"}
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    return path
+
+
+def decode_step_ms(llm: LLM, batch: int, loras: list[LoRARequest | None]) -> float:
+    """The median step that decodes the whole batch (prefills excluded)."""
+    recorder = StepRecorder(llm)
+    prompts = [[(7 * i + j) % 1000 + 5 for j in range(32)] for i in range(batch)]
+    params = SamplingParams(temperature=0, max_tokens=DECODE_TOKENS, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                 lora_request=loras)  # fmt: skip
+    full = [s for tokens, seqs, s, _ in recorder.steps if seqs == batch and tokens == batch]
+    return 1000 * statistics.median(full)
+
+
+def profile_step(llm: LLM, batch: int, loras: list[LoRARequest]) -> str:
+    """torch.profiler's table (top ops by self time) of one full-batch decode step."""
+    runner = llm.engine.core.runner
+    execute, tables = runner.execute, []
+
+    def profiled(scheduler_output: Any) -> Any:
+        full = len(scheduler_output.scheduled) == scheduler_output.num_scheduled_tokens == batch
+        if not full or tables:
+            return execute(scheduler_output)
+        with torch.profiler.profile() as prof:
+            result = execute(scheduler_output)
+        tables.append(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+        return result
+
+    runner.execute = profiled  # type: ignore[method-assign]
+    decode_step_ms(llm, batch, loras)  # type: ignore[arg-type]
+    runner.execute = execute  # type: ignore[method-assign]
+    return tables[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--adapters", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    llm = LLM(dtype=args.dtype, enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank,
+              max_num_seqs=args.batch)  # fmt: skip
+    arch = llm.engine.core.runner.arch
+    with tempfile.TemporaryDirectory() as root:
+        loras = [
+            LoRARequest(
+                f"a{i}", i + 1, str(write_adapter(Path(root) / f"a{i}", arch, args.rank, i))
+            )
+            for i in range(args.adapters)
+        ]
+        per_request = [loras[i % args.adapters] for i in range(args.batch)]
+        decode_step_ms(llm, args.batch, [None] * args.batch)  # warm: kernels, pages
+        base = decode_step_ms(llm, args.batch, [None] * args.batch)
+        lora = decode_step_ms(llm, args.batch, per_request)  # type: ignore[arg-type]
+        base_again = decode_step_ms(llm, args.batch, [None] * args.batch)
+        if args.profile:
+            print(profile_step(llm, args.batch, per_request))
+    base_ms = min(base, base_again)
+    emit(
+        {
+            "benchmark": "lora",
+            "dtype": str(llm.engine.core.runner.kv_caches[0].dtype),
+            "batch": args.batch,
+            "adapters": args.adapters,
+            "rank": args.rank,
+            "base_step_ms": round(base_ms, 2),
+            "lora_step_ms": round(lora, 2),
+            "ratio": round(lora / base_ms, 3),
+            "base_runs_ms": [round(base, 2), round(base_again, 2)],
+        },
+        args.out,
+    )
+
+
+if __name__ == "__main__":
+    main()
