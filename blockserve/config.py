@@ -185,6 +185,11 @@ class ServerConfig:
         None, "a file of API keys, one per line (blank lines and # comments are skipped)"
     )
     metrics_without_auth: bool = option(False, "serve /metrics without an API key")
+    allow_runtime_lora_updating: bool = option(
+        False,
+        "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's routes; off "
+        "by default: a request names a path the server then reads)",
+    )
     enable_debug_endpoints: bool = option(
         False, "serve /debug/kv_cache (pool occupancy, which shows other tenants' activity)"
     )

@@ -128,6 +128,12 @@ class ClusterEngineClient(PoolTokenizing):
             for replica_id, counts in sorted(self._per_replica.items())
         }
 
+    async def load_lora(self, name: str, path: str) -> None:
+        raise InvalidRequestError("replicas serve no runtime-loaded LoRA adapter yet")
+
+    async def unload_lora(self, name: str) -> None:
+        raise InvalidRequestError("replicas serve no runtime-loaded LoRA adapter yet")
+
     async def debug_kv_cache(self) -> KVCacheReport:
         raise InvalidRequestError("the KV cache report is per replica: ask a replica's engine")
 

@@ -20,7 +20,8 @@ from blockserve.engine.llm_engine import LLMEngine, build_engine
 from blockserve.engine.outputs import EngineStats, KVCacheReport, MissRatioReport, RequestOutput
 from blockserve.engine.request import RequestSpec, ValidatedRequest
 from blockserve.engine.tokenizer_pool import PoolTokenizing, TokenizerPool
-from blockserve.errors import EngineDeadError
+from blockserve.errors import EngineDeadError, InvalidRequestError
+from blockserve.lora.adapter import LoRAError
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +146,23 @@ class AsyncEngine(PoolTokenizing):
     def stats(self) -> EngineStats:
         """The snapshot the engine thread took after its last step."""
         return self._stats
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Read and check the adapter on a worker thread (the steps go on), then serve it
+        from the next step; LoRAError (nothing changed) when it cannot be served."""
+        manager = self.engine.lora_manager()
+        if name in manager.paths:
+            raise InvalidRequestError(
+                f"The lora adapter '{name}' has already been loaded.", "lora_name"
+            )
+        try:
+            adapter = await asyncio.to_thread(manager.read, name, path)
+        except LoRAError as exc:
+            raise InvalidRequestError(str(exc), "lora_path") from None
+        await self._call(lambda engine: engine.lora_manager().add(adapter))
+
+    async def unload_lora(self, name: str) -> None:
+        await self._call(lambda engine: engine.remove_lora(name))
 
     async def debug_kv_cache(self) -> KVCacheReport:
         report: KVCacheReport = await self._call(LLMEngine.kv_cache_report)

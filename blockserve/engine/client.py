@@ -73,6 +73,12 @@ class EngineClient(Protocol):
     def stats(self) -> EngineStats:
         """The counters as of the last step boundary (never read mid-step)."""
 
+    async def load_lora(self, name: str, path: str) -> None:
+        """Serve the adapter at `path` under `name` (--allow-runtime-lora-updating)."""
+
+    async def unload_lora(self, name: str) -> None:
+        """Stop serving an adapter no request uses."""
+
     async def debug_kv_cache(self) -> KVCacheReport:
         """The block pool's occupancy and integrity, computed between two steps."""
 

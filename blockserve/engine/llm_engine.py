@@ -17,7 +17,8 @@ from blockserve.engine.input_processor import InputProcessor, longest_token_byte
 from blockserve.engine.output_processor import OutputProcessor
 from blockserve.engine.outputs import EngineStats, KVCacheReport, MissRatioReport, RequestOutput
 from blockserve.engine.request import RequestSpec, ValidatedRequest
-from blockserve.errors import InvalidRequestError
+from blockserve.errors import InvalidRequestError, ModelNotFoundError
+from blockserve.lora.manager import LoRAManager
 
 logger = logging.getLogger(__name__)
 
@@ -53,9 +54,26 @@ class LLMEngine:
 
     def add_lora(self, name: str, path: str) -> None:
         """Read, check and register an adapter (LoRAError when it cannot be served)."""
+        self.lora_manager().register(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Stop serving an adapter; refused (InvalidRequestError) while requests use it."""
+        manager = self.lora_manager()
+        if name not in manager.paths:
+            raise ModelNotFoundError(f"The lora adapter '{name}' cannot be found.")
+        users = sum(r.lora_name == name for r in self.core.scheduler.requests.values())
+        if users:
+            raise InvalidRequestError(
+                f"The lora adapter '{name}' is in use by {users} running or waiting "
+                "requests; unload it once they finish",
+                "lora_name",
+            )
+        manager.unregister(name)
+
+    def lora_manager(self) -> LoRAManager:
         if self.core.runner.lora is None:
             raise InvalidRequestError("LoRA adapters are served with --enable-lora only")
-        self.core.runner.lora.register(name, path)
+        return self.core.runner.lora
 
     def abort_request(self, request_ids: Iterable[str]) -> None:
         """End requests now; their blocks are freed (and stay cached) before the next step.

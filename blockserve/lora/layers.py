@@ -128,5 +128,5 @@ def wrap_projections(model: nn.Module, arch: LlamaArchConfig, slots: LoRASlots) 
             (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj"),
         ):  # fmt: skip
             a, b = slots.a[index, name], slots.b[index, name]
-            setattr(owner, name, LoRALinear(getattr(owner, name), a, b, step))
+            setattr(owner, name, LoRALinear(base=getattr(owner, name), a=a, b=b, step=step))
     return step

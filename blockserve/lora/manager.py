@@ -34,8 +34,16 @@ class LoRAManager:
 
     def register(self, name: str, path: str) -> None:
         """Read and check the adapter now (LoRAError when it cannot be served)."""
-        adapter = load_adapter(name, path, self.arch, self.config.max_lora_rank, self.dtype)
-        self.paths[name] = path
+        self.add(self.read(name, path))
+
+    def read(self, name: str, path: str) -> LoRAAdapter:
+        """The adapter at `path`, checked against this model (any thread may read one)."""
+        return load_adapter(name, path, self.arch, self.config.max_lora_rank, self.dtype)
+
+    def add(self, adapter: LoRAAdapter) -> None:
+        """Serve an adapter already read (between steps: it may replace one in a slot)."""
+        name = adapter.name
+        self.paths[name] = adapter.path
         self._keep(adapter)
         if name in self.slots.resident:  # a new version under a known name
             self.slots.install(adapter, self.slots.resident.index(name))

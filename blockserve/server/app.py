@@ -26,6 +26,7 @@ from blockserve.server.drain import Drain, RefuseWhileDraining
 from blockserve.server.errors import install_error_handlers, openapi_schema
 from blockserve.server.http_run import ServingContext
 from blockserve.server.limits import BodySizeLimit
+from blockserve.server.lora_routes import add_lora_routes
 from blockserve.server.metrics import ServerMetrics, log_stats_periodically
 from blockserve.server.openai_routes import chat_prompt, create_chat_completion
 from blockserve.server.protocol import (
@@ -64,7 +65,7 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
         default_sampling=info.default_sampling,
         tool_call_parser=config.tool_call_parser if config.enable_auto_tool_choice else None,
         limits=_request_limits(config),
-        lora_adapters=info.lora_adapters,
+        lora_adapters=dict(info.lora_adapters),
     )
 
     @contextlib.asynccontextmanager
@@ -100,6 +101,8 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     _add_status_routes(app, ctx)
     if config.enable_debug_endpoints:
         _add_debug_routes(app, ctx)
+    if config.allow_runtime_lora_updating:
+        add_lora_routes(app, ctx)
     app.openapi = lambda: openapi_schema(app, open_paths)  # type: ignore[method-assign]
     return app
 

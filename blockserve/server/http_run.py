@@ -59,7 +59,8 @@ class ServingContext:
     # The model's generation-config defaults (--generation-config): field -> value.
     default_sampling: Mapping[str, float | int] = field(default_factory=dict)
     limits: RequestLimits = field(default_factory=RequestLimits)  # what one request may ask
-    lora_adapters: Mapping[str, str] = field(default_factory=dict)  # name -> path
+    # The adapters served (name -> path): --lora-modules', and those loaded at runtime.
+    lora_adapters: dict[str, str] = field(default_factory=dict)
 
     def check_limits(self, params: SamplingParams, num_prompts: int) -> None:
         """InvalidRequestError if the request asks for more than `limits` allow."""

@@ -149,3 +149,44 @@ def test_adapters_that_cannot_be_served_are_refused_at_start(
     with pytest.raises(LoRAError) as error:
         make_llm(tiny_llama_dir, lora_modules=(f"bad={path}",))
     assert str(error.value) == f"LoRA adapter 'bad' ({path}): {reason}"
+
+
+def test_stored_blocks_name_their_adapter(tiny_llama_dir: Path, adapters: dict[str, Path]) -> None:
+    """BlockStored events carry the adapter's name (vLLM's `lora_name`), None for the base."""
+    from blockserve.bench.server_process import free_port
+    from blockserve.core.events import BlockStored
+
+    events = {"enable_kv_cache_events": True, "publisher": "zmq",
+              "endpoint": f"tcp://127.0.0.1:{free_port()}"}  # fmt: skip
+    llm = make_llm(tiny_llama_dir, max_loras=2, kv_events_config=events)
+    batches: list = []
+    llm.engine.core.event_publisher.publish = batches.append  # type: ignore[method-assign]
+    prompt = {"prompt_token_ids": PROMPTS[1]}
+    for lora in requests(adapters)[:2]:
+        llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=lora)
+    stored = [e for b in batches for e in b.events if isinstance(e, BlockStored)]
+    # The prompt's 2 blocks, then the one its output fills (45 + 8 tokens), per request
+    pairs = [(e.lora_name, len(e.block_hashes)) for e in stored]
+    assert pairs == [(None, 2), (None, 1), ("every", 2), ("every", 1)]
+
+
+def test_an_adapter_in_use_is_not_unloaded(tiny_llama_dir: Path, adapters: dict[str, Path]) -> None:
+    """Unloading waits for nothing: it is refused while a request uses the adapter, and
+    goes through once the request has finished."""
+    from blockserve.engine.request import RequestSpec
+
+    llm = make_llm(tiny_llama_dir, lora_modules=(f"every={adapters['every']}",))
+    engine = llm.engine
+    engine.add_request(RequestSpec("r", PROMPTS[0], GREEDY, lora_name="every"))
+    with pytest.raises(InvalidRequestError) as error:
+        engine.remove_lora("every")
+    assert str(error.value) == (
+        "The lora adapter 'every' is in use by 1 running or waiting requests; unload it "
+        "once they finish"
+    )
+    for _ in range(20):  # a prefill and 8 decodes: bounded
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+    engine.remove_lora("every")
+    assert "every" not in engine.lora_manager().paths

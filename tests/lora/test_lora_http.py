@@ -54,3 +54,64 @@ def test_adapters_are_served_by_name(
     assert [hit_a, hit_b, hit_c] == [0, 0, 32]
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="other", prompt="hi", max_tokens=1)
+
+
+def test_a_prompt_cached_under_another_adapter_is_explained(lora_server: ServerProcess) -> None:
+    """The same tokens cached under `every` miss for the base model: `other_namespace`."""
+    import httpx
+
+    prompt = [(11 * i + 5) % 300 + 1 for i in range(40)]
+    body = {"prompt": prompt, "max_tokens": 1, "return_cache_explanation": True}
+    url = f"{lora_server.url}/v1/completions"
+    httpx.post(url, json={**body, "model": "every"}).raise_for_status()
+    explanation = httpx.post(url, json=body).json()["usage"]["cache_explanation"]
+    assert (explanation["first_missing_block"], explanation["reason"]) == (0, "other_namespace")
+
+
+@pytest.fixture(scope="module")
+def updating_server(
+    tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    flags = ["--enable-lora", "--max-lora-rank", "8", "--allow-runtime-lora-updating"]
+    yield from tiny_server(tiny_llama_dir, tmp_path_factory, flags)
+
+
+def test_runtime_loading(updating_server: ServerProcess, adapter: Path, tmp_path: Path) -> None:
+    """Load, serve, refuse a second load and a bad path, unload, then the name is a 404
+    again (unloading while requests use it: tests/lora/test_lora.py)."""
+    import httpx
+
+    url = updating_server.url
+
+    def post(route: str, **body: object) -> httpx.Response:
+        return httpx.post(f"{url}/v1/{route}", json=body, timeout=60)
+
+    loaded = post("load_lora_adapter", lora_name="late", lora_path=str(adapter))
+    assert (loaded.status_code, loaded.text) == (
+        200,
+        "Success: LoRA adapter 'late' added successfully.",
+    )
+    assert "late" in [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]]
+    assert post("completions", model="late", prompt="hi", max_tokens=2).status_code == 200
+    again = post("load_lora_adapter", lora_name="late", lora_path=str(adapter))
+    assert (again.status_code, again.json()["error"]["message"]) == (
+        400,
+        "The lora adapter 'late' has already been loaded.",
+    )
+    bad = post("load_lora_adapter", lora_name="bad", lora_path=str(tmp_path))
+    assert (bad.status_code, bad.json()["error"]["param"]) == (400, "lora_path")
+    assert "expected adapter_config.json" in bad.json()["error"]["message"]
+    gone = post("unload_lora_adapter", lora_name="late")
+    assert (gone.status_code, gone.text) == (
+        200,
+        "Success: LoRA adapter 'late' removed successfully.",
+    )
+    assert post("completions", model="late", prompt="hi", max_tokens=1).status_code == 404
+    assert post("unload_lora_adapter", lora_name="late").status_code == 404
+
+
+def test_the_routes_are_off_without_the_flag(lora_server: ServerProcess) -> None:
+    import httpx
+
+    response = httpx.post(f"{lora_server.url}/v1/load_lora_adapter", json={})
+    assert response.status_code == 404
