@@ -9,13 +9,20 @@ import dataclasses
 import logging
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 from blockserve.config import EngineConfig
 from blockserve.engine.core import EngineCore
 from blockserve.engine.generation_config import default_sampling
 from blockserve.engine.input_processor import InputProcessor, longest_token_bytes
 from blockserve.engine.output_processor import OutputProcessor
-from blockserve.engine.outputs import EngineStats, KVCacheReport, MissRatioReport, RequestOutput
+from blockserve.engine.outputs import (
+    EngineStats,
+    KVCacheReport,
+    LoRAStats,
+    MissRatioReport,
+    RequestOutput,
+)
 from blockserve.engine.request import RequestSpec, ValidatedRequest
 from blockserve.errors import InvalidRequestError, ModelNotFoundError
 from blockserve.lora.manager import LoRAManager
@@ -106,6 +113,21 @@ class LLMEngine:
             num_generation_tokens=self.output_processor.num_generation_tokens,
             estimated_hit_rates=self.core.estimated_hit_rates(),
             kv_tiers=self.core.tier_stats(),
+            lora=self._lora_stats(),
+        )
+
+    def _lora_stats(self) -> LoRAStats | None:
+        if self.core.runner.lora is None:
+            return None
+        scheduler = self.core.scheduler
+
+        def names(requests: Iterable[Any]) -> tuple[str, ...]:
+            return tuple(sorted({r.lora_name for r in requests if r.lora_name is not None}))
+
+        return LoRAStats(
+            max_loras=self.core.runner.lora.config.max_loras,
+            running=names(scheduler.running),
+            waiting=names(scheduler.waiting),
         )
 
     def kv_cache_report(self) -> KVCacheReport:

@@ -112,6 +112,16 @@ class EngineStats(CoreStats):
     # rate it would have had on all traffic so far); empty when prefix caching is off.
     estimated_hit_rates: tuple[tuple[int, float], ...] = ()
     kv_tiers: tuple[TierStats, ...] = ()
+    lora: LoRAStats | None = None  # None: --enable-lora not given
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAStats:
+    """The adapters of the running and the waiting requests (vLLM's lora_requests_info)."""
+
+    max_loras: int
+    running: tuple[str, ...]
+    waiting: tuple[str, ...]
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from blockserve.engine.client import EngineClient
-from blockserve.engine.outputs import EngineStats
+from blockserve.engine.outputs import EngineStats, LoRAStats
 
 logger = logging.getLogger("blockserve.stats")
 
@@ -93,6 +93,8 @@ class EngineCollector(Collector):
             yield from _twins(CounterMetricFamily, name, doc, self.model_name, value)
         if stats.kv_tiers:
             yield from _tier_metrics(stats, labels)
+        if stats.lora is not None:
+            yield _lora_info(stats.lora)
 
 
 # vLLM's engine label: this server is one engine (data-parallel rank 0).
@@ -122,6 +124,19 @@ _TIER_COUNTERS = {
     "loads": "Request loads that read blocks from the tier.",
     "load_seconds": "Total seconds those loads spent reading from the tier.",
 }
+
+
+def _lora_info(lora: LoRAStats) -> Metric:
+    """vLLM's: one sample whose labels name the running and waiting adapters, its value the
+    time it was taken."""
+    gauge = GaugeMetricFamily(
+        "vllm:lora_requests_info",
+        "Running stats on lora requests.",
+        labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+    )
+    values = [str(lora.max_loras), ",".join(lora.waiting), ",".join(lora.running)]
+    gauge.add_metric(values, time.time())
+    return gauge
 
 
 def _tier_metrics(stats: EngineStats, labels: list[str]) -> Iterator[Metric]:

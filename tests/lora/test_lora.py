@@ -171,13 +171,17 @@ def test_stored_blocks_name_their_adapter(tiny_llama_dir: Path, adapters: dict[s
 
 
 def test_an_adapter_in_use_is_not_unloaded(tiny_llama_dir: Path, adapters: dict[str, Path]) -> None:
-    """Unloading waits for nothing: it is refused while a request uses the adapter, and
-    goes through once the request has finished."""
+    """Unloading waits for nothing: it is refused while a request uses the adapter (which
+    the stats name, waiting then running), and goes through once the request has finished."""
+    from blockserve.engine.outputs import LoRAStats
     from blockserve.engine.request import RequestSpec
 
     llm = make_llm(tiny_llama_dir, lora_modules=(f"every={adapters['every']}",))
     engine = llm.engine
     engine.add_request(RequestSpec("r", PROMPTS[0], GREEDY, lora_name="every"))
+    assert engine.stats().lora == LoRAStats(max_loras=1, running=(), waiting=("every",))
+    engine.step()
+    assert engine.stats().lora == LoRAStats(max_loras=1, running=("every",), waiting=())
     with pytest.raises(InvalidRequestError) as error:
         engine.remove_lora("every")
     assert str(error.value) == (

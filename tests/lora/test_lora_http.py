@@ -115,3 +115,24 @@ def test_the_routes_are_off_without_the_flag(lora_server: ServerProcess) -> None
 
     response = httpx.post(f"{lora_server.url}/v1/load_lora_adapter", json={})
     assert response.status_code == 404
+
+
+def test_vllms_lora_info_gauge(lora_server: ServerProcess) -> None:
+    """vllm:lora_requests_info, with vLLM's labels: the bound and the (idle) adapters."""
+    import time
+
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    before = time.time()
+    text = httpx.get(f"{lora_server.url}/metrics").text
+    (family,) = [
+        f for f in text_string_to_metric_families(text) if f.name == "vllm:lora_requests_info"
+    ]
+    (sample,) = family.samples
+    assert sample.labels == {
+        "max_lora": "1",
+        "waiting_lora_adapters": "",
+        "running_lora_adapters": "",
+    }
+    assert before - 1 <= sample.value <= time.time() + 1
