@@ -169,9 +169,15 @@ class Scheduler:
         ):
             head = self.waiting.peek()
             request = self.fair_share.next_to_admit(head, self.waiting, held)
-            if request.lora_name is not None and request.lora_name not in adapters:
-                if len(adapters) >= self.config.max_loras:
-                    break  # its adapter needs a slot the running ones hold: wait, in order
+            if not self._adapter_fits(request, adapters):
+                # Its adapter needs a slot the running ones hold: the first request behind
+                # it whose adapter fits goes instead (as vLLM skips it); it keeps its place.
+                fits = (r for r in self.waiting if self._adapter_fits(r, adapters))
+                behind: Request | None = next(fits, None)
+                if behind is None:
+                    break
+                request = behind
+            if request.lora_name is not None:
                 adapters.add(request.lora_name)
             hit_blocks, num_hits = self.kv_cache_manager.get_computed_blocks(request)
             tier_hits = (
@@ -206,6 +212,11 @@ class Scheduler:
             new_request_ids.add(request.request_id)
             budget -= num_new
         return new_request_ids
+
+    def _adapter_fits(self, request: Request, adapters: set[str]) -> bool:
+        """Whether the step can hold `request`'s LoRA adapter beside `adapters`."""
+        name = request.lora_name
+        return name is None or name in adapters or len(adapters) < self.config.max_loras
 
     def _take_waiting(self, request: Request, head: Request) -> None:
         if request is head:

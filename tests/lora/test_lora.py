@@ -194,3 +194,25 @@ def test_an_adapter_in_use_is_not_unloaded(tiny_llama_dir: Path, adapters: dict[
         engine.step()
     engine.remove_lora("every")
     assert "every" not in engine.lora_manager().paths
+
+
+def test_a_request_whose_adapter_cannot_fit_lets_others_pass(
+    tiny_llama_dir: Path, adapters: dict[str, Path]
+) -> None:
+    """One slot, requests for every, qv, every in that order: the second `every` runs beside
+    the first while `qv` waits (its place kept), then `qv` runs; all finish."""
+    from blockserve.engine.request import RequestSpec
+
+    modules = (f"every={adapters['every']}", f"qv={adapters['qv']}")
+    llm = make_llm(tiny_llama_dir, max_loras=1, lora_modules=modules)
+    engine = llm.engine
+    for request_id, name in (("1", "every"), ("2", "qv"), ("3", "every")):
+        engine.add_request(RequestSpec(request_id, PROMPTS[0], GREEDY, lora_name=name))
+    finished = {o.request_id for o in engine.step() if o.finished}
+    running = {r.request_id.request_id for r in engine.core.scheduler.running}  # type: ignore[attr-defined]
+    assert running == {"1", "3"}
+    for _ in range(40):  # two rounds of a prefill and 8 decodes: bounded
+        finished |= {o.request_id for o in engine.step() if o.finished}
+        if not engine.has_unfinished_requests():
+            break
+    assert finished == {"1", "2", "3"}
