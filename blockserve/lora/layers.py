@@ -5,6 +5,7 @@ gather-matmul, as batched torch ops; base-model tokens take no product)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,9 @@ class LoRAStep:
     dest: torch.Tensor | None = None
     width: int = 0
     all_slots: bool = False  # slots == every slot, in order: the stacks need no gather
+    starts: torch.Tensor | None = None  # [G + 1]: where each group's rows begin in `src`
+    # On CUDA the fused Triton kernel (kernels/triton_lora.py) in place of the two bmm.
+    kernel: Callable[..., torch.Tensor] | None = None
 
 
 class LoRASlots:
@@ -101,7 +105,11 @@ class LoRALinear(nn.Module):
         step = self.step
         if step.src is None:
             return out
-        assert step.slots is not None
+        assert step.slots is not None and step.starts is not None
+        if step.kernel is not None:
+            return step.kernel(
+                x, out, self.a, self.b, step.src, step.starts, step.slots, step.width
+            )
         a = self.a if step.all_slots else self.a.index_select(0, step.slots)
         b = self.b if step.all_slots else self.b.index_select(0, step.slots)
         groups, width = a.shape[0], step.width
@@ -118,9 +126,14 @@ class LoRALinear(nn.Module):
         return out.index_add_(0, step.src, delta)
 
 
-def wrap_projections(model: nn.Module, arch: LlamaArchConfig, slots: LoRASlots) -> LoRAStep:
+def wrap_projections(
+    model: nn.Module,
+    arch: LlamaArchConfig,
+    slots: LoRASlots,
+    kernel: Callable[..., torch.Tensor] | None = None,
+) -> LoRAStep:
     """Wrap every fused projection of `model`'s layers; the step object they all read."""
-    step = LoRAStep()
+    step = LoRAStep(kernel=kernel)
     layers: Any = model.model.layers  # type: ignore[union-attr]
     for index, layer in enumerate(layers):
         for owner, name in (

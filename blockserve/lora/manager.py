@@ -84,6 +84,8 @@ class LoRAManager:
         dest = [g * width + i for g, (_, r) in enumerate(groups) for i in range(len(r))]
         slots = [slot for slot, _ in groups]
         step.slots = torch.tensor(slots, device=device)
+        sizes = [len(r) for _, r in groups]
+        step.starts = torch.tensor([sum(sizes[:g]) for g in range(len(sizes) + 1)], device=device)
         step.src = torch.tensor(src, device=device)
         step.dest = None if len(dest) == len(groups) * width else torch.tensor(dest, device=device)
         step.width = width

@@ -134,7 +134,12 @@ def _lora_manager(
         arch=arch, max_loras=config.max_loras, max_rank=config.max_lora_rank, dtype=dtype,
         device=device,
     )  # fmt: skip
-    step = wrap_projections(loaded.model, arch, slots)
+    kernel = None
+    if device.type == "cuda":  # the grouped products in one Triton launch per projection
+        from blockserve.kernels.triton_lora import add_lora
+
+        kernel = add_lora
+    step = wrap_projections(loaded.model, arch, slots, kernel)
     manager = LoRAManager(config=config, arch=arch, dtype=dtype, slots=slots, step=step)
     for name, path in config.modules:
         manager.register(name, path)
