@@ -59,8 +59,8 @@ serve: setup
 	@$(BIN)/blockserve serve $(SERVE_ARGS)
 
 lint: setup-dev
-	$(BIN)/ruff check blockserve tests benchmarks
-	$(BIN)/ruff format --check blockserve tests benchmarks
+	$(BIN)/ruff check blockserve tests benchmarks adapters
+	$(BIN)/ruff format --check blockserve tests benchmarks adapters
 
 typecheck: setup-dev
 	$(BIN)/mypy blockserve/core blockserve/sched blockserve/engine blockserve/server blockserve/kv_tiers blockserve/replay blockserve/cluster blockserve/events blockserve/config.py blockserve/options.py
