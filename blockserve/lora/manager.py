@@ -8,10 +8,11 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 import torch
+from torch import nn
 
 from blockserve.config import LoRAConfig
 from blockserve.lora.adapter import LoRAAdapter, LoRAError, load_adapter
-from blockserve.lora.layers import LoRASlots, LoRAStep
+from blockserve.lora.layers import LoRASlots, LoRAStep, wrap_projections
 from blockserve.model.arch import LlamaArchConfig
 from blockserve.sched.output import ScheduledRequest
 
@@ -115,3 +116,30 @@ class LoRAManager:
         self._host.move_to_end(adapter.name)
         while len(self._host) > self.config.host_capacity:
             self._host.popitem(last=False)
+
+
+def build_lora_manager(
+    config: LoRAConfig | None,
+    model: nn.Module,
+    arch: LlamaArchConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> LoRAManager | None:
+    """The adapters' slot pool over `model`'s wrapped projections, --lora-modules read and
+    checked; None without --enable-lora."""
+    if config is None:
+        return None
+    slots = LoRASlots(
+        arch=arch, max_loras=config.max_loras, max_rank=config.max_lora_rank, dtype=dtype,
+        device=device,
+    )  # fmt: skip
+    kernel = None
+    if device.type == "cuda":  # the grouped products in one Triton launch per projection
+        from blockserve.kernels.triton_lora import add_lora
+
+        kernel = add_lora
+    step = wrap_projections(model, arch, slots, kernel)
+    manager = LoRAManager(config=config, arch=arch, dtype=dtype, slots=slots, step=step)
+    for name, path in config.modules:
+        manager.register(name, path)
+    return manager

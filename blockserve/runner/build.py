@@ -18,8 +18,7 @@ from blockserve.config import CacheConfig, LoRAConfig, ModelConfig, default_cach
 from blockserve.errors import ModelNotFoundError
 from blockserve.grammar import GrammarCompiler
 from blockserve.kernels import CpuKernels, fits_model
-from blockserve.lora.layers import LoRASlots, wrap_projections
-from blockserve.lora.manager import LoRAManager
+from blockserve.lora.manager import build_lora_manager
 from blockserve.model.arch import LlamaArchConfig
 from blockserve.model.compile import compile_forward
 from blockserve.model.hub import TOKENIZER_FILES, is_hub_id, snapshot
@@ -108,7 +107,7 @@ def build_runner(
             sampler=_seeded_sampler(model_config.seed, device, kernels),
             kernels=kernels,
             grammar=_grammar_compiler(model_config, loaded, arch),
-            lora=_lora_manager(lora_config, loaded, arch, dtype, device),
+            lora=build_lora_manager(lora_config, loaded.model, arch, dtype, device),
         )
     )
     if num_blocks is None:
@@ -118,32 +117,6 @@ def build_runner(
             *compile_forward(runner.model, backend, default_cache_dir(), runner.warm_up)
         )
     return runner
-
-
-def _lora_manager(
-    config: LoRAConfig | None,
-    loaded: LoadedModel,
-    arch: LlamaArchConfig,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> LoRAManager | None:
-    """The adapters' slot pool over the wrapped projections, --lora-modules read and checked."""
-    if config is None:
-        return None
-    slots = LoRASlots(
-        arch=arch, max_loras=config.max_loras, max_rank=config.max_lora_rank, dtype=dtype,
-        device=device,
-    )  # fmt: skip
-    kernel = None
-    if device.type == "cuda":  # the grouped products in one Triton launch per projection
-        from blockserve.kernels.triton_lora import add_lora
-
-        kernel = add_lora
-    step = wrap_projections(loaded.model, arch, slots, kernel)
-    manager = LoRAManager(config=config, arch=arch, dtype=dtype, slots=slots, step=step)
-    for name, path in config.modules:
-        manager.register(name, path)
-    return manager
 
 
 def _seeded_sampler(seed: int, device: torch.device, kernels: CpuKernels) -> Sampler:

@@ -22,9 +22,9 @@ from blockserve.engine.client import EngineClient, ModelInfo
 from blockserve.errors import InvalidRequestError
 from blockserve.server.auth import RequireApiKey
 from blockserve.server.completions import create_completion
+from blockserve.server.context import ServingContext
 from blockserve.server.drain import Drain, RefuseWhileDraining
 from blockserve.server.errors import install_error_handlers, openapi_schema
-from blockserve.server.http_run import ServingContext
 from blockserve.server.limits import BodySizeLimit
 from blockserve.server.lora_routes import add_lora_routes
 from blockserve.server.metrics import ServerMetrics, log_stats_periodically

@@ -14,7 +14,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from blockserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from blockserve.errors import InvalidRequestError
-from blockserve.server.http_run import HttpRun, ServingContext, final_outputs, stream_response
+from blockserve.server.context import ServingContext
+from blockserve.server.http_run import HttpRun, final_outputs, stream_response
 from blockserve.server.protocol import CompletionRequest
 from blockserve.server.responses import (
     TokenText,

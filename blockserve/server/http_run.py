@@ -6,29 +6,25 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from blockserve.engine.client import EngineClient
 from blockserve.engine.outputs import CompletionOutput, RequestOutput
 from blockserve.engine.request import Prompt, RequestSpec
 from blockserve.errors import (
     ClientDisconnectedError,
     EngineDeadError,
-    ModelNotFoundError,
     RequestFailedError,
     ServerShuttingDownError,
 )
 from blockserve.sampling_params import SamplingParams
-from blockserve.server.auth import salt_for_key
+from blockserve.server.context import ServingContext
 from blockserve.server.drain import Drain
 from blockserve.server.errors import error_body
-from blockserve.server.metrics import RequestTimer, ServerMetrics
-from blockserve.server.request_limits import RequestLimits
+from blockserve.server.metrics import RequestTimer
 from blockserve.server.responses import ChoiceTracker, sse, usage
 
 DISCONNECT_POLL_S = 0.1
@@ -39,48 +35,6 @@ def shutting_down() -> ServerShuttingDownError:
     return ServerShuttingDownError(
         "the server is shutting down, and this request did not finish before its drain deadline"
     )
-
-
-@dataclass(frozen=True)
-class ServingContext:
-    engine: EngineClient
-    model_name: str  # the first served name: what responses and metrics report
-    tokenizer: Any  # the model's (ModelInfo.tokenizer), for a token's text on the event loop
-    metrics: ServerMetrics
-    salt_per_key: bool = False  # --cache-salt-per-key
-    default_chat_max_tokens: int = 2048  # --default-chat-max-tokens
-    trust_chat_special_tokens: bool = False  # --trust-chat-special-tokens
-    response_role: str = "assistant"  # --response-role
-    drain: Drain = field(default_factory=lambda: Drain(0.0))
-    served_names: tuple[str, ...] = ()  # every name a request may use
-    # --tool-call-parser when --enable-auto-tool-choice is on: tool_choice "auto" reads calls
-    # out of the model's text in this format (None: "auto" is refused).
-    tool_call_parser: str | None = None
-    # The model's generation-config defaults (--generation-config): field -> value.
-    default_sampling: Mapping[str, float | int] = field(default_factory=dict)
-    limits: RequestLimits = field(default_factory=RequestLimits)  # what one request may ask
-    # The adapters served (name -> path): --lora-modules', and those loaded at runtime.
-    lora_adapters: dict[str, str] = field(default_factory=dict)
-
-    def check_limits(self, params: SamplingParams, num_prompts: int) -> None:
-        """InvalidRequestError if the request asks for more than `limits` allow."""
-        self.limits.check(params, num_prompts, self.engine.model_info().max_model_len)
-
-    def cache_salt(self, request: Request, client_salt: str | None) -> str | None:
-        """The salt a request runs under: the client's, or with per-key salts one derived
-        from the API key the request showed."""
-        if not self.salt_per_key:
-            return client_salt
-        return salt_for_key(request.state.api_key, client_salt)
-
-    def check_model(self, model: str | None) -> str | None:
-        """The LoRA adapter `model` names, or None for the base model; ModelNotFoundError
-        (a 404) for a name nothing is served under."""
-        if model is not None and model in self.lora_adapters:
-            return model
-        if model is not None and model != self.model_name and model not in self.served_names:
-            raise ModelNotFoundError(f"The model `{model}` does not exist.")
-        return None
 
 
 class HttpRun:

@@ -7,7 +7,7 @@ from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
 
 from blockserve.server.body import Body
-from blockserve.server.http_run import ServingContext
+from blockserve.server.context import ServingContext
 
 
 class LoadLoRAAdapterRequest(Body):

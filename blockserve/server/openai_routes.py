@@ -13,7 +13,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from blockserve.engine.outputs import CompletionOutput, RequestOutput
-from blockserve.server.http_run import HttpRun, ServingContext, final_outputs, stream_response
+from blockserve.server.context import ServingContext
+from blockserve.server.http_run import HttpRun, final_outputs, stream_response
 from blockserve.server.protocol import ChatCompletionRequest
 from blockserve.server.responses import TokenText, chat_logprobs, prompt_logprobs_json, usage
 from blockserve.server.tools import (

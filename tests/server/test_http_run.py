@@ -13,7 +13,8 @@ from blockserve.engine.outputs import CompletionOutput, EngineStats, RequestMetr
 from blockserve.engine.request import RequestSpec
 from blockserve.errors import ClientDisconnectedError, InvalidRequestError, RequestFailedError
 from blockserve.sampling_params import SamplingParams
-from blockserve.server.http_run import HttpRun, ServingContext, final_outputs, stream_response
+from blockserve.server.context import ServingContext
+from blockserve.server.http_run import HttpRun, final_outputs, stream_response
 from blockserve.server.metrics import ServerMetrics
 
 
