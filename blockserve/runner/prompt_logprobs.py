@@ -24,6 +24,8 @@ def gather_prompt_logprobs(
     """Add this step's prompt positions to each asking request's list; return the lists of
     the requests whose prompt ends in this step (position 0 predicts the second token)."""
     done: dict[RequestId, tuple[TokenLogprobs, ...]] = {}
+    if not states.asking_prompt_logprobs:  # the common step: nothing to gather
+        return done
     offset = 0
     for scheduled in scheduler_output.scheduled:
         first_row, offset = offset, offset + len(scheduled.token_ids)

@@ -46,6 +46,8 @@ class RequestStates:
         self.device = device
         self.grammar = grammar
         self.states: dict[RequestId, RequestState] = {}
+        # The requests that asked for prompt_logprobs: a step without one looks at no row.
+        self.asking_prompt_logprobs: set[RequestId] = set()
 
     def __getitem__(self, request_id: RequestId) -> RequestState:
         return self.states[request_id]
@@ -56,6 +58,7 @@ class RequestStates:
     def update(self, scheduler_output: SchedulerOutput) -> None:
         for request_id in scheduler_output.finished_request_ids:
             self.states.pop(request_id, None)
+            self.asking_prompt_logprobs.discard(request_id)
         for scheduled in scheduler_output.scheduled:
             new = scheduled.new_request
             if new is None:
@@ -78,6 +81,8 @@ class RequestStates:
                 except Exception as exc:  # fails this sample when it samples, no other
                     state.grammar_error = f"{type(exc).__name__}: {exc}"
             self.states[scheduled.request_id] = state
+            if new.sampling_params.prompt_logprobs is not None:
+                self.asking_prompt_logprobs.add(scheduled.request_id)
 
     def fill_placeholders(self, scheduler_output: SchedulerOutput) -> SchedulerOutput:
         """Async scheduling sends a token the previous step sampled as PLACEHOLDER_TOKEN; that

@@ -161,7 +161,9 @@ class Scheduler:
         """Admit waiting requests in queue order (fair share aside: `held` counts each group's
         slots) while they fit; returns the admitted ids."""
         new_request_ids: set[RequestId] = set()
-        adapters = {r.lora_name for r in self.running if r.lora_name is not None}
+        adapters: set[str] = set()
+        if self.config.max_loras:  # LoRA on: the adapters the running requests hold slots for
+            adapters = {r.lora_name for r in self.running if r.lora_name is not None}
         while (
             self.waiting
             and budget > 0
