@@ -3,7 +3,7 @@ over 8 adapters (rank 16, all seven projections, random weights written in PEFT'
 the same batch on the base model; the median full-batch decode step of each, and the ratio.
 
     .venv/bin/python benchmarks/bench_lora.py [--dtype auto|float32] [--adapters 8]
-        [--batch 64] [--rank 16] [--profile] [--out FILE]
+        [--batch 64] [--rank 16] [--torch-products] [--profile] [--out FILE]
 
 `--profile` also prints torch.profiler's table of one full-batch step under the adapters.
 """
@@ -87,11 +87,16 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--torch-products", action="store_true",
+                        help="LoRA's products as torch's bmm, not our CPU kernel")  # fmt: skip
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     llm = LLM(dtype=args.dtype, enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank,
               max_num_seqs=args.batch)  # fmt: skip
     arch = llm.engine.core.runner.arch
+    kernels = llm.engine.core.runner.kernels
+    kernels.loader.wait()  # a host's first build runs while it starts
+    kernels.switches.lora = not args.torch_products
     with tempfile.TemporaryDirectory() as root:
         loras = [
             LoRARequest(
@@ -114,6 +119,7 @@ def main() -> None:
             "batch": args.batch,
             "adapters": args.adapters,
             "rank": args.rank,
+            "lora_products": "torch bmm" if args.torch_products else "ours (csrc/cpu/lora.h)",
             "base_step_ms": round(base_ms, 2),
             "lora_step_ms": round(lora, 2),
             "ratio": round(lora / base_ms, 3),

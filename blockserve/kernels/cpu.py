@@ -39,6 +39,7 @@ class KernelSwitches:
     layer: bool = True  # RMSNorm, rotary, SiLU, argmax, the K/V write
     products: bool = True  # few-row products (bf16 on AMX tiles, float32 on vectors)
     tiles: bool = True  # AMX tiles where the CPU has them
+    lora: bool = True  # LoRA's grouped products (else torch's bmm)
     vector_max_rows: int = VECTOR_MAX_ROWS
 
 
@@ -152,6 +153,14 @@ class CpuKernels:
         ):
             return None
         return self.loader.ops(torch.bfloat16).tile_linear
+
+    def lora_add(self, x: torch.Tensor) -> Callable[..., None] | None:
+        """LoRA's grouped shrink and expand of one projection, added to its output in place
+        (csrc/cpu/lora.h), for CPU rows like `x` of unit stride."""
+        if not self.switches.lora or x.device.type != "cpu" or x.stride(-1) != 1:
+            return None
+        ops = self.loader.ops(x.dtype)
+        return None if ops is None else ops.lora_add_
 
     def vector_linear(self, x: torch.Tensor, isa: str | None) -> Callable[..., torch.Tensor] | None:
         """The float32 product of at most `vector_max_rows` rows over a weight packed by the

@@ -1,7 +1,7 @@
-"""Many adapters in one step: a pool of `max_loras` slots holding stacked A [in, R] and B [R,
-out] per projection (zero past an adapter's rank), the step's tokens grouped by slot, and each
-group's `x @ A[slot] @ B[slot]` added to the base projection's output slice (Punica's segmented
-gather-matmul, as batched torch ops; base-model tokens take no product)."""
+"""Many adapters in one step: a pool of `max_loras` slots of stacked A and B per projection,
+the step's tokens grouped by slot, each group's `x @ A[slot] @ B[slot]` added to the base
+projection's output rows (Punica's segmented gather-matmul: our CPU kernel, a Triton kernel on
+CUDA, else batched torch ops; base-model tokens take no product)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from blockserve.kernels import CpuKernels
 from blockserve.lora.adapter import LoRAAdapter, module_shapes
 from blockserve.model.arch import LlamaArchConfig
 
@@ -39,6 +40,7 @@ class LoRAStep:
     starts: torch.Tensor | None = None  # [G + 1]: where each group's rows begin in `src`
     # On CUDA the fused Triton kernel (kernels/triton_lora.py) in place of the two bmm.
     kernel: Callable[..., torch.Tensor] | None = None
+    cpu: CpuKernels | None = None  # on a CPU ours (csrc/cpu/lora.h), once loaded
 
 
 class LoRASlots:
@@ -75,6 +77,11 @@ class LoRASlots:
                 )
         self.resident: list[str | None] = [None] * max_loras
 
+    def bounds(self, fused: str) -> tuple[int, ...]:
+        """Where each of `fused`'s modules' output columns begin, then its width."""
+        columns = self.columns[fused]
+        return (*(first for _, first, _ in columns), columns[-1][1] + columns[-1][2])
+
     def install(self, adapter: LoRAAdapter, slot: int) -> None:
         """Put `adapter` in `slot`: its modules' A and B, zeros for every other module."""
         for (layer, fused), a_stack in self.a.items():
@@ -96,9 +103,13 @@ class LoRALinear(nn.Module):
     """A fused projection plus, for each token under an adapter, its low-rank update: the
     step's adapter tokens in a [G, width] layout, two batched products, added back."""
 
-    def __init__(self, base: nn.Module, a: torch.Tensor, b: torch.Tensor, step: LoRAStep) -> None:
+    def __init__(
+        self, base: nn.Module, slots: LoRASlots, key: tuple[int, str], step: LoRAStep
+    ) -> None:
         super().__init__()
-        self.base, self.a, self.b, self.step = base, a, b, step
+        self.base, self.step = base, step
+        self.a, self.b = slots.a[key], slots.b[key]
+        self.bounds, self.rank = slots.bounds(key[1]), slots.max_rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
@@ -110,6 +121,10 @@ class LoRALinear(nn.Module):
             return step.kernel(
                 x, out, self.a, self.b, step.src, step.starts, step.slots, step.width
             )
+        if step.cpu is not None and (lora_add := step.cpu.lora_add(x)) is not None:
+            lora_add(x, out, self.a, self.b, step.src, step.starts, step.slots, self.bounds,
+                     self.rank)  # fmt: skip
+            return out
         a = self.a if step.all_slots else self.a.index_select(0, step.slots)
         b = self.b if step.all_slots else self.b.index_select(0, step.slots)
         groups, width = a.shape[0], step.width
@@ -131,15 +146,17 @@ def wrap_projections(
     arch: LlamaArchConfig,
     slots: LoRASlots,
     kernel: Callable[..., torch.Tensor] | None = None,
+    cpu: CpuKernels | None = None,
 ) -> LoRAStep:
     """Wrap every fused projection of `model`'s layers; the step object they all read."""
-    step = LoRAStep(kernel=kernel)
+    step = LoRAStep(kernel=kernel, cpu=cpu)
     layers: Any = model.model.layers  # type: ignore[union-attr]
     for index, layer in enumerate(layers):
         for owner, name in (
             (layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
             (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj"),
         ):  # fmt: skip
-            a, b = slots.a[index, name], slots.b[index, name]
-            setattr(owner, name, LoRALinear(base=getattr(owner, name), a=a, b=b, step=step))
+            wrapped = LoRALinear(base=getattr(owner, name), slots=slots, key=(index, name),
+                                 step=step)  # fmt: skip
+            setattr(owner, name, wrapped)
     return step

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from blockserve.config import LoRAConfig
+from blockserve.kernels import CpuKernels
 from blockserve.lora.adapter import LoRAAdapter, LoRAError, load_adapter
 from blockserve.lora.layers import LoRASlots, LoRAStep, wrap_projections
 from blockserve.model.arch import LlamaArchConfig
@@ -124,9 +125,10 @@ def build_lora_manager(
     arch: LlamaArchConfig,
     dtype: torch.dtype,
     device: torch.device,
+    kernels: CpuKernels | None = None,
 ) -> LoRAManager | None:
     """The adapters' slot pool over `model`'s wrapped projections, --lora-modules read and
-    checked; None without --enable-lora."""
+    checked; None without --enable-lora. `kernels`: our CPU kernels (a CPU runner's)."""
     if config is None:
         return None
     slots = LoRASlots(
@@ -138,7 +140,7 @@ def build_lora_manager(
         from blockserve.kernels.triton_lora import add_lora
 
         kernel = add_lora
-    step = wrap_projections(model, arch, slots, kernel)
+    step = wrap_projections(model, arch, slots, kernel, kernels)
     manager = LoRAManager(config=config, arch=arch, dtype=dtype, slots=slots, step=step)
     for name, path in config.modules:
         manager.register(name, path)

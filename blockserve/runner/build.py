@@ -107,7 +107,7 @@ def build_runner(
             sampler=_seeded_sampler(model_config.seed, device, kernels),
             kernels=kernels,
             grammar=_grammar_compiler(model_config, loaded, arch),
-            lora=build_lora_manager(lora_config, loaded.model, arch, dtype, device),
+            lora=build_lora_manager(lora_config, loaded.model, arch, dtype, device, kernels),
         )
     )
     if num_blocks is None:

@@ -16,21 +16,10 @@ from transformers import AutoModelForCausalLM
 from blockserve import LLM, LoRARequest, SamplingParams
 from blockserve.errors import InvalidRequestError
 from blockserve.lora.adapter import LoRAError
-from tests.lora.adapters import peft_reference, save_adapter
+from tests.lora.adapters import peft_reference
 
 PROMPTS = [list(range(10, 40)), [(3 * i + 7) % 300 + 1 for i in range(45)]]
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
-
-
-@pytest.fixture(scope="module")
-def adapters(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("adapters")
-    return {
-        "every": save_adapter(tiny_llama_dir, root / "every", seed=1),
-        "qv": save_adapter(
-            tiny_llama_dir, root / "qv", seed=2, rank=8, modules=["q_proj", "v_proj"], rslora=True
-        ),
-    }
 
 
 def reference(base: Path, adapter: Path | None, prompt: list[int]) -> tuple[list[int], list[float]]:
