@@ -4,8 +4,12 @@ the same batch on the base model; the median full-batch decode step of each, and
 
     .venv/bin/python benchmarks/bench_lora.py [--dtype auto|float32] [--adapters 8]
         [--batch 64] [--rank 16] [--torch-products] [--profile] [--out FILE]
+    .venv/bin/python benchmarks/bench_lora.py --first-load [--batch 16] [--rounds 6]
 
 `--profile` also prints torch.profiler's table of one full-batch step under the adapters.
+`--first-load`: a batch of base-model requests decoding when, round after round, a request
+arrives for an adapter that has left host memory: its TTFT and read time, and the batch's step
+time (its TPOT) before and while the adapter is read.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import json
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +31,8 @@ from bench_gpu_engine import StepRecorder
 from report import emit
 
 from blockserve import LLM, LoRARequest, SamplingParams
+from blockserve.engine.llm_engine import LLMEngine
+from blockserve.engine.request import RequestSpec
 from blockserve.lora.adapter import MODULES, module_shapes
 from blockserve.model.arch import LlamaArchConfig
 
@@ -80,6 +87,66 @@ def profile_step(llm: LLM, batch: int, loras: list[LoRARequest]) -> str:
     return tables[0]
 
 
+def timed_steps(engine: LLMEngine, until: Any, bound: int) -> tuple[list[float], list[Any]]:
+    """Step until `until(outputs)` holds (at most `bound` steps): each step's seconds, and
+    the outputs of the last."""
+    seconds, outputs = [], []
+    for _ in range(bound):
+        start = time.perf_counter()
+        outputs = engine.step()
+        seconds.append(time.perf_counter() - start)
+        if until(outputs):
+            break
+    return seconds, outputs
+
+
+def first_load(dtype: str, batch: int, rank: int, rounds: int, root: Path) -> dict[str, Any]:
+    """`batch` base-model requests decoding; in each round one request (4 tokens) for the
+    adapter that has left host memory (one slot, host room for one adapter, two adapters
+    taking turns): the batch's steps before it and while it is read, its read and TTFT."""
+    arch = LLM(dtype=dtype).engine.core.runner.arch  # the shapes, from a plain engine
+    names = ("a", "b")
+    modules = tuple(
+        f"{n}={write_adapter(root / n, arch, rank, seed)}" for seed, n in enumerate(names)
+    )
+    llm = LLM(dtype=dtype, enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=rank,
+              max_num_seqs=batch + 1, lora_modules=modules)  # fmt: skip
+    llm.engine.core.runner.kernels.loader.wait()
+    engine, host = llm.engine, llm.engine.lora_manager().host
+    params = SamplingParams(temperature=0, max_tokens=100 * rounds, ignore_eos=True)
+    prompts = [[(7 * i + j) % 1000 + 5 for j in range(32)] for i in range(batch + 1)]
+    for i in range(batch):
+        engine.add_request(RequestSpec(f"b{i}", prompts[i], params))
+    timed_steps(engine, lambda outputs: False, 12)  # prefills, then decodes
+    before, reading, admitting, reads = [], [], [], []
+    for turn in range(rounds):
+        before += timed_steps(engine, lambda outputs: False, 10)[0]
+        name, loads = names[turn % 2], host.loads  # `a` left host memory when `b` came in
+        added = time.perf_counter()
+        engine.add_request(RequestSpec(f"cold{turn}", prompts[batch], SamplingParams(
+            temperature=0, max_tokens=4, ignore_eos=True), lora_name=name))  # fmt: skip
+        steps, _ = timed_steps(engine, lambda outputs, loads=loads: host.loads > loads, 200)
+        reading += steps[:-1]  # the last step admitted it: its slot and its prefill
+        admitting.append(steps[-1])
+        reads.append({"steps": len(steps) - 1, "ttft_s": round(time.perf_counter() - added, 3)})
+        timed_steps(engine, lambda outputs, cold=f"cold{turn}": any(
+            o.request_id == cold and o.finished for o in outputs), 20)  # fmt: skip
+    base, during = statistics.mean(before), statistics.mean(reading)
+    return {
+        "batch": batch,
+        "rank": rank,
+        "rounds": reads,
+        "read_s_mean": round(host.load_seconds / max(host.loads, 1), 3),
+        "step_ms_before": round(1000 * base, 2),
+        "step_ms_while_reading": round(1000 * during, 2),
+        "tpot_ratio_while_reading": round(during / base, 3),
+        "median_ratio_while_reading": round(
+            statistics.median(reading) / statistics.median(before), 3
+        ),
+        "admitting_step_ms": [round(1000 * s, 1) for s in admitting],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--dtype", default="auto")
@@ -87,10 +154,17 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--first-load", action="store_true")
+    parser.add_argument("--rounds", type=int, default=6, help="of --first-load")
     parser.add_argument("--torch-products", action="store_true",
                         help="LoRA's products as torch's bmm, not our CPU kernel")  # fmt: skip
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if args.first_load:
+        with tempfile.TemporaryDirectory() as root:
+            result = first_load(args.dtype, args.batch, args.rank, args.rounds, Path(root))
+        emit({"benchmark": "lora_first_load", "dtype": args.dtype, **result}, args.out)
+        return
     llm = LLM(dtype=args.dtype, enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank,
               max_num_seqs=args.batch)  # fmt: skip
     arch = llm.engine.core.runner.arch

@@ -19,7 +19,12 @@ from blockserve.core.hashing import BlockHasher, BlockKeyInputs, RequestBlockHas
 from blockserve.core.kv_cache_manager import KVCacheManager
 from blockserve.core.miss_ratio import MissRatioCurve
 from blockserve.cpu_threads import ThreadGovernor, plan_threads
-from blockserve.engine.core_step import ScheduledStep, finish_step, run_step
+from blockserve.engine.core_step import (
+    ScheduledStep,
+    advance_adapter_reads,
+    finish_step,
+    run_step,
+)
 from blockserve.engine.outputs import (
     CoreStats,
     EngineCoreOutputs,
@@ -112,6 +117,7 @@ class EngineCore:
             kv_cache_manager=self.kv_cache_manager,
             eos_token_ids=self.runner.eos_token_ids,
             tiers=self.kv_tiers,
+            adapter_ready=self.runner.lora.ready if self.runner.lora is not None else None,
         )
         self.threads = _thread_governor(config.model.cpu_threads, self.runner.device)
         self.info = CoreInfo(
@@ -169,12 +175,15 @@ class EngineCore:
 
     def step(self) -> EngineCoreOutputs:
         """Schedule, run the model, apply its tokens and publish the step's KV events."""
+        unreadable = advance_adapter_reads(self.runner, self.scheduler)
         scheduled = self._schedule()
         if self.threads is not None:
             self.threads.before_step()
-        if not self.scheduler_config.async_scheduling:
-            return self._apply(scheduled, run_step(self.runner.execute, scheduled))
-        return self._step_ahead(scheduled)
+        if self.scheduler_config.async_scheduling:
+            outputs = self._step_ahead(scheduled)
+        else:
+            outputs = self._apply(scheduled, run_step(self.runner.execute, scheduled))
+        return dataclasses.replace(outputs, errors={**outputs.errors, **unreadable})
 
     def _step_ahead(self, scheduled: ScheduledStep) -> EngineCoreOutputs:
         """Async scheduling: launch this step, then finish and apply the one before it (the
@@ -195,6 +204,8 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty and self.kv_tiers is not None and self.scheduler.num_loading:
             self.kv_tiers.wait_for_loads(_LOAD_WAIT_S)  # nothing to run until a load is in
+        elif scheduler_output.is_empty and self.runner.lora is not None:
+            self.runner.lora.host.wait(_LOAD_WAIT_S)  # an adapter's read, if one is under way
         return ScheduledStep.of(scheduler_output, self.scheduler.requests)
 
     def _apply(

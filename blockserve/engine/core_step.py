@@ -14,7 +14,8 @@ from blockserve.engine.outputs import Started
 from blockserve.runner.launched import LaunchedStep
 from blockserve.runner.model_runner import ModelRunner
 from blockserve.sched.output import ModelRunnerOutput, SchedulerOutput
-from blockserve.sched.request import Request
+from blockserve.sched.request import Request, RequestStatus
+from blockserve.sched.scheduler import Scheduler
 
 logger = logging.getLogger("blockserve.engine.core")
 Ran = TypeVar("Ran")
@@ -67,3 +68,17 @@ def finish_step(
     except Exception as exc:
         logger.exception("model step failed when its tokens were read back")
         return exc
+
+
+def advance_adapter_reads(runner: ModelRunner, scheduler: Scheduler) -> dict[RequestId, str]:
+    """Between steps, LoRA adapters being read back into host memory advance; the waiting
+    requests of one whose read failed (its files changed since) end, with the reason."""
+    failed = runner.lora.between_steps() if runner.lora is not None else {}
+    if not failed:
+        return {}
+    ids = [r.request_id for r in scheduler.waiting if r.lora_name in failed]
+    ended = scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+    return {
+        r.request_id: f"the LoRA adapter '{r.lora_name}' could not be read: {failed[r.lora_name]}"  # type: ignore[index]
+        for r in ended
+    }

@@ -124,10 +124,13 @@ class LLMEngine:
         def names(requests: Iterable[Any]) -> tuple[str, ...]:
             return tuple(sorted({r.lora_name for r in requests if r.lora_name is not None}))
 
+        host = self.core.runner.lora.host
         return LoRAStats(
             max_loras=self.core.runner.lora.config.max_loras,
             running=names(scheduler.running),
             waiting=names(scheduler.waiting),
+            loads=host.loads,
+            load_seconds=host.load_seconds,
         )
 
     def kv_cache_report(self) -> KVCacheReport:

@@ -122,6 +122,8 @@ class LoRAStats:
     max_loras: int
     running: tuple[str, ...]
     waiting: tuple[str, ...]
+    loads: int = 0  # adapters read again after leaving host memory (--max-cpu-loras)
+    load_seconds: float = 0.0  # what those reads took
 
 
 @dataclass(frozen=True, slots=True)

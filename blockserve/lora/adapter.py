@@ -7,12 +7,13 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 from blockserve.errors import InvalidConfigError
 from blockserve.model.arch import LlamaArchConfig
@@ -26,6 +27,7 @@ UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "modules_to_save": (None, []),
     "fan_in_fan_out": (False, None),
 }
+WEIGHTS = "adapter_model.safetensors"
 _KEY = re.compile(r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
 
 
@@ -67,16 +69,47 @@ def load_adapter(
     name: str, path: str, arch: LlamaArchConfig, max_rank: int, dtype: torch.dtype
 ) -> LoRAAdapter:
     """The adapter at `path`, checked: LoRAError (naming `name`) when it cannot be served."""
+    for adapter in read_in_parts(name, path, arch, max_rank, dtype):
+        if adapter is not None:
+            return adapter
+    raise AssertionError("read_in_parts ends with the adapter")
+
+
+def read_in_parts(
+    name: str, path: str, arch: LlamaArchConfig, max_rank: int, dtype: torch.dtype
+) -> Iterator[LoRAAdapter | None]:
+    """`load_adapter` a module at a time: every check first (LoRAError), then None after each
+    module's weights are read and converted, then the adapter (a caller spreads the parts
+    over steps)."""
     directory = Path(path).expanduser()
 
     def fail(reason: str) -> LoRAError:
         return LoRAError(f"LoRA adapter {name!r} ({path}): {reason}")
 
+    rank, scaling = _read_config(directory, max_rank, fail)
+    try:
+        opened = safe_open(str(directory / WEIGHTS), "pt")
+    except Exception as exc:  # safetensors' own error for a damaged header
+        raise fail(f"cannot read {WEIGHTS}: {exc}") from None
+    with opened as tensors:
+        pairs = _pair_keys(tensors, arch, fail)
+        weights = {}
+        for (layer, module), (a_key, b_key) in pairs.items():
+            a, b = tensors.get_tensor(a_key), tensors.get_tensor(b_key)
+            up = (b.float() * scaling).t().to(dtype).contiguous()
+            weights[(layer, module)] = (a.t().to(dtype).contiguous(), up)
+            yield None
+    yield LoRAAdapter(name=name, path=str(directory), rank=rank, weights=weights)
+
+
+def _read_config(
+    directory: Path, max_rank: int, fail: Callable[[str], LoRAError]
+) -> tuple[int, float]:
+    """The adapter's rank and scaling, its files and options checked."""
     config_path = directory / "adapter_config.json"
-    weights_path = directory / "adapter_model.safetensors"
     if not directory.is_dir():
         raise fail("no such directory")
-    if not config_path.is_file() or not weights_path.is_file():
+    if not config_path.is_file() or not (directory / WEIGHTS).is_file():
         raise fail("expected adapter_config.json and adapter_model.safetensors (PEFT's format)")
     config = json.loads(config_path.read_text())
     rank, alpha = int(config.get("r", 0)), float(config.get("lora_alpha", config.get("r", 0)))
@@ -85,45 +118,38 @@ def load_adapter(
     for key, allowed in UNSUPPORTED.items():
         if config.get(key) not in allowed:
             raise fail(f"{key}={config.get(key)!r} is not supported")
-    scaling = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
-    tensors = load_file(str(weights_path))
-    return LoRAAdapter(
-        name=name, path=str(directory), rank=rank,
-        weights=_pair_weights(tensors, arch, scaling, dtype, fail),
-    )  # fmt: skip
+    return rank, alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
 
 
-def _pair_weights(
-    tensors: dict[str, torch.Tensor],
-    arch: LlamaArchConfig,
-    scaling: float,
-    dtype: torch.dtype,
-    fail: Callable[[str], LoRAError],
-) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+def _pair_keys(
+    tensors: Any, arch: LlamaArchConfig, fail: Callable[[str], LoRAError]
+) -> dict[tuple[int, str], tuple[str, str]]:
+    """Each targeted (layer, module)'s A and B tensor names, their shapes checked (read from
+    the file's header: no weight is read)."""
     shapes = module_shapes(arch)
-    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, tensor in tensors.items():
+    halves: dict[tuple[int, str], dict[str, str]] = {}
+    names: list[str] = tensors.keys()  # safe_open's, from the header
+    for key in names:
         match = _KEY.fullmatch(key)
         if match is None:
             raise fail(f"a tensor this engine cannot place: {key}")
         layer, module, half = int(match[1]), match[2], match[3]
         if module not in shapes or layer >= arch.num_layers:
             raise fail(f"targets {module} of layer {layer}, which the model lacks")
-        halves.setdefault((layer, module), {})[half] = tensor
-    weights = {}
+        halves.setdefault((layer, module), {})[half] = key
+    pairs = {}
     for (layer, module), pair in halves.items():
         fan_in, fan_out = shapes[module]
-        a, b = pair.get("A"), pair.get("B")
-        if a is None or b is None:
-            raise fail(f"{module} of layer {layer} lacks its lora_{'B' if b is None else 'A'}")
-        if a.shape[1] != fan_in or b.shape[0] != fan_out or a.shape[0] != b.shape[1]:
+        if "A" not in pair or "B" not in pair:
+            raise fail(f"{module} of layer {layer} lacks its lora_{'B' if 'A' in pair else 'A'}")
+        a = tensors.get_slice(pair["A"]).get_shape()
+        b = tensors.get_slice(pair["B"]).get_shape()
+        if len(a) != 2 or len(b) != 2 or a[1] != fan_in or b[0] != fan_out or a[0] != b[1]:
             raise fail(
-                f"{module} of layer {layer} has A {list(a.shape)} and B {list(b.shape)}; the "
+                f"{module} of layer {layer} has A {list(a)} and B {list(b)}; the "
                 f"model needs A [r, {fan_in}] and B [{fan_out}, r]"
             )
-        down = a.t().to(dtype).contiguous()
-        up = (b.float() * scaling).t().to(dtype).contiguous()
-        weights[(layer, module)] = (down, up)
-    if not weights:
+        pairs[(layer, module)] = (pair["A"], pair["B"])
+    if not pairs:
         raise fail("holds no LoRA weights")
-    return weights
+    return pairs

@@ -1,18 +1,18 @@
-"""The runner's adapters: the registered names and paths, the loaded adapters kept in host
-memory (least recently used out past `max_cpu_loras`, read again from their path when next
-needed), and before each step the slots its adapters take and its tokens' groups."""
+"""The runner's adapters: the registered names and paths, those in host memory (host_set.py:
+least recently used out past `max_cpu_loras`, read back between steps when next asked for), and
+before each step the slots its adapters take and its tokens' groups."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
 
 from blockserve.config import LoRAConfig
 from blockserve.kernels import CpuKernels
-from blockserve.lora.adapter import LoRAAdapter, LoRAError, load_adapter
+from blockserve.lora.adapter import LoRAAdapter, LoRAError, load_adapter, read_in_parts
+from blockserve.lora.host_set import HostAdapters
 from blockserve.lora.layers import LoRASlots, LoRAStep, wrap_projections
 from blockserve.model.arch import LlamaArchConfig
 from blockserve.sched.output import ScheduledRequest
@@ -30,7 +30,7 @@ class LoRAManager:
         self.config, self.arch, self.dtype = config, arch, dtype
         self.slots, self.step = slots, step
         self.paths: dict[str, str] = {}
-        self._host: OrderedDict[str, LoRAAdapter] = OrderedDict()
+        self.host = HostAdapters(config.host_capacity, self._parts)
         self._slot_used: list[int] = [0] * config.max_loras  # the step that last used each
         self._steps = 0
 
@@ -42,19 +42,35 @@ class LoRAManager:
         """The adapter at `path`, checked against this model (any thread may read one)."""
         return load_adapter(name, path, self.arch, self.config.max_lora_rank, self.dtype)
 
+    def _parts(self, name: str, path: str) -> Iterator[LoRAAdapter | None]:
+        return read_in_parts(name, path, self.arch, self.config.max_lora_rank, self.dtype)
+
     def add(self, adapter: LoRAAdapter) -> None:
         """Serve an adapter already read (between steps: it may replace one in a slot)."""
         name = adapter.name
         self.paths[name] = adapter.path
-        self._keep(adapter)
+        self.host.drop(name)  # an older version's read, if one is under way
+        self.host.keep(adapter)
         if name in self.slots.resident:  # a new version under a known name
             self.slots.install(adapter, self.slots.resident.index(name))
 
     def unregister(self, name: str) -> None:
         self.paths.pop(name)
-        self._host.pop(name, None)
+        self.host.drop(name)
         if name in self.slots.resident:
             self.slots.resident[self.slots.resident.index(name)] = None
+
+    def ready(self, name: str) -> bool:
+        """Whether a step can take `name` now: in a slot or in host memory. If neither, its
+        read starts on the reading thread (the scheduler leaves its requests waiting)."""
+        return name in self.slots.resident or self.host.request(name, self.paths[name])
+
+    def between_steps(self) -> dict[str, str]:
+        """Advance the reads under way; the adapters whose read failed since last asked, each
+        with the reason (their requests fail; the next request for one reads it again)."""
+        self.host.advance()
+        failed, self.host.failed = self.host.failed, {}
+        return failed
 
     def begin_step(
         self, scheduled: Sequence[ScheduledRequest], lora_of: Callable[[str], str | None]
@@ -105,18 +121,10 @@ class LoRAManager:
         return slot
 
     def _adapter(self, name: str) -> LoRAAdapter:
-        adapter = self._host.get(name)
-        if adapter is None:  # left host memory: read again
-            path = self.paths[name]
-            adapter = load_adapter(name, path, self.arch, self.config.max_lora_rank, self.dtype)
-        self._keep(adapter)
+        adapter = self.host.get(name)
+        if adapter is None:  # left host memory after the scheduler found it there
+            adapter = self.host.read_now(name, self.paths[name])
         return adapter
-
-    def _keep(self, adapter: LoRAAdapter) -> None:
-        self._host[adapter.name] = adapter
-        self._host.move_to_end(adapter.name)
-        while len(self._host) > self.config.host_capacity:
-            self._host.popitem(last=False)
 
 
 def build_lora_manager(

@@ -148,9 +148,12 @@ class ModelRunner:
         self.num_blocks = kv_caches[0].shape[1] if kv_caches else 0
 
     def close(self) -> None:
-        """Stop mapping KV cache pages in ahead (the engine is shutting down)."""
+        """Stop mapping KV cache pages in ahead and reading adapters (the engine is shutting
+        down)."""
         if self.kv_pages is not None:
             self.kv_pages.close()
+        if self.lora is not None:
+            self.lora.host.close()
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

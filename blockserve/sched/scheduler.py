@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 
 from blockserve.config import SchedulerConfig
 from blockserve.core.events import KVEventBatch
@@ -42,8 +43,11 @@ class Scheduler:
         kv_cache_manager: KVCacheManager,
         eos_token_ids: tuple[int, ...] = (),
         tiers: TierLoader | None = None,
+        adapter_ready: Callable[[str], bool] | None = None,
     ) -> None:
         self.config = config
+        # With LoRA: whether an adapter can run now (its read, when not, is under way).
+        self._adapter_ready = adapter_ready
         self.kv_cache_manager = kv_cache_manager
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting = create_request_queue(config, kv_cache_manager)
@@ -172,8 +176,9 @@ class Scheduler:
             head = self.waiting.peek()
             request = self.fair_share.next_to_admit(head, self.waiting, held)
             if not self._adapter_fits(request, adapters):
-                # Its adapter needs a slot the running ones hold: the first request behind
-                # it whose adapter fits goes instead (as vLLM skips it); it keeps its place.
+                # Its adapter needs a slot the running ones hold, or is being read in: the
+                # first request behind it whose adapter fits goes instead (as vLLM skips
+                # it); it keeps its place.
                 fits = (r for r in self.waiting if self._adapter_fits(r, adapters))
                 behind: Request | None = next(fits, None)
                 if behind is None:
@@ -216,9 +221,13 @@ class Scheduler:
         return new_request_ids
 
     def _adapter_fits(self, request: Request, adapters: set[str]) -> bool:
-        """Whether the step can hold `request`'s LoRA adapter beside `adapters`."""
+        """Whether the step can hold `request`'s LoRA adapter beside `adapters`, and the
+        adapter is in memory (asked only of one that fits, so only it is read in)."""
         name = request.lora_name
-        return name is None or name in adapters or len(adapters) < self.config.max_loras
+        if name is None:
+            return True
+        fits = name in adapters or len(adapters) < self.config.max_loras
+        return fits and (self._adapter_ready is None or self._adapter_ready(name))
 
     def _take_waiting(self, request: Request, head: Request) -> None:
         if request is head:

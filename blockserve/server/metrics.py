@@ -95,6 +95,14 @@ class EngineCollector(Collector):
             yield from _tier_metrics(stats, labels)
         if stats.lora is not None:
             yield _lora_info(stats.lora)
+            reads = {
+                "lora_loads": ("Adapters read again after leaving host memory.", stats.lora.loads),
+                "lora_load_seconds": ("Seconds those reads took.", stats.lora.load_seconds),
+            }
+            for name, (doc, value) in reads.items():
+                counter = CounterMetricFamily(f"blockserve:{name}", doc, labels=["model_name"])
+                counter.add_metric(labels, value)
+                yield counter
 
 
 # vLLM's engine label: this server is one engine (data-parallel rank 0).

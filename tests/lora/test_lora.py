@@ -189,11 +189,12 @@ def test_a_request_whose_adapter_cannot_fit_lets_others_pass(
     tiny_llama_dir: Path, adapters: dict[str, Path]
 ) -> None:
     """One slot, requests for every, qv, every in that order: the second `every` runs beside
-    the first while `qv` waits (its place kept), then `qv` runs; all finish."""
+    the first while `qv` waits (its place kept), then `qv` runs; all finish. Both stay in
+    host memory (test_lora_reads.py: one that left it)."""
     from blockserve.engine.request import RequestSpec
 
     modules = (f"every={adapters['every']}", f"qv={adapters['qv']}")
-    llm = make_llm(tiny_llama_dir, max_loras=1, lora_modules=modules)
+    llm = make_llm(tiny_llama_dir, max_loras=1, max_cpu_loras=2, lora_modules=modules)
     engine = llm.engine
     for request_id, name in (("1", "every"), ("2", "qv"), ("3", "every")):
         engine.add_request(RequestSpec(request_id, PROMPTS[0], GREEDY, lora_name=name))

@@ -118,7 +118,8 @@ def test_the_routes_are_off_without_the_flag(lora_server: ServerProcess) -> None
 
 
 def test_vllms_lora_info_gauge(lora_server: ServerProcess) -> None:
-    """vllm:lora_requests_info, with vLLM's labels: the bound and the (idle) adapters."""
+    """vllm:lora_requests_info, with vLLM's labels: the bound and the (idle) adapters; the
+    read-back counters at zero (every adapter stayed in host memory)."""
     import time
 
     import httpx
@@ -136,3 +137,10 @@ def test_vllms_lora_info_gauge(lora_server: ServerProcess) -> None:
         "running_lora_adapters": "",
     }
     assert before - 1 <= sample.value <= time.time() + 1
+    reads = {
+        s.name: s.value
+        for f in text_string_to_metric_families(text)
+        if f.name.startswith("blockserve:lora_load")
+        for s in f.samples
+    }
+    assert reads == {"blockserve:lora_loads_total": 0, "blockserve:lora_load_seconds_total": 0}
