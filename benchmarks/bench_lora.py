@@ -1,20 +1,25 @@
 """LoRA's cost in a decode step: the embedded model decoding a batch of 64 requests, spread
 over 8 adapters (rank 16, all seven projections, random weights written in PEFT's format), and
-the same batch on the base model; the median full-batch decode step of each, and the ratio.
+the same batch on the base model, in turn `--repeats` times; the median full-batch decode step
+of each (medians of the runs), and the ratio.
 
     .venv/bin/python benchmarks/bench_lora.py [--dtype auto|float32] [--adapters 8]
         [--batch 64] [--rank 16] [--torch-products] [--profile] [--out FILE]
     .venv/bin/python benchmarks/bench_lora.py --first-load [--batch 16] [--rounds 6]
+    .venv/bin/python benchmarks/bench_lora.py --serving [--adapters 8]
 
 `--profile` also prints torch.profiler's table of one full-batch step under the adapters.
 `--first-load`: a batch of base-model requests decoding when, round after round, a request
 arrives for an adapter that has left host memory: its TTFT and read time, and the batch's step
-time (its TPOT) before and while the adapter is read.
+time (its TPOT) before and while the adapter is read. `--serving`: a multi-turn chat load
+against a real server of the base model alone, then of 8 adapters with the conversations
+spread over them: throughput and the hit rate within each adapter.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import statistics
 import sys
@@ -31,12 +36,18 @@ from bench_gpu_engine import StepRecorder
 from report import emit
 
 from blockserve import LLM, LoRARequest, SamplingParams
+from blockserve.bench.load import run_load, summarize
+from blockserve.bench.serve import add_arguments, server_hit_rate
+from blockserve.bench.server_process import ServerProcess
 from blockserve.engine.llm_engine import LLMEngine
 from blockserve.engine.request import RequestSpec
 from blockserve.lora.adapter import MODULES, module_shapes
 from blockserve.model.arch import LlamaArchConfig
 
 DECODE_TOKENS = 48
+# --serving's load: 32 chat conversations of 4 turns (each resends its history), 16 at a time.
+SERVING_LOAD = ["--dataset", "multi-turn", "--num-prompts", "32", "--turns", "4",
+                "--question-len", "64", "--output-len", "32", "--concurrency", "16"]  # fmt: skip
 
 
 def write_adapter(path: Path, arch: LlamaArchConfig, rank: int, seed: int) -> Path:
@@ -147,6 +158,35 @@ def first_load(dtype: str, batch: int, rank: int, rounds: int, root: Path) -> di
     }
 
 
+def serving(rank: int, adapters: int, root: Path, load_args: list[str]) -> dict[str, Any]:
+    """The same multi-turn chat load against a server of the base model alone, then one
+    serving `adapters` adapters with the conversations spread over them."""
+    arch = LLM().engine.core.runner.arch  # the shapes, from a plain engine
+    modules = [f"a{i}={write_adapter(root / f'a{i}', arch, rank, i)}" for i in range(adapters)]
+    lora_flags = ["--enable-lora", "--max-loras", str(adapters), "--max-lora-rank", str(rank),
+                  "--lora-modules", *modules]  # fmt: skip
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    runs = {}
+    names = [f"a{i}" for i in range(adapters)]
+    for label, flags, spread in (("base model alone", [], []),
+                                 (f"{adapters} adapters", lora_flags, names)):  # fmt: skip
+        args = parser.parse_args([*load_args, *(["--lora-modules", *spread] if spread else [])])
+        server = ServerProcess(flags, root / f"server-{len(runs)}.log")
+        try:
+            results, wall = asyncio.run(run_load(args, server.url))
+            run = summarize(results, wall, server_hit_rate(server.url))
+        finally:
+            server.stop()
+        runs[label] = {k: v for k, v in run.items() if k != "ttft_samples_s"}
+    base, lora = runs.values()
+    return {
+        "load": " ".join(load_args),
+        "runs": runs,
+        "throughput_ratio": round(lora["output_tokens_per_s"] / base["output_tokens_per_s"], 3),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--dtype", default="auto")
@@ -156,6 +196,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--first-load", action="store_true")
     parser.add_argument("--rounds", type=int, default=6, help="of --first-load")
+    parser.add_argument("--serving", action="store_true")
+    parser.add_argument("--repeats", type=int, default=3, help="base and LoRA runs, in turn")
     parser.add_argument("--torch-products", action="store_true",
                         help="LoRA's products as torch's bmm, not our CPU kernel")  # fmt: skip
     parser.add_argument("--out", type=Path, default=None)
@@ -164,6 +206,12 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as root:
             result = first_load(args.dtype, args.batch, args.rank, args.rounds, Path(root))
         emit({"benchmark": "lora_first_load", "dtype": args.dtype, **result}, args.out)
+        return
+    if args.serving:
+        with tempfile.TemporaryDirectory() as root:
+            result = serving(args.rank, args.adapters, Path(root), SERVING_LOAD)
+        emit({"benchmark": "lora_serving", "rank": args.rank, "adapters": args.adapters,
+              **result}, args.out)  # fmt: skip
         return
     llm = LLM(dtype=args.dtype, enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank,
               max_num_seqs=args.batch)  # fmt: skip
@@ -180,12 +228,13 @@ def main() -> None:
         ]
         per_request = [loras[i % args.adapters] for i in range(args.batch)]
         decode_step_ms(llm, args.batch, [None] * args.batch)  # warm: kernels, pages
-        base = decode_step_ms(llm, args.batch, [None] * args.batch)
-        lora = decode_step_ms(llm, args.batch, per_request)  # type: ignore[arg-type]
-        base_again = decode_step_ms(llm, args.batch, [None] * args.batch)
+        base, lora = [], []
+        for _ in range(args.repeats):  # taking turns: a slower spell of the host hits both
+            base.append(decode_step_ms(llm, args.batch, [None] * args.batch))
+            lora.append(decode_step_ms(llm, args.batch, per_request))  # type: ignore[arg-type]
         if args.profile:
             print(profile_step(llm, args.batch, per_request))
-    base_ms = min(base, base_again)
+    base_ms, lora_ms = statistics.median(base), statistics.median(lora)
     emit(
         {
             "benchmark": "lora",
@@ -195,9 +244,10 @@ def main() -> None:
             "rank": args.rank,
             "lora_products": "torch bmm" if args.torch_products else "ours (csrc/cpu/lora.h)",
             "base_step_ms": round(base_ms, 2),
-            "lora_step_ms": round(lora, 2),
-            "ratio": round(lora / base_ms, 3),
-            "base_runs_ms": [round(base, 2), round(base_again, 2)],
+            "lora_step_ms": round(lora_ms, 2),
+            "ratio": round(lora_ms / base_ms, 3),
+            "base_runs_ms": [round(ms, 2) for ms in base],
+            "lora_runs_ms": [round(ms, 2) for ms in lora],
         },
         args.out,
     )

@@ -27,6 +27,7 @@ class RequestResult:
     prompt_tokens: int
     output_tokens: int
     cached_tokens: int
+    model: str | None = None  # the model or adapter named (--lora-modules)
 
 
 @dataclass
@@ -35,25 +36,36 @@ class Conversation:
     history: list[int] = field(default_factory=list)
 
 
-def shared_prefix_prompts(args: argparse.Namespace, rng: random.Random) -> list[list[int]]:
+def shared_prefix_prompts(
+    args: argparse.Namespace, rng: random.Random
+) -> list[tuple[int, list[int]]]:
+    """(group, prompt) pairs, shuffled."""
     prompts = []
-    for _ in range(args.num_groups):
+    for group in range(args.num_groups):
         system = [rng.randrange(VOCAB_LOW, args.max_token_id) for _ in range(args.system_len)]
         for _ in range(args.prompts_per_group):
-            prompts.append(
-                system
-                + [rng.randrange(VOCAB_LOW, args.max_token_id) for _ in range(args.question_len)]
-            )
+            question = [
+                rng.randrange(VOCAB_LOW, args.max_token_id) for _ in range(args.question_len)
+            ]
+            prompts.append((group, system + question))
     rng.shuffle(prompts)
     return prompts
 
 
-def random_prompts(args: argparse.Namespace, rng: random.Random) -> list[list[int]]:
+def random_prompts(args: argparse.Namespace, rng: random.Random) -> list[tuple[int, list[int]]]:
+    """(index, prompt) pairs."""
     length = args.system_len + args.question_len
     return [
-        [rng.randrange(VOCAB_LOW, args.max_token_id) for _ in range(length)]
-        for _ in range(args.num_prompts)
+        (i, [rng.randrange(VOCAB_LOW, args.max_token_id) for _ in range(length)])
+        for i in range(args.num_prompts)
     ]
+
+
+def model_of(args: argparse.Namespace, owner: int) -> dict:
+    """The body field naming `owner`'s adapter (group, conversation or prompt index), in turn
+    over `--lora-modules`; none without them (the server's model)."""
+    names = getattr(args, "lora_modules", None)
+    return {"model": names[owner % len(names)]} if names else {}
 
 
 async def one_request(
@@ -101,6 +113,7 @@ async def one_request(
         prompt_tokens=usage.get("prompt_tokens", len(prompt)),
         output_tokens=usage.get("completion_tokens", 0),
         cached_tokens=usage.get("prompt_tokens_details", {}).get("cached_tokens", 0),
+        model=body.get("model"),
     )
     return result, answer
 
@@ -146,42 +159,47 @@ async def converse(
     ]
     semaphore = asyncio.Semaphore(args.concurrency)
 
-    async def one(conversation: Conversation) -> None:
+    async def one(index: int, conversation: Conversation) -> None:
         for turn in conversation.turns:
             conversation.history += turn
             async with semaphore:
                 result, answer = await one_request(
-                    client, url, conversation.history, args.output_len
+                    client, url, conversation.history, args.output_len, model_of(args, index)
                 )
             results.append(result)
             conversation.history += answer
 
-    await asyncio.gather(*(one(c) for c in conversations))
+    await asyncio.gather(*(one(i, c) for i, c in enumerate(conversations)))
 
 
 async def send(
     client: httpx.AsyncClient,
     url: str,
-    prompts: list[list[int]],
+    prompts: list[tuple[int, list[int]]],
     args: argparse.Namespace,
     rng: random.Random,
     results: list[RequestResult],
 ) -> None:
-    """Every prompt: Poisson arrivals at `--request-rate`, else `--concurrency` clients."""
+    """Every (owner, prompt): Poisson arrivals at `--request-rate`, else `--concurrency`
+    clients."""
     if args.request_rate:
         tasks = []
-        for prompt in prompts:
-            tasks.append(asyncio.create_task(one_request(client, url, prompt, args.output_len)))
+        for owner, prompt in prompts:
+            request = one_request(client, url, prompt, args.output_len, model_of(args, owner))
+            tasks.append(asyncio.create_task(request))
             await asyncio.sleep(rng.expovariate(args.request_rate))
         results.extend(r for r, _ in await asyncio.gather(*tasks))
         return
-    queue: asyncio.Queue[list[int]] = asyncio.Queue()
-    for prompt in prompts:
-        queue.put_nowait(prompt)
+    queue: asyncio.Queue[tuple[int, list[int]]] = asyncio.Queue()
+    for item in prompts:
+        queue.put_nowait(item)
 
     async def worker() -> None:
         while not queue.empty():
-            result, _ = await one_request(client, url, queue.get_nowait(), args.output_len)
+            owner, prompt = queue.get_nowait()
+            result, _ = await one_request(
+                client, url, prompt, args.output_len, model_of(args, owner)
+            )
             results.append(result)
 
     await asyncio.gather(*(worker() for _ in range(args.concurrency)))
@@ -219,6 +237,20 @@ def summarize(results: list[RequestResult], wall: float, hit_rate: float | None)
         "itl": percentiles([x for r in results for x in r.itls]),
         "e2e": percentiles([r.e2e for r in results]),
         "cached_tokens_reported": sum(r.cached_tokens for r in results),
+        **_per_model_hits(results),
         "server_prefix_cache_hit_rate": hit_rate,
         "ttft_samples_s": [round(r.ttft, 4) for r in results],
     }
+
+
+def _per_model_hits(results: list[RequestResult]) -> dict:
+    """With --lora-modules: each adapter's share of its prompt tokens found cached."""
+    models = sorted({r.model for r in results if r.model is not None})
+    if not models:
+        return {}
+    shares = {}
+    for model in models:
+        mine = [r for r in results if r.model == model]
+        prompt = sum(r.prompt_tokens for r in mine)
+        shares[model] = round(sum(r.cached_tokens for r in mine) / prompt, 4) if prompt else None
+    return {"cached_share_per_model": shares}

@@ -118,16 +118,30 @@ inline LoRAShapes check_lora(const at::Tensor& x, const at::Tensor& out, const a
   return {in, ranks, width, rank, x.stride(0), out.stride(0)};
 }
 
-// shrunk[m, j0 .. j0 + 16 V] = x[row] · a[:, those columns] for kShrinkTokens `rows` (the
-// tile's own rows first, then repeats of its last: only the first n are stored).
-template <int V, class T>
+// The smallest tile of {1, 2, 4, Most} tokens that holds n (Most: the register tile's).
+template <int Most, class F>
+void by_tokens(int n, F&& tile) {
+  if (n <= 1) {
+    tile.template operator()<1>();
+  } else if (n <= 2) {
+    tile.template operator()<2>();
+  } else if (Most > 4 && n <= 4) {
+    tile.template operator()<(Most > 4 ? 4 : Most)>();
+  } else {
+    tile.template operator()<Most>();
+  }
+}
+
+// shrunk[m, j0 .. j0 + 16 V] = x[row] · a[:, those columns] for N `rows` (the tile's own
+// rows first, then repeats of its last: only the first n are stored).
+template <int N, int V, class T>
 void shrink_tile(const T* x, const T* a, const int64_t* rows, int n, int64_t j0,
                  const LoRAShapes& s, float* shrunk) {
-  vf acc[kShrinkTokens][V] = {};
+  vf acc[N][V] = {};
   for (int64_t i = 0; i < s.in; ++i) {
     vf av[V];
     for (int v = 0; v < V; ++v) av[v] = load(a + i * s.ranks + j0 + v * kLanes);
-    for (int m = 0; m < kShrinkTokens; ++m) {
+    for (int m = 0; m < N; ++m) {
       const float xv = widen(x[rows[m] * s.x_stride + i]);
       for (int v = 0; v < V; ++v) acc[m][v] += av[v] * xv;
     }
@@ -145,9 +159,11 @@ void shrink(const T* x, const T* a, const int64_t* src, int64_t first, int64_t l
   for (int m = 0; m < kShrinkTokens; ++m) rows[m] = src[first + std::min(m, n - 1)];
   float* to = shrunk + first * s.ranks;
   int64_t j = 0;
-  for (; j + kShrinkVectors * kLanes <= s.ranks; j += kShrinkVectors * kLanes)
-    shrink_tile<kShrinkVectors>(x, a, rows, n, j, s, to);
-  for (; j + kLanes <= s.ranks; j += kLanes) shrink_tile<1>(x, a, rows, n, j, s, to);
+  by_tokens<kShrinkTokens>(n, [&]<int N>() {
+    for (; j + kShrinkVectors * kLanes <= s.ranks; j += kShrinkVectors * kLanes)
+      shrink_tile<N, kShrinkVectors>(x, a, rows, n, j, s, to);
+    for (; j + kLanes <= s.ranks; j += kLanes) shrink_tile<N, 1>(x, a, rows, n, j, s, to);
+  });
   for (; j < s.ranks; ++j)  // ranks past the last whole vector
     for (int m = 0; m < n; ++m) {
       float sum = 0.0f;
@@ -156,17 +172,17 @@ void shrink(const T* x, const T* a, const int64_t* src, int64_t first, int64_t l
     }
 }
 
-// out[rows, c .. c + 16 C] += t · b[rank rows of module k, those columns], for kExpandTokens
-// rows (repeats past the first n, as shrink_tile's); `t` the tokens' rows of `shrunk` at the
+// out[rows, c .. c + 16 C] += t · b[rank rows of module k, those columns], for N rows
+// (repeats past the first n, as shrink_tile's); `t` the tokens' rows of `shrunk` at the
 // module's first rank.
-template <int C, class T>
+template <int N, int C, class T>
 void expand_tile(const T* b, const int64_t* rows, const float* const* t, int n, int64_t c,
                  const LoRAShapes& s, T* out) {
-  vf acc[kExpandTokens][C] = {};
+  vf acc[N][C] = {};
   for (int64_t r = 0; r < s.rank; ++r) {
     vf bv[C];
     for (int v = 0; v < C; ++v) bv[v] = load(b + r * s.width + c + v * kLanes);
-    for (int m = 0; m < kExpandTokens; ++m)
+    for (int m = 0; m < N; ++m)
       for (int v = 0; v < C; ++v) acc[m][v] += bv[v] * t[m][r];
   }
   for (int m = 0; m < n; ++m)
@@ -191,9 +207,11 @@ void expand(const T* b, const int64_t* src, int64_t first, int64_t last, int64_t
       t[m] = shrunk + at * s.ranks + k * s.rank;
     }
     int64_t c = c0;
-    for (; c + kExpandVectors * kLanes <= c1; c += kExpandVectors * kLanes)
-      expand_tile<kExpandVectors>(block, rows, t, n, c, s, out);
-    for (; c + kLanes <= c1; c += kLanes) expand_tile<1>(block, rows, t, n, c, s, out);
+    by_tokens<kExpandTokens>(n, [&]<int N>() {
+      for (; c + kExpandVectors * kLanes <= c1; c += kExpandVectors * kLanes)
+        expand_tile<N, kExpandVectors>(block, rows, t, n, c, s, out);
+      for (; c + kLanes <= c1; c += kLanes) expand_tile<N, 1>(block, rows, t, n, c, s, out);
+    });
     for (; c < c1; ++c)  // columns past the last whole vector
       for (int m = 0; m < n; ++m) {
         float sum = 0.0f;

@@ -144,3 +144,28 @@ def test_vllms_lora_info_gauge(lora_server: ServerProcess) -> None:
         for s in f.samples
     }
     assert reads == {"blockserve:lora_loads_total": 0, "blockserve:lora_load_seconds_total": 0}
+
+
+def test_bench_serve_spreads_groups_over_adapters(
+    lora_server: ServerProcess, tmp_path: Path
+) -> None:
+    """`bench serve --lora-modules`: each shared-prefix group keeps one model (the adapter or
+    the base), so each group's second prompt finds its 32-token system prompt cached."""
+    import argparse
+    import json
+
+    from blockserve.bench.serve import add_arguments, run_command
+
+    base = openai.OpenAI(base_url=f"{lora_server.url}/v1", api_key="unused").models.list()
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args([
+        "--url", lora_server.url, "--dataset", "shared-prefix", "--num-groups", "2",
+        "--prompts-per-group", "2", "--system-len", "32", "--question-len", "8",
+        "--output-len", "2", "--concurrency", "1", "--max-token-id", "300", "--seed", "7",
+        "--out-dir", str(tmp_path), "--lora-modules", "every", base.data[0].id,
+    ])  # fmt: skip
+    assert run_command(args) == 0
+    run = json.loads((tmp_path / "serving-shared-prefix.json").read_text())["runs"]["caching on"]
+    assert run["cached_tokens_reported"] == 2 * 32
+    assert run["cached_share_per_model"] == {"every": 0.4, base.data[0].id: 0.4}

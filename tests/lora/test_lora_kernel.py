@@ -76,18 +76,19 @@ def run(ops: Any, x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.
 
 @pytest.mark.parametrize("fan_in", [16, 80])
 def test_grouped_products_are_exact(build: tuple[torch.dtype, Any], fan_in: int) -> None:
-    """Groups of 11, 1, 0 and 9 tokens (whole and partial tiles of either build) on slots 2,
-    0, 1 and 3, rows out of order; rows of no group keep their values bit for bit."""
+    """Groups of 11, 1, 0, 9 and 2 tokens (whole tiles and tiles of 1, 2 and 4 in either
+    build) on slots 2, 0, 1, 3 and 1 again, rows out of order; rows of no group keep their
+    values bit for bit."""
     dtype, ops = build
     a, b = stacks(dtype, fan_in)
     x = small_ints(40, 2 * fan_in, seed=3, dtype=dtype)[:, fan_in:]  # rows of a wider tensor
     out = small_ints(40, BOUNDS[-1], seed=4, dtype=dtype)
     order = torch.randperm(40, generator=torch.Generator().manual_seed(5)).tolist()
-    groups = [(2, order[:11]), (0, order[11:12]), (1, []), (3, order[12:21])]
+    groups = [(2, order[:11]), (0, order[11:12]), (1, []), (3, order[12:21]), (1, order[21:23])]
     want = expected(x, out, a, b, groups)
     run(ops, x, out, a, b, groups)
     assert torch.equal(out, want)
-    assert torch.equal(out[order[21:]], small_ints(40, BOUNDS[-1], seed=4, dtype=dtype)[order[21:]])
+    assert torch.equal(out[order[23:]], small_ints(40, BOUNDS[-1], seed=4, dtype=dtype)[order[23:]])
 
 
 def test_no_groups_change_nothing(build: tuple[torch.dtype, Any]) -> None:
