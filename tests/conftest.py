@@ -1,4 +1,5 @@
-"""Fixtures shared across the suite: tiny model directories, built once per session."""
+"""Fixtures shared across the suite: tiny model directories and adapters, built once per
+session."""
 
 from __future__ import annotations
 
@@ -24,6 +25,21 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.tiny_models import save_tiny_model
 
     return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def adapters(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Two PEFT adapters over the tiny llama (tests/lora/adapters.py): `every`, rank 4 on all
+    seven projections; `qv`, rank-8 rsLoRA on q and v."""
+    from tests.lora.adapters import save_adapter
+
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        "every": save_adapter(tiny_llama_dir, root / "every", seed=1),
+        "qv": save_adapter(
+            tiny_llama_dir, root / "qv", seed=2, rank=8, modules=["q_proj", "v_proj"], rslora=True
+        ),
+    }
 
 
 @pytest.fixture(scope="session")

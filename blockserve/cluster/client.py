@@ -21,6 +21,10 @@ from blockserve.errors import BlockserveError, EngineDeadError, InvalidRequestEr
 logger = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 3  # a request is sent again while no output reached the client
+_REPLICA_ADAPTERS = (
+    "replicas serve the adapters of --lora-modules; one loaded at runtime would reach one "
+    "replica only"
+)
 
 
 class ClusterEngineClient(PoolTokenizing):
@@ -51,6 +55,7 @@ class ClusterEngineClient(PoolTokenizing):
             tokenizer=processor.tokenizer,
             default_sampling=front.default_sampling,
             runtime={**front.runtime, "replicas": "ray-serve"},
+            lora_adapters=front.lora_adapters,
         )
         # request id -> the replica's response stream
         self._streams: dict[str, DeploymentResponseGenerator] = {}
@@ -129,10 +134,10 @@ class ClusterEngineClient(PoolTokenizing):
         }
 
     async def load_lora(self, name: str, path: str) -> None:
-        raise InvalidRequestError("replicas serve no runtime-loaded LoRA adapter yet")
+        raise InvalidRequestError(_REPLICA_ADAPTERS)
 
     async def unload_lora(self, name: str) -> None:
-        raise InvalidRequestError("replicas serve no runtime-loaded LoRA adapter yet")
+        raise InvalidRequestError(_REPLICA_ADAPTERS)
 
     async def debug_kv_cache(self) -> KVCacheReport:
         raise InvalidRequestError("the KV cache report is per replica: ask a replica's engine")

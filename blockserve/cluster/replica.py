@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from blockserve.engine.args import EngineArgs
@@ -32,6 +32,7 @@ class FrontEnd:
     max_bytes_per_token: int | None
     num_blocks: int  # this replica's KV blocks: the bound of its mirror and credits
     max_logprobs: int = 20
+    lora_adapters: dict[str, str] = field(default_factory=dict)  # --lora-modules: name -> path
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +102,7 @@ class EngineReplica:
             max_bytes_per_token=processor.max_bytes_per_token,
             num_blocks=core.info.num_blocks,
             max_logprobs=processor.max_logprobs,
+            lora_adapters=dict(model_info.lora_adapters),
         )
         logger.info("replica ready; KV events on %s", self.kv_events_endpoint)
 

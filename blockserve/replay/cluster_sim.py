@@ -189,7 +189,9 @@ def _new_replica(replica_id: str, capacity: int, block_size: int) -> _Replica:
 
 def _run(replica: _Replica, request: TraceRequest, layout: BlockLayout, request_id: str) -> int:
     """Look the request up in the replica's pool and run it there; its hit tokens."""
-    replayed = ReplayRequest(request_id, layout.block_hashes, request.input_length)
+    replayed = ReplayRequest(
+        request_id, layout.block_hashes, request.input_length, lora_name=request.lora_name
+    )
     hit_blocks, num_hits = replica.manager.get_computed_blocks(replayed)
     run_request(replica.manager, replayed, request, hit_blocks, num_hits)
     return num_hits

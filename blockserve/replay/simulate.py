@@ -150,7 +150,9 @@ def replay_policy(
         if layout.num_blocks > capacity:
             tally.num_skipped += 1
             continue
-        replayed = ReplayRequest(str(index), layout.block_hashes, request.input_length)
+        replayed = ReplayRequest(
+            str(index), layout.block_hashes, request.input_length, lora_name=request.lora_name
+        )
         hit_blocks, num_hits = manager.get_computed_blocks(replayed)
         run_request(manager, replayed, request, hit_blocks, num_hits)
         tally.count(request, layout, num_hits // block_size, block_size)

@@ -111,7 +111,9 @@ def replay_tiers(
         if layout.num_blocks > device:
             skipped += 1
             continue
-        replayed = ReplayRequest(str(index), layout.block_hashes, request.input_length)
+        replayed = ReplayRequest(
+            str(index), layout.block_hashes, request.input_length, lora_name=request.lora_name
+        )
         device_blocks, num_device_hits = manager.get_computed_blocks(replayed)
         position = num_device_hits // block_size
         hits["device"] += position

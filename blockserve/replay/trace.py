@@ -1,10 +1,11 @@
 """Mooncake-format traces and the request model the replayer gives them. One JSON object per line:
 `timestamp` (ms), `input_length`, `output_length`, `hash_ids` (one id per `block_size`-token
 prompt block, the last possibly partial; equal ids at one position mean an identical prefix up to
-and including that block)."""
+and including that block), and ours, optional: `lora_name`, whose blocks no other adapter shares."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ class TraceRequest:
     input_length: int
     output_length: int
     hash_ids: tuple[int, ...]
+    lora_name: str | None = None  # the adapter: a key of every block hash, as in the engine
 
 
 def load_trace(path: str | Path) -> list[TraceRequest]:
@@ -51,6 +53,7 @@ def load_trace(path: str | Path) -> list[TraceRequest]:
                 input_length=int(row["input_length"]),
                 output_length=int(row["output_length"]),
                 hash_ids=tuple(int(h) for h in row["hash_ids"]),
+                lora_name=None if row.get("lora_name") is None else str(row["lora_name"]),
             )
         except (ValueError, KeyError, TypeError) as exc:
             raise InvalidRequestError(f"{path}:{number}: not a trace record ({exc})") from None
@@ -80,10 +83,7 @@ def block_layouts(trace: Iterable[TraceRequest], block_size: int) -> list[BlockL
                 f"of {block_size} tokens (is --trace-block-size right?)"
             )
         total = request.input_length + request.output_length
-        prompt = [
-            BlockHash(b"p" + h.to_bytes(8, "big", signed=True))
-            for h in request.hash_ids[:num_prompt]
-        ]
+        prompt = [_prompt_hash(h, request.lora_name) for h in request.hash_ids[:num_prompt]]
         outputs = [
             BlockHash(b"o" + index.to_bytes(4, "big") + i.to_bytes(4, "big"))
             for i in range(num_prompt, total // block_size)
@@ -97,3 +97,13 @@ def block_layouts(trace: Iterable[TraceRequest], block_size: int) -> list[BlockL
             )
         )
     return layouts
+
+
+def _prompt_hash(hash_id: int, lora_name: str | None) -> BlockHash:
+    """A prompt block's key; under an adapter a digest of its name and the id, so that the
+    event form (the last 8 bytes) differs too, as the engine's extra key makes it differ."""
+    id_bytes = hash_id.to_bytes(8, "big", signed=True)
+    if lora_name is None:
+        return BlockHash(b"p" + id_bytes)
+    name = lora_name.encode()
+    return BlockHash(b"p" + name + hashlib.blake2b(name + b"\0" + id_bytes, digest_size=8).digest())

@@ -1,6 +1,6 @@
 """`blockserve serve --replicas 2` on a real local Ray instance: two tiny-model replicas behind
-the KV-aware router, driven through the OpenAI client. One cluster for the whole module (Ray
-takes ~30 s to start)."""
+the KV-aware router, driven through the OpenAI client, each serving a LoRA adapter too. One
+cluster for the whole module (Ray takes ~30 s to start)."""
 
 from __future__ import annotations
 
@@ -31,10 +31,17 @@ def replica_pids() -> list[int]:
 
 @pytest.fixture(scope="module")
 def cluster(
-    tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    tiny_llama_dir: Path, adapters: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
     log_path = tmp_path_factory.mktemp("ray-cluster") / "serve.log"
     args = ["--model", str(tiny_llama_dir), "--dtype", "float32", "--block-size", str(BLOCK_SIZE)]
+    args += [
+        "--enable-lora",
+        "--max-lora-rank",
+        "8",
+        "--lora-modules",
+        f"every={adapters['every']}",
+    ]
     server = ServerProcess([*args, "--replicas", "2", "--router", "kv"], log_path)
     # /health answers once the ingress and one replica run.
     assert server.wait_for_cluster(replicas=2, timeout=120), server.log()
@@ -123,6 +130,38 @@ def test_each_prefix_group_returns_to_the_replica_that_computed_it(
     assert all(router[rid]["kv_events"] for rid in holder.values())
     assert queued == [0, 0], router
     assert all(expected[g] <= indexed[g] <= expected[g] + 4 for g in sent), (indexed, expected)
+
+
+def test_replicas_serve_the_adapter_and_the_router_keeps_it_apart(
+    cluster: ServerProcess, client: openai.OpenAI, tiny_llama_dir: Path, adapters: dict[str, Path]
+) -> None:
+    """The ingress lists the replicas' adapter; a prompt under it gives peft's tokens, is sent
+    again to the replica that cached it under that adapter (the router hashes with the
+    adapter's name), and hits nothing under the base model, which caches it apart."""
+    from tests.lora.test_lora import PROMPTS, reference
+
+    base, listed = (m.model_dump() for m in client.models.list().data)
+    assert (listed["id"], listed["parent"]) == ("every", base["id"])
+    served_by, hits = [], []
+    for model in ("every", "every", base["id"], base["id"]):
+        before = httpx.get(f"{cluster.url}/cluster/replicas").json()["replicas"]
+        out = client.completions.create(
+            model=model, prompt=PROMPTS[1], max_tokens=8, temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )  # fmt: skip
+        after = httpx.get(f"{cluster.url}/cluster/replicas").json()["replicas"]
+        counts = {rid: before.get(rid, {}).get("num_requests", 0) for rid in after}
+        served_by += [rid for rid, r in after.items() if r["num_requests"] > counts[rid]]
+        details = out.usage.prompt_tokens_details if out.usage is not None else None
+        hits.append(details.cached_tokens if details is not None else 0)
+        adapter = adapters["every"] if model == "every" else None
+        assert out.choices[0].token_ids == reference(tiny_llama_dir, adapter, PROMPTS[1])[0]  # type: ignore[attr-defined]
+    assert hits == [0, 44, 0, 44]  # 45 tokens: 11 whole blocks of 4, the last token computed
+    assert served_by[0] == served_by[1] and served_by[2] == served_by[3]
+    response = httpx.post(
+        f"{cluster.url}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/"}
+    )
+    assert response.status_code == 404  # off without --allow-runtime-lora-updating
 
 
 def distinct_blocks(prompts: list[list[int]]) -> int:

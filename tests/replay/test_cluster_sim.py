@@ -41,6 +41,17 @@ def test_kv_router_keeps_each_group_on_one_replica() -> None:
     assert result.query_tokens == 8 * (3 * B + 1)
 
 
+def test_kv_router_keeps_each_adapter_on_the_replica_that_cached_it() -> None:
+    """One prefix under two adapters, alternating: they are two groups to the router (their
+    hashes differ), each kept on a replica of its own, each later request hitting its 2
+    shared blocks, as GROUPS' two prefixes are."""
+    trace = [dataclasses.replace(r, hash_ids=(1, 2, *r.hash_ids[2:]), lora_name=f"a{i % 2}")
+             for i, r in enumerate(GROUPS)]  # fmt: skip
+    result = run("kv", trace)
+    assert result.requests_per_replica == (4, 4)
+    assert result.hit_tokens == 6 * 2 * B
+
+
 def test_round_robin_splits_the_groups_when_they_alternate_out_of_phase() -> None:
     """Round robin sends A to 0 and B to 1 here too (they alternate): the same hits; shifted
     by one request (A B B A A B B) it mixes them: 3 hits where kv gets all 5 repeats."""

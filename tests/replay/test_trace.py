@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from blockserve.core.hashing import block_hash_to_uint64
 from blockserve.errors import InvalidRequestError
 from blockserve.replay.trace import TraceRequest, block_layouts, load_trace
 
@@ -50,6 +51,24 @@ def test_layout_counts_prompt_hittable_and_held_blocks() -> None:
     assert len(first.block_hashes) == 3
     assert first.block_hashes[:2] == second.block_hashes[:2]
     assert first.block_hashes[2] != second.block_hashes[2]  # output blocks are per request
+
+
+def test_an_adapters_blocks_are_its_own(tmp_path: Path) -> None:
+    """`lora_name` (ours, optional) keys every prompt block, as the engine's extra key: equal
+    ids under two adapters, or an adapter and the base model, share no hash."""
+    path = tmp_path / "lora.jsonl"
+    rows = [(None, "null"), ("a", '"a"'), ("b", '"b"'), ("a", '"a"')]
+    path.write_text("".join(
+        f'{{"timestamp": {i}, "input_length": 9, "output_length": 0, "hash_ids": [7, 8, 9], '
+        f'"lora_name": {name}}}\n' for i, (_, name) in enumerate(rows)
+    ))  # fmt: skip
+    trace = load_trace(path)
+    assert [r.lora_name for r in trace] == [name for name, _ in rows]
+    base, a, b, a_again = (layout.block_hashes[:2] for layout in block_layouts(trace, 4))
+    assert a == a_again
+    assert len({base, a, b}) == 3 and not set(base) & set(a) and not set(a) & set(b)
+    # The event form (the last 8 bytes, as routers read it) differs too.
+    assert len({block_hash_to_uint64(h[0]) for h in (base, a, b)}) == 3
 
 
 def test_too_few_hash_ids_for_the_block_size_is_refused() -> None:
