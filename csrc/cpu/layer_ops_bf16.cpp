@@ -22,6 +22,7 @@
 
 #include "bf16.h"
 #include "layer_ops.h"
+#include "lora.h"
 
 namespace {
 
@@ -125,6 +126,25 @@ struct Bf16Layer {
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(blockserve_cpu, m) { define_layer(m); }
+// LoRA's grouped products (lora.h), registered here: a translation unit of their own would
+// parse torch's headers again, ~9 s of every build.
+namespace {
 
-TORCH_LIBRARY_IMPL(blockserve_cpu, CPU, m) { implement_layer<Bf16Layer>(m); }
+void lora_add_bf16(const at::Tensor& x, at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
+                   const at::Tensor& src, const at::Tensor& starts, const at::Tensor& slots,
+                   at::IntArrayRef bounds, int64_t rank) {
+  blockserve_cpu::lora::lora_add_<uint16_t>(x, out, a, b, src, starts, slots, bounds, rank,
+                                      at::kBFloat16);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(blockserve_cpu, m) {
+  define_layer(m);
+  blockserve_cpu::lora::define_lora(m);
+}
+
+TORCH_LIBRARY_IMPL(blockserve_cpu, CPU, m) {
+  implement_layer<Bf16Layer>(m);
+  m.impl("lora_add_", &lora_add_bf16);
+}

@@ -14,6 +14,7 @@
 
 #include "f32.h"
 #include "layer_ops.h"
+#include "lora.h"
 
 namespace {
 
@@ -108,6 +109,24 @@ struct F32Layer {
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(BLOCKSERVE_F32_OPS, m) { define_layer(m); }
+// LoRA's grouped products (lora.h), registered here: a translation unit of their own would
+// parse torch's headers again, ~9 s of every build.
+namespace {
 
-TORCH_LIBRARY_IMPL(BLOCKSERVE_F32_OPS, CPU, m) { implement_layer<F32Layer>(m); }
+void lora_add_f32(const at::Tensor& x, at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
+                  const at::Tensor& src, const at::Tensor& starts, const at::Tensor& slots,
+                  at::IntArrayRef bounds, int64_t rank) {
+  blockserve_cpu::lora::lora_add_<float>(x, out, a, b, src, starts, slots, bounds, rank, at::kFloat);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(BLOCKSERVE_F32_OPS, m) {
+  define_layer(m);
+  blockserve_cpu::lora::define_lora(m);
+}
+
+TORCH_LIBRARY_IMPL(BLOCKSERVE_F32_OPS, CPU, m) {
+  implement_layer<F32Layer>(m);
+  m.impl("lora_add_", &lora_add_f32);
+}

@@ -24,7 +24,7 @@
 #include <cstring>
 #include <vector>
 
-namespace blockserve_cpu {
+namespace blockserve_cpu::lora {
 namespace {
 
 // Sixteen floats, as GCC's vector extension: one register on AVX-512, two on AVX2.
@@ -266,4 +266,4 @@ inline void define_lora(torch::Library& m) {
 }
 
 }  // namespace
-}  // namespace blockserve_cpu
+}  // namespace blockserve_cpu::lora
