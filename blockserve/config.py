@@ -52,6 +52,7 @@ class CacheConfig:
     kv_cache_dir: str | None = None
     kv_disk_bytes: int = 16 << 30
     kv_cache_dir_clear_mismatch: bool = False
+    kv_remote_url: str | None = None  # a Redis-protocol store every replica shares
 
 
 @dataclass(frozen=True, slots=True)

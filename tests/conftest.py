@@ -87,3 +87,13 @@ def kernels(cpu_kernels_dir: Path) -> Any:
         if build.can_build(dtype):
             assert kernels.loader.load(cpu_kernels_dir, dtype) is not None
     return kernels
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Any:
+    """A real Redis server process on a free port (tests/kv_tiers/redis_server.py)."""
+    from tests.kv_tiers.redis_server import RedisServer
+
+    server = RedisServer(tmp_path)
+    yield server
+    server.stop()

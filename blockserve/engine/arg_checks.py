@@ -98,3 +98,12 @@ def no_swap_space(value: float | None) -> str | None:
         "is not a flag of vLLM 0.32 either: preemption recomputes, and blocks leaving the "
         "device go to the host tier (--kv-offloading-size GiB)"
     )
+
+
+def redis_url(value: str | None) -> str | None:
+    """A Redis-protocol URL: redis://, rediss:// or unix:// (what redis-py reads)."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or value.split("://", 1)[0] not in ("redis", "rediss", "unix"):
+        return "must be a redis://, rediss:// or unix:// URL"
+    return None

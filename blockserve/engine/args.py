@@ -15,13 +15,14 @@ from blockserve.core.eviction import EVICTION_POLICIES
 from blockserve.core.hashing import HASH_FUNCTIONS
 from blockserve.engine import arg_checks
 from blockserve.engine.engine_config import engine_config
+from blockserve.engine.kv_tier_args import KVTierArgs
 from blockserve.engine.lora_args import LoRAArgs
 from blockserve.events.config import KVEventsConfig
 from blockserve.options import add_arguments, at_least, from_namespace, option, positive, validate
 
 
 @dataclass(frozen=True, slots=True)
-class EngineArgs(LoRAArgs):
+class EngineArgs(LoRAArgs, KVTierArgs):
     """The engine's options; `create_configs()` checks them and builds an `EngineConfig`.
 
     Each field carries its default, choices, help and check; `blockserve serve` generates its
@@ -132,28 +133,6 @@ class EngineArgs(LoRAArgs):
         "KV cache size in blocks (block 0 is the null block, so at least 2)",
         check=at_least(2),
         exclusive_group="kv-cache-size",
-    )
-    kv_offloading_size: float = option(
-        0.0,
-        "GiB of host memory for a KV tier below the device cache (vLLM's flag); blocks "
-        "evicted from the device come back from it instead of being recomputed. Rarely "
-        "useful on a CPU device (docs/kv-tiers.md); 0: off",
-        check=arg_checks.finite_non_negative,
-    )
-    kv_cache_dir: str | None = option(
-        None,
-        "a directory for a disk KV tier: blocks are written there as they are computed and "
-        "served from there after eviction and after a restart (docs/kv-tiers.md)",
-    )
-    kv_disk_size: float = option(
-        16.0,
-        "GiB the disk KV tier may hold (with --kv-cache-dir)",
-        check=arg_checks.finite_non_negative,
-    )
-    kv_cache_dir_clear_mismatch: bool = option(
-        False,
-        "empty a --kv-cache-dir written for another model or cache setup instead of leaving "
-        "it alone and running without the disk tier",
     )
     dtype: str = option(
         "auto",

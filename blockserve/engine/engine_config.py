@@ -45,6 +45,7 @@ def engine_config(args: EngineArgs) -> EngineConfig:
             kv_cache_dir=args.kv_cache_dir,
             kv_disk_bytes=int(args.kv_disk_size * GIB),
             kv_cache_dir_clear_mismatch=args.kv_cache_dir_clear_mismatch,
+            kv_remote_url=args.kv_remote_url,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
@@ -62,16 +63,18 @@ def engine_config(args: EngineArgs) -> EngineConfig:
 
 
 def _check_combinations(args: EngineArgs) -> None:
-    if (args.kv_offloading_size or args.kv_cache_dir) and not args.enable_prefix_caching:
+    tiers = args.kv_offloading_size or args.kv_cache_dir or args.kv_remote_url
+    if tiers and not args.enable_prefix_caching:
         raise InvalidConfigError(
-            "kv_offloading_size and kv_cache_dir (--kv-offloading-size, --kv-cache-dir) "
-            "are prefix-cache tiers: they need enable_prefix_caching"
+            "kv_offloading_size, kv_cache_dir and kv_remote_url (--kv-offloading-size, "
+            "--kv-cache-dir, --kv-remote-url) are prefix-cache tiers: they need "
+            "enable_prefix_caching"
         )
-    if args.async_scheduling and (args.kv_offloading_size or args.kv_cache_dir):
+    if args.async_scheduling and tiers:
         raise InvalidConfigError(
             "async_scheduling (--async-scheduling) cannot run with the KV tiers "
-            "(--kv-offloading-size, --kv-cache-dir): their loads write blocks a step in "
-            "flight may still be writing"
+            "(--kv-offloading-size, --kv-cache-dir, --kv-remote-url): their loads write "
+            "blocks a step in flight may still be writing"
         )
     if (args.enable_lora or args.lora_modules) and args.compile:
         raise InvalidConfigError(

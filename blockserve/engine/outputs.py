@@ -66,7 +66,8 @@ class RequestOutput:
     error: str | None = None
     # Why the prefix-cache match stopped; only for requests that asked (explain_cache).
     cache_explanation: CacheExplanation | None = None
-    # The part of num_cached_tokens loaded from each tier below the device ("host", "disk").
+    # The part of num_cached_tokens loaded from each tier below the device ("host", "disk",
+    # "remote").
     tier_cached_tokens: dict[str, int] = field(default_factory=dict)
     # prompt_logprobs, when asked: None for the first token, then each prompt token's logprob
     # given those before it, with the top alternatives (as vLLM's RequestOutput has them).
@@ -87,7 +88,7 @@ class CoreStats:
 
 @dataclass(frozen=True, slots=True)
 class TierStats:
-    """One KV tier below the device (host or disk): counters since start and gauges."""
+    """One KV tier below the device (host, disk or remote): counters since start and gauges."""
 
     name: str
     hits: int  # blocks read
@@ -99,6 +100,8 @@ class TierStats:
     loads: int  # loads that read from this tier
     load_seconds: float  # their total time reading from it
     dropped_writes: int  # blocks not written because the write queue was full (all tiers)
+    misses: int = 0  # blocks looked for and not found (or found damaged)
+    failures: int = 0  # calls that found the store down, slow or refusing (remote)
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,8 +18,9 @@ from blockserve.kv_tiers.manifest import (
     model_content_hash,
     open_directory,
 )
-from blockserve.kv_tiers.offload import FilledBlock, KVTiers, Tier
-from blockserve.kv_tiers.store import BlockShape
+from blockserve.kv_tiers.offload import KVTiers
+from blockserve.kv_tiers.remote import RemoteStore
+from blockserve.kv_tiers.store import BlockShape, FilledBlock, Tier
 from blockserve.runner.model_runner import ModelRunner
 from blockserve.sched.output import SchedulerOutput
 from blockserve.sched.request import Request
@@ -48,18 +49,10 @@ def create_kv_tiers(
         pin = runner.device.type == "cuda"
         tiers.append(Tier("host", "CPU", HostStore(shape, cache.kv_offloading_bytes, pin)))
     directory = None
-    if cache.kv_cache_dir is not None and cache.kv_disk_bytes:
-        fingerprint = Fingerprint(
-            model_hash=model_content_hash(loaded.model_dir),
-            dtype=str(loaded.dtype).removeprefix("torch."),
-            block_size=cache.block_size,
-            hash_algo=hasher.algo,
-            none_hash=hasher.none_hash.hex(),
-            num_layers=arch.num_layers,
-            num_kv_heads=arch.num_kv_heads,
-            head_dim=arch.head_dim,
-            reusable=not hasher.random_seed,
-        )
+    fingerprint = None
+    if cache.kv_remote_url or (cache.kv_cache_dir is not None and cache.kv_disk_bytes):
+        fingerprint = _fingerprint(runner, cache, hasher)
+    if cache.kv_cache_dir is not None and cache.kv_disk_bytes and fingerprint is not None:
         directory = open_directory(
             cache.kv_cache_dir, fingerprint, cache.kv_cache_dir_clear_mismatch
         )
@@ -67,6 +60,16 @@ def create_kv_tiers(
             store = DiskStore(directory.root, shape, cache.kv_disk_bytes)
             tiers.append(Tier("disk", "DISK", store))
             logger.info("KV disk tier: %d blocks held in %s", len(store), directory.root)
+    if cache.kv_remote_url and fingerprint is not None:
+        if fingerprint.reusable:
+            tiers.append(Tier("remote", "REMOTE", RemoteStore(
+                cache.kv_remote_url, shape, fingerprint.namespace())))  # fmt: skip
+        else:
+            logger.warning(
+                "KV remote tier OFF: %s hashes use a random per-process seed (PYTHONHASHSEED "
+                "is unset) and would match no other replica's; set PYTHONHASHSEED",
+                hasher.algo,
+            )
     if not tiers:
         return None, directory
     kv_tiers = KVTiers(
@@ -77,6 +80,23 @@ def create_kv_tiers(
         on_write=runner.backend.forget_kv,
     )
     return kv_tiers, directory
+
+
+def _fingerprint(runner: ModelRunner, cache: CacheConfig, hasher: BlockHasher) -> Fingerprint:
+    """What a stored block's bytes depend on (kv_tiers/manifest.py): the disk directory's
+    manifest and the remote store's namespace."""
+    loaded, arch = runner.loaded, runner.loaded.arch
+    return Fingerprint(
+        model_hash=model_content_hash(loaded.model_dir),
+        dtype=str(loaded.dtype).removeprefix("torch."),
+        block_size=cache.block_size,
+        hash_algo=hasher.algo,
+        none_hash=hasher.none_hash.hex(),
+        num_layers=arch.num_layers,
+        num_kv_heads=arch.num_kv_heads,
+        head_dim=arch.head_dim,
+        reusable=not hasher.random_seed,
+    )
 
 
 def filled_blocks(
@@ -128,6 +148,8 @@ def tier_stats(kv_tiers: KVTiers | None) -> tuple[TierStats, ...]:
                 loads=loads,
                 load_seconds=seconds,
                 dropped_writes=kv_tiers.num_dropped_writes,
+                misses=stats.misses,
+                failures=getattr(tier.store, "failures", 0),
             )
         )
     return tuple(result)

@@ -5,22 +5,25 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import struct
 import threading
 import time
 from collections import OrderedDict
 from pathlib import Path
 
 import torch
-import xxhash
 
-from blockserve.kv_tiers.store import BlockShape, StoreStats, capacity_in_blocks, check_block
+from blockserve.kv_tiers.store import (
+    RECORD_HEADER,
+    BlockShape,
+    StoreStats,
+    capacity_in_blocks,
+    check_block,
+    pack_block,
+    unpack_block,
+)
 
 logger = logging.getLogger(__name__)
 
-_MAGIC = b"BSKV"
-_VERSION = 1
-_HEADER = struct.Struct("<4sB3xQQ")  # magic, version, payload bytes, checksum
 _SUFFIX = ".kv"
 _TEMP = ".tmp"
 
@@ -45,7 +48,7 @@ class DiskStore:
         self.shape = shape
         self.capacity_bytes = capacity_bytes
         self.stats = StoreStats()
-        self._file_bytes = _HEADER.size + shape.nbytes
+        self._file_bytes = RECORD_HEADER.size + shape.nbytes
         self._capacity_blocks = capacity_in_blocks(shape, capacity_bytes)
         self._index: OrderedDict[bytes, None] = OrderedDict()
         self._lock = threading.Lock()
@@ -109,10 +112,8 @@ class DiskStore:
             path = self._path(key)
             path.parent.mkdir(exist_ok=True)
             temp = path.with_name(f"{path.name}{_TEMP}{os.getpid()}-{next(self._temp_names)}")
-            header = _HEADER.pack(_MAGIC, _VERSION, len(payload), xxhash.xxh3_64_intdigest(payload))
             with open(temp, "wb") as file:
-                file.write(header)
-                file.write(payload)
+                file.write(pack_block(payload))
             os.replace(temp, path)
             self._touch(path)
             self._index[key] = None
@@ -143,17 +144,9 @@ class DiskStore:
         except OSError:
             self.stats.corrupt += 1
             return None
-        if len(data) != self._file_bytes:
-            self._drop(path, "has the wrong size")
-            return None
-        magic, version, length, checksum = _HEADER.unpack_from(data)
-        payload = data[_HEADER.size :]
-        if (magic, version, length) != (_MAGIC, _VERSION, len(payload)):
-            self._drop(path, "has a bad header")
-            return None
-        if xxhash.xxh3_64_intdigest(payload) != checksum:
-            self._drop(path, "fails its checksum")
-            return None
+        payload, wrong = unpack_block(data, self.shape.nbytes)
+        if payload is None:
+            self._drop(path, wrong)
         return payload
 
     def _touch(self, path: Path) -> None:

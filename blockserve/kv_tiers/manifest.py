@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -38,6 +39,12 @@ class Fingerprint:
 
     def to_json(self) -> dict[str, Any]:
         return {"format": _FORMAT, **asdict(self)}
+
+    def namespace(self) -> str:
+        """A short digest of it: the remote store's key prefix, so that two models or two
+        cache setups never read each other's blocks."""
+        canonical = json.dumps(self.to_json(), sort_keys=True).encode()
+        return hashlib.sha256(canonical).hexdigest()[:16]
 
 
 def model_content_hash(model_dir: Path) -> str:

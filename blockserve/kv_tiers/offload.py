@@ -12,31 +12,15 @@ from dataclasses import dataclass, field
 import torch
 
 from blockserve.core.cache_types import RequestId
-from blockserve.core.events import KVEvent, KVEventRecorder
+from blockserve.core.events import KVEvent
 from blockserve.core.hashing import BlockHash
-from blockserve.kv_tiers.store import BlockStore
+from blockserve.kv_tiers.remote import RemoteStore
+from blockserve.kv_tiers.store import FilledBlock, Tier
+from blockserve.kv_tiers.tier_events import TierEvents
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_PENDING_BYTES = 256 << 20
-
-
-@dataclass(frozen=True, slots=True)
-class Tier:
-    name: str  # "host" or "disk": the flag's and the response's name
-    medium: str  # "CPU" or "DISK": the KV events' name
-    store: BlockStore
-
-
-@dataclass(frozen=True, slots=True)
-class FilledBlock:
-    """A block a step filled: where it is, its key, and what its BlockStored event says."""
-
-    block_id: int
-    block_hash: BlockHash
-    parent_hash: BlockHash | None
-    token_ids: tuple[int, ...]
-    lora_name: str | None = None
 
 
 @dataclass(slots=True)
@@ -83,12 +67,12 @@ class KVTiers:
         self.block_size = block_size
         self.max_pending_bytes = max_pending_bytes
         self.num_dropped_writes = 0  # blocks not written because the queue was full
-        self._recorders = {
-            tier.name: KVEventRecorder(events_hash_format, tier.medium)  # type: ignore[arg-type]
-            for tier in self.tiers
-            if events_hash_format is not None
-        }
-        self._lock = threading.Lock()  # events, pending writes, finished loads
+        # The remote tier (shared, last) is asked in batches, never block by block on a step.
+        remote = self.tiers[-1].store if self.tiers else None
+        self._remote = remote if isinstance(remote, RemoteStore) else None
+        self._local = self.tiers[:-1] if self._remote is not None else self.tiers
+        self._events = TierEvents(self._local, events_hash_format, block_size)
+        self._lock = threading.Lock()  # pending writes, finished loads
         # Held around each store change and the events it records: the two threads' events
         # then come in the order the stores changed.
         self._tier_locks = {tier.name: threading.Lock() for tier in self.tiers}
@@ -112,12 +96,22 @@ class KVTiers:
     # -- read path (the scheduler's TierLoader) -------------------------------------------
 
     def lookup(self, block_hashes: Sequence[BlockHash]) -> list[str]:
+        """The tier of each leading block held below the device: host, disk, then the remote
+        store (asked once for the rest, within its lookup timeout)."""
         found = []
         for block_hash in block_hashes:
-            tier = next((t for t in self.tiers if block_hash in t.store), None)
+            tier = next((t for t in self._local if block_hash in t.store), None)
             if tier is None:
                 break
             found.append(tier.name)
+        if self._remote is None or len(found) == len(block_hashes):
+            return found
+        rest = block_hashes[len(found) :]
+        for block_hash, remote in zip(rest, self._remote.contains_many(rest), strict=True):
+            tier = next((t for t in self._local if block_hash in t.store), None)
+            if tier is None and not remote:
+                break
+            found.append(tier.name if tier is not None else self.tiers[-1].name)
         return found
 
     def start_load(
@@ -174,10 +168,10 @@ class KVTiers:
             for tier in self.tiers:
                 started = time.perf_counter()
                 with self._tier_locks[tier.name]:  # a drop and its event, before any put
-                    held = block_hash in tier.store
+                    held = tier.store is self._remote or block_hash in tier.store
                     block = tier.store.get(block_hash)
                     if held and block is None:  # found damaged and dropped by the store
-                        self._record_removed(tier, [block_hash])
+                        self._events.removed(tier, [block_hash])
                 if held:  # the time the tier took to read it
                     seconds[tier.name] = seconds.get(tier.name, 0.0) + time.perf_counter() - started
                 if block is not None:
@@ -205,7 +199,7 @@ class KVTiers:
                 b
                 for b in blocks
                 if b.block_hash not in self._pending
-                and any(b.block_hash not in t.store for t in self.tiers)
+                and any(not self._holds(t, b.block_hash) for t in self.tiers)
             ]
             room = (self.max_pending_bytes - self._pending_bytes) // self.block_nbytes
             if len(wanted) > room:
@@ -227,7 +221,7 @@ class KVTiers:
             for index, block in enumerate(blocks):
                 try:
                     for tier in self.tiers:
-                        if block.block_hash not in tier.store:
+                        if not self._holds(tier, block.block_hash):
                             self._put(tier, block.block_hash, data[index], block)
                 except Exception:  # a full disk costs this block, never the writer
                     logger.exception("KV tiers: writing a block failed")
@@ -242,34 +236,20 @@ class KVTiers:
         with self._tier_locks[tier.name]:  # events in the order the store changed
             stores = tier.store.stats.stores
             evicted = tier.store.put(block_hash, data)
-            self._record_removed(tier, evicted)
+            self._events.removed(tier, evicted)
             if tier.store.stats.stores > stores:  # written now, not only refreshed
-                self._record_stored(tier, block_hash, block)
+                self._events.stored(tier, block_hash, block)
 
-    def _record_stored(self, tier: Tier, block_hash: BlockHash, block: FilledBlock | None) -> None:
-        """A block promoted from disk to host has no FilledBlock: its event has no parent and
-        no tokens (the hash is what a router indexes)."""
-        recorder = self._recorders.get(tier.name)
-        if recorder is None:
-            return
-        parent = block.parent_hash if block is not None else None
-        tokens = list(block.token_ids) if block is not None else []
-        lora = block.lora_name if block is not None else None
-        with self._lock:
-            recorder.block_stored([block_hash], parent, tokens, self.block_size, lora)
-
-    def _record_removed(self, tier: Tier, keys: Sequence[bytes]) -> None:
-        recorder = self._recorders.get(tier.name)
-        if recorder is not None and keys:
-            with self._lock:
-                for key in keys:
-                    recorder.block_removed(BlockHash(key))
+    def _holds(self, tier: Tier, block_hash: BlockHash) -> bool:
+        """Whether `tier` holds the block; the remote one as far as this process knows."""
+        if self._remote is not None and tier.store is self._remote:
+            return self._remote.known(block_hash)
+        return block_hash in tier.store
 
     # -- state ----------------------------------------------------------------------------
 
     def take_events(self) -> list[KVEvent]:
-        with self._lock:
-            return [event for r in self._recorders.values() for event in r.take()]
+        return self._events.take()
 
     def load_totals(self, tier: Tier) -> tuple[int, float]:
         """Loads that read from `tier`, and their total seconds reading from it."""

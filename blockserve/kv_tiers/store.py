@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import xxhash
+
+from blockserve.core.hashing import BlockHash
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +83,24 @@ class BlockStore(Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class Tier:
+    name: str  # "host", "disk" or "remote": the flag's and the response's name
+    medium: str  # "CPU", "DISK" or "REMOTE": the KV events' name
+    store: BlockStore
+
+
+@dataclass(frozen=True, slots=True)
+class FilledBlock:
+    """A block a step filled: where it is, its key, and what its BlockStored event says."""
+
+    block_id: int
+    block_hash: BlockHash
+    parent_hash: BlockHash | None
+    token_ids: tuple[int, ...]
+    lora_name: str | None = None
+
+
 def check_block(shape: BlockShape, block: torch.Tensor) -> None:
     """A block must have the store's shape and dtype: a wrong one is a caller's bug."""
     if tuple(block.shape) != shape.shape or block.dtype != shape.dtype:
@@ -90,3 +112,31 @@ def check_block(shape: BlockShape, block: torch.Tensor) -> None:
 
 def capacity_in_blocks(shape: BlockShape, capacity_bytes: int) -> int:
     return capacity_bytes // shape.nbytes
+
+
+# A stored block, on disk or in a remote store: a header (magic, format version, payload
+# bytes, xxh3-64 checksum of the payload) and the block's bytes.
+RECORD_MAGIC = b"BSKV"
+RECORD_VERSION = 1
+RECORD_HEADER = struct.Struct("<4sB3xQQ")
+
+
+def pack_block(payload: bytes) -> bytes:
+    """`payload` (one block's bytes) with its header."""
+    header = RECORD_HEADER.pack(
+        RECORD_MAGIC, RECORD_VERSION, len(payload), xxhash.xxh3_64_intdigest(payload)
+    )
+    return header + payload
+
+
+def unpack_block(record: bytes | bytearray, nbytes: int) -> tuple[bytearray | None, str]:
+    """The payload of a sound record of an `nbytes` block, or None and what is wrong."""
+    if len(record) != RECORD_HEADER.size + nbytes:
+        return None, "has the wrong size"
+    magic, version, length, checksum = RECORD_HEADER.unpack_from(record)
+    payload = bytearray(memoryview(record)[RECORD_HEADER.size :])
+    if (magic, version, length) != (RECORD_MAGIC, RECORD_VERSION, nbytes):
+        return None, "has a bad header"
+    if xxhash.xxh3_64_intdigest(payload) != checksum:
+        return None, "fails its checksum"
+    return payload, ""

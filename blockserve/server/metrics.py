@@ -131,6 +131,8 @@ _TIER_COUNTERS = {
     "corrupt": "Blocks found damaged in the tier and dropped (their tokens were computed).",
     "loads": "Request loads that read blocks from the tier.",
     "load_seconds": "Total seconds those loads spent reading from the tier.",
+    "misses": "Blocks looked for in the tier and not found there.",
+    "failures": "Calls that found the tier's store down, slow or refusing (remote).",
 }
 
 
@@ -148,7 +150,8 @@ def _lora_info(lora: LoRAStats) -> Metric:
 
 
 def _tier_metrics(stats: EngineStats, labels: list[str]) -> Iterator[Metric]:
-    """One family per counter with a `tier` label (host, disk), and the tiers' bytes."""
+    """One family per counter with a `tier` label (host, disk, remote), and the tiers'
+    bytes."""
     for name, doc in _TIER_COUNTERS.items():
         family = CounterMetricFamily(
             f"blockserve:kv_tier_{name}", doc, labels=["model_name", "tier"]

@@ -32,8 +32,8 @@ def usage(outputs: Sequence[RequestOutput]) -> dict[str, Any]:
         for output in outputs:
             below = output.tier_cached_tokens
             per_tier["device"] += output.num_cached_tokens - sum(below.values())
-            for tier, count in below.items():
-                per_tier[tier] += count
+            for tier, count in below.items():  # "remote" only where that tier served some
+                per_tier[tier] = per_tier.get(tier, 0) + count
         body["prompt_tokens_details"]["cached_tokens_per_tier"] = per_tier
     explanations = [asdict(o.cache_explanation) for o in outputs if o.cache_explanation is not None]
     if explanations:

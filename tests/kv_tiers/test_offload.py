@@ -12,7 +12,8 @@ import torch
 from blockserve.core.events import BlockRemoved, BlockStored
 from blockserve.core.hashing import BlockHash
 from blockserve.kv_tiers import BlockShape, DiskStore, HostStore
-from blockserve.kv_tiers.offload import FilledBlock, KVTiers, Tier
+from blockserve.kv_tiers.offload import KVTiers
+from blockserve.kv_tiers.store import FilledBlock, Tier
 
 SHAPE = BlockShape(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
 NUM_BLOCKS = 8

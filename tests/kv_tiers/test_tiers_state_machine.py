@@ -1,7 +1,8 @@
-"""Random traffic through the real scheduler, device pool and KV tiers (host and disk, with
-their threads), a fake runner writing KV that names its own prefix: no invariant breaks, no
-cached or stored block ever holds another prefix's KV, and what the tiers' events say they
-hold is exactly what they hold."""
+"""Random traffic through the real scheduler, device pool and KV tiers (host, disk, and a
+remote tier on a real Redis server that the machine stops, restarts and damages, with their
+threads), a fake runner writing KV that names its own prefix: no invariant breaks, no cached
+or stored block ever holds another prefix's KV, and what the local tiers' events say they hold
+is exactly what they hold."""
 
 from __future__ import annotations
 
@@ -20,11 +21,14 @@ from blockserve.core.hashing import BlockHash, BlockHasher, RequestBlockHasher
 from blockserve.core.kv_cache_manager import KVCacheManager
 from blockserve.engine.tier_feed import filled_blocks
 from blockserve.kv_tiers import BlockShape, DiskStore, HostStore
-from blockserve.kv_tiers.offload import KVTiers, Tier
+from blockserve.kv_tiers.offload import KVTiers
+from blockserve.kv_tiers.remote import MAX_BACKOFF_S, RemoteStore
+from blockserve.kv_tiers.store import Tier
 from blockserve.sampling_params import SamplingParams
 from blockserve.sched.output import ModelRunnerOutput, SchedulerOutput
 from blockserve.sched.request import Request, RequestStatus
 from blockserve.sched.scheduler import Scheduler
+from tests.kv_tiers.redis_server import RedisServer
 
 BLOCK = 4
 NUM_BLOCKS = 6  # 5 usable: the device evicts often, the tiers serve the rest
@@ -46,17 +50,23 @@ class TiersMachine(RuleBasedStateMachine):
         self.kv = [torch.full(shape, -1.0, dtype=torch.float64)]
         host = Tier("host", "CPU", HostStore(SHAPE, 3 * SHAPE.nbytes))
         disk = Tier("disk", "DISK", DiskStore(self.root, SHAPE, 6 * SHAPE.nbytes))
-        self.tiers = KVTiers([host, disk], self.kv, BLOCK, events_hash_format="bytes")
+        self.server = RedisServer(self.root)
+        self.now = 0.0  # the remote store's clock: a restart moves it past any backoff
+        self.remote = RemoteStore(self.server.url, SHAPE, "machine", clock=lambda: self.now)
+        remote = Tier("remote", "REMOTE", self.remote)
+        self.tiers = KVTiers([host, disk, remote], self.kv, BLOCK, events_hash_format="bytes")
         manager = KVCacheManager(NUM_BLOCKS, BLOCK, True, KVEventRecorder())
         config = SchedulerConfig(4, 16, max_model_len=(NUM_BLOCKS - 1) * BLOCK)
         self.scheduler = Scheduler(config, manager, (), self.tiers)
         self.prefixes: dict[BlockHash, tuple[int, ...]] = {}
         self.mirror: dict[str, set[bytes]] = {"CPU": set(), "DISK": set()}
-        self.damaged: set[bytes] = set()  # disk blocks a rule damaged: never read as KV
+        self.damaged: set[bytes] = set()  # disk or remote blocks a rule damaged: never KV
         self.next_id = 0
 
     def teardown(self) -> None:
         self.tiers.close()
+        self.remote.close()
+        self.server.stop()
         shutil.rmtree(self.root, ignore_errors=True)
 
     @rule(
@@ -123,6 +133,32 @@ class TiersMachine(RuleBasedStateMachine):
             path.write_bytes(bytes(data))
             self.damaged.add(bytes.fromhex(path.stem))
 
+    @precondition(lambda self: self.server.process is not None)
+    @rule()
+    def stop_the_store(self) -> None:
+        """The remote store goes away: lookups and loads find nothing there, writes drop."""
+        assert self.tiers.flush(10.0)
+        self.server.stop()
+
+    @precondition(lambda self: self.server.process is None)
+    @rule()
+    def restart_the_store(self) -> None:
+        """It comes back empty (no persistence), past any backoff."""
+        self.server.start()
+        self.now += MAX_BACKOFF_S
+
+    @precondition(lambda self: self.server.process is not None)
+    @rule(index=st.integers(0, 100))
+    def damage_a_remote_block(self, index: int) -> None:
+        assert self.tiers.flush(10.0)
+        client = self.server.client()
+        keys = sorted(client.keys(self.remote.key(b"") + b"*"))
+        if keys:
+            value = bytearray(client.get(keys[index % len(keys)]))  # type: ignore[arg-type]
+            value[-1] ^= 0x01
+            client.set(keys[index % len(keys)], bytes(value))
+            self.damaged.add(keys[index % len(keys)][len(self.remote.key(b"")) :])
+
     def _expected(self, block_hash: bytes) -> torch.Tensor:
         tokens = self.prefixes[BlockHash(block_hash)]
         start = len(tokens) - BLOCK
@@ -148,7 +184,7 @@ class TiersMachine(RuleBasedStateMachine):
                 self.mirror[event.medium] |= hashes
             else:
                 self.mirror[event.medium] -= hashes
-        for tier in self.tiers.tiers:
+        for tier in self.tiers.tiers[:2]:  # the shared remote store records no events
             assert self.mirror[tier.medium] == set(tier.store.keys()), tier.name
             held = tier.store.keys()
             for key in held:
@@ -158,6 +194,15 @@ class TiersMachine(RuleBasedStateMachine):
                     block = tier.store.get(key)
                     assert block is not None
                     assert torch.equal(block[0, 0].flatten(), self._expected(key)), tier.name
+        if self.server.process is not None:  # every sound block in the store is its prefix's
+            prefix = self.remote.key(b"")
+            for key in self.server.client().keys(prefix + b"*"):
+                block_hash = key[len(prefix) :]
+                if BlockHash(block_hash) in self.prefixes and block_hash not in self.damaged:
+                    block = self.remote.get(block_hash)
+                    assert block is not None and torch.equal(
+                        block[0, 0].flatten(), self._expected(block_hash)
+                    ), "remote"
 
 
 TiersMachine.TestCase.settings = settings(

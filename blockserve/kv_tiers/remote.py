@@ -1,0 +1,189 @@
+"""`RemoteStore`: blocks in a Redis-protocol store that every replica shares (Redis, Valkey),
+keyed by block hash inside a namespace of the manifest fingerprint; the store bounds and evicts
+itself (`maxmemory`, `allkeys-lru`). A fault changes speed, never an answer: the tier is marked
+down (logged once, retried with backoff) and reads as a miss until the store answers again."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+import torch
+
+from blockserve.kv_tiers.store import (
+    BlockShape,
+    StoreStats,
+    check_block,
+    pack_block,
+    unpack_block,
+)
+
+logger = logging.getLogger(__name__)
+
+LOOKUP_TIMEOUT_S = 0.01  # a lookup on the engine thread waits at most this for the store
+IO_TIMEOUT_S = 2.0  # reads and writes, on the tiers' own threads
+FIRST_BACKOFF_S, MAX_BACKOFF_S = 0.5, 30.0
+KNOWN = 1 << 16  # keys remembered as in the store (written or read here)
+
+
+class RemoteStore:
+    """The remote tier's store: `contains_many` (one round trip, engine thread), `get` and
+    `put` (the tiers' loader and writer threads). No LRU of its own, no capacity: the store's
+    settings are the bound; `len` and `used_bytes` count what this process wrote."""
+
+    remote = True  # KVTiers asks it in batches and never for every step's blocks
+
+    def __init__(
+        self,
+        url: str,
+        shape: BlockShape,
+        namespace: str,
+        clock: Callable[[], float] = time.monotonic,  # for the backoff (tests pass their own)
+    ) -> None:
+        import redis
+
+        self.url, self.shape, self.namespace, self._clock = url, shape, namespace, clock
+        self.capacity_bytes = 0  # the store's own (maxmemory)
+        self.stats = StoreStats()
+        self.failures = 0  # calls that found the store down, slow or refusing
+        self._prefix = f"blockserve:{namespace}:".encode()
+        self._lookups = redis.Redis.from_url(url, socket_timeout=LOOKUP_TIMEOUT_S,
+                                             socket_connect_timeout=LOOKUP_TIMEOUT_S)  # fmt: skip
+        self._io = redis.Redis.from_url(url, socket_timeout=IO_TIMEOUT_S,
+                                        socket_connect_timeout=IO_TIMEOUT_S)  # fmt: skip
+        self._lock = threading.Lock()
+        self._down_until = 0.0
+        self._backoff = FIRST_BACKOFF_S
+        self._written = 0
+        self._known: OrderedDict[bytes, None] = OrderedDict()
+
+    def known(self, key: bytes) -> bool:
+        """Whether this process wrote or read `key` lately (no round trip: the write path asks
+        it of every block a step fills)."""
+        with self._lock:
+            return key in self._known
+
+    def _remember(self, key: bytes) -> None:
+        with self._lock:
+            self._known[key] = None
+            self._known.move_to_end(key)
+            if len(self._known) > KNOWN:
+                self._known.popitem(last=False)
+
+    def key(self, block_hash: bytes) -> bytes:
+        return self._prefix + block_hash
+
+    @property
+    def is_down(self) -> bool:
+        with self._lock:
+            return self._clock() < self._down_until
+
+    def __contains__(self, key: bytes) -> bool:
+        return self.contains_many([key])[0]
+
+    def __len__(self) -> int:
+        return self._written
+
+    @property
+    def used_bytes(self) -> int:
+        return self._written * self.shape.nbytes
+
+    def keys(self) -> list[bytes]:
+        return []  # the engine never scans the store's keyspace
+
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether the store holds each key: one pipelined round trip, bounded by
+        `LOOKUP_TIMEOUT_S`; all False while the store is down or when it does not answer."""
+        if not keys or self.is_down:
+            return [False] * len(keys)
+        try:
+            pipe = self._lookups.pipeline(transaction=False)
+            for key in keys:
+                pipe.exists(self.key(key))
+            found = [bool(n) for n in pipe.execute()]
+        except Exception as exc:
+            self._failed(exc)
+            return [False] * len(keys)
+        self._answered()
+        return found
+
+    def get(self, key: bytes) -> torch.Tensor | None:
+        if self.is_down:
+            self.stats.misses += 1
+            return None
+        try:
+            data = self._io.get(self.key(key))
+        except Exception as exc:
+            self._failed(exc)
+            self.stats.misses += 1
+            return None
+        self._answered()
+        if not isinstance(data, bytes):  # absent (None); the client decodes no responses
+            self.stats.misses += 1
+            return None
+        payload, reason = unpack_block(data, self.shape.nbytes)
+        if payload is None:
+            logger.warning("KV remote tier: a block %s; deleted, its tokens computed", reason)
+            self.stats.corrupt += 1
+            self.stats.misses += 1
+            self._delete(key)
+            return None
+        self.stats.hits += 1
+        self._remember(key)
+        return torch.frombuffer(payload, dtype=self.shape.dtype).view(self.shape.shape)
+
+    def put(self, key: bytes, block: torch.Tensor) -> list[bytes]:
+        """Write `block` unless the store holds the key (another replica wrote it); nothing is
+        evicted here (the store's policy evicts)."""
+        check_block(self.shape, block)
+        if self.is_down:
+            return []
+        payload = block.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
+        try:
+            if self._io.set(self.key(key), pack_block(payload), nx=True):
+                self.stats.stores += 1
+                self._written += 1
+        except Exception as exc:
+            self._failed(exc)
+            return []
+        self._answered()
+        self._remember(key)  # written now, or another replica had written it
+        return []
+
+    def remove(self, key: bytes) -> bool:
+        return self._delete(key)
+
+    def close(self) -> None:
+        self._lookups.close()
+        self._io.close()
+
+    def _delete(self, key: bytes) -> bool:
+        with self._lock:
+            self._known.pop(key, None)
+        try:
+            return bool(self._io.delete(self.key(key)))
+        except Exception as exc:
+            self._failed(exc)
+            return False
+
+    def _failed(self, exc: Exception) -> None:
+        """Mark the tier down for the current backoff (doubling up to `MAX_BACKOFF_S`); the
+        first failure of an outage is logged."""
+        with self._lock:
+            self.failures += 1
+            first = self._backoff == FIRST_BACKOFF_S
+            self._down_until = self._clock() + self._backoff
+            self._backoff = min(2 * self._backoff, MAX_BACKOFF_S)
+        if first:
+            logger.warning("KV remote tier %s is down (%s: %s); serving from the other tiers, "
+                           "retrying with backoff", self.url, type(exc).__name__, exc)  # fmt: skip
+
+    def _answered(self) -> None:
+        with self._lock:
+            recovered = self._backoff != FIRST_BACKOFF_S
+            self._backoff = FIRST_BACKOFF_S
+        if recovered:
+            logger.info("KV remote tier %s answers again", self.url)

@@ -1,0 +1,112 @@
+"""The remote tier's store against a real Redis server: blocks round-trip bit for bit, one
+namespace never reads another's, a damaged or truncated value is a miss and is deleted, and a
+server that stops, pauses or restarts changes speed, never an answer."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from blockserve.kv_tiers.remote import FIRST_BACKOFF_S, LOOKUP_TIMEOUT_S, RemoteStore
+from blockserve.kv_tiers.store import BlockShape
+from tests.kv_tiers.redis_server import RedisServer
+
+SHAPE = BlockShape(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
+
+
+def block(seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(SHAPE.shape, generator=generator).to(SHAPE.dtype)
+
+
+@pytest.fixture
+def store(redis_server: RedisServer) -> Iterator[RemoteStore]:
+    remote = RemoteStore(redis_server.url, SHAPE, namespace="ns-a")
+    yield remote
+    remote.close()
+
+
+def test_blocks_round_trip_bit_for_bit(store: RemoteStore) -> None:
+    keys = [bytes([i]) * 32 for i in range(3)]
+    for i, key in enumerate(keys):
+        assert store.put(key, block(i)) == []
+    assert store.contains_many([*keys, b"x" * 32]) == [True, True, True, False]
+    for i, key in enumerate(keys):
+        got = store.get(key)
+        assert got is not None and torch.equal(got, block(i))
+    assert store.get(b"x" * 32) is None
+    store.put(keys[0], block(9))  # held already (by any replica): not written again
+    assert torch.equal(store.get(keys[0]), block(0))  # type: ignore[arg-type]
+    stats = store.stats
+    assert (stats.stores, stats.hits, stats.misses, len(store)) == (3, 4, 1, 3)
+
+
+def test_a_namespace_never_reads_another(store: RemoteStore, redis_server: RedisServer) -> None:
+    other = RemoteStore(redis_server.url, SHAPE, namespace="ns-b")
+    key = b"k" * 32
+    store.put(key, block(1))
+    assert other.contains_many([key]) == [False] and other.get(key) is None
+    other.put(key, block(2))
+    assert torch.equal(store.get(key), block(1))  # type: ignore[arg-type]
+    assert torch.equal(other.get(key), block(2))  # type: ignore[arg-type]
+    other.close()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "header"])
+def test_a_damaged_value_is_a_miss_and_is_deleted(
+    store: RemoteStore, redis_server: RedisServer, damage: str
+) -> None:
+    key = b"d" * 32
+    store.put(key, block(3))
+    client = redis_server.client()
+    value = bytearray(client.get(store.key(key)))  # type: ignore[arg-type]
+    if damage == "flip":
+        value[-1] ^= 0xFF
+    elif damage == "truncate":
+        value = value[:-10]
+    else:
+        value[0:4] = b"XXXX"
+    client.set(store.key(key), bytes(value))
+    assert store.get(key) is None
+    assert client.exists(store.key(key)) == 0
+    assert (store.stats.corrupt, store.stats.misses) == (1, 1)
+
+
+def test_a_stopped_store_is_marked_down_and_comes_back(
+    store: RemoteStore, redis_server: RedisServer
+) -> None:
+    key = b"s" * 32
+    store.put(key, block(4))
+    redis_server.stop()
+    assert store.contains_many([key]) == [False]
+    assert store.is_down and store.failures == 1
+    assert store.get(key) is None and store.put(b"t" * 32, block(5)) == []
+    assert store.failures == 1  # while down, nothing is tried
+    redis_server.start()  # the same port, empty (no persistence)
+    time.sleep(FIRST_BACKOFF_S + 0.1)
+    assert not store.is_down
+    assert store.contains_many([key]) == [False]  # the restart lost it: a miss, no error
+    store.put(key, block(4))
+    assert torch.equal(store.get(key), block(4))  # type: ignore[arg-type]
+
+
+def test_a_paused_store_costs_a_lookup_its_timeout_only(
+    store: RemoteStore, redis_server: RedisServer
+) -> None:
+    key = b"p" * 32
+    store.put(key, block(6))
+    redis_server.pause()
+    try:
+        started = time.perf_counter()
+        assert store.contains_many([key]) == [False]
+        first = time.perf_counter() - started
+        started = time.perf_counter()
+        assert store.contains_many([key]) == [False]  # marked down: not asked
+        second = time.perf_counter() - started
+    finally:
+        redis_server.resume()
+    assert first < LOOKUP_TIMEOUT_S + 0.25 and second < 0.005
+    assert store.is_down and store.failures == 1

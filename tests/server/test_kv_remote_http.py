@@ -1,0 +1,96 @@
+"""The remote KV tier across real server processes and a real Redis server: replica B serves
+the prefix replica A computed from the shared store (tokens and logprobs of a fresh
+computation), and a store that stops mid-load costs hits, never an answer."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from blockserve import LLM
+from blockserve.bench.server_process import ServerProcess
+from tests.kv_tiers.redis_server import RedisServer
+from tests.server.conftest import TINY_ARGS
+from tests.server.test_kv_tiers_http import (  # noqa: F401
+    PROMPT,
+    PROMPTS,
+    complete,
+    recomputed,
+    reference,
+    token_logprobs,
+)
+
+
+def start(model: Path, url: str, log: Path) -> ServerProcess:
+    return ServerProcess(["--model", str(model), *TINY_ARGS, "--kv-remote-url", url], log)
+
+
+def remote_metric(url: str, name: str) -> float:
+    """`blockserve:kv_tier_<name>` of the remote tier."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics").text
+    return next(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == f"blockserve:kv_tier_{name}" and sample.labels.get("tier") == "remote"
+    )
+
+
+def wait_for_keys(server: RedisServer, count: int) -> None:
+    """Until the store holds `count` keys (the writer thread puts them after the step)."""
+    client = server.client()
+    deadline = time.monotonic() + 60
+    while client.dbsize() < count:
+        assert time.monotonic() < deadline, f"fewer than {count} blocks in the store in 60 s"
+        time.sleep(0.01)
+
+
+def test_replica_b_serves_the_prefix_replica_a_computed(
+    tiny_llama_dir: Path,
+    tmp_path: Path,
+    redis_server: RedisServer,
+    reference: LLM,  # noqa: F811
+) -> None:
+    a = start(tiny_llama_dir, redis_server.url, tmp_path / "a.log")
+    b = start(tiny_llama_dir, redis_server.url, tmp_path / "b.log")
+    try:
+        cold = complete(a.url, PROMPT)
+        wait_for_keys(redis_server, 5)  # the prompt's 5 full blocks
+        warm = complete(b.url, PROMPT)
+        assert warm["usage"]["prompt_tokens_details"] == {
+            "cached_tokens": 64,
+            "cached_tokens_per_tier": {"device": 0, "host": 0, "disk": 0, "remote": 64},
+        }
+        assert warm["choices"][0]["text"] == cold["choices"][0]["text"]
+        assert token_logprobs(warm) == pytest.approx(recomputed(reference, PROMPT), abs=1e-4)
+        assert [remote_metric(b.url, n) for n in ("hits_total", "failures_total")] == [4, 0]
+        assert remote_metric(a.url, "stores_total") >= 5
+    finally:
+        assert a.stop() == 0, a.log()
+        assert b.stop() == 0, b.log()
+
+
+def test_a_store_stopped_mid_load_changes_no_answer(
+    tiny_llama_dir: Path,
+    tmp_path: Path,
+    redis_server: RedisServer,
+    reference: LLM,  # noqa: F811
+) -> None:
+    server = start(tiny_llama_dir, redis_server.url, tmp_path / "server.log")
+    try:
+        for index, prompt in enumerate(PROMPTS):
+            if index == 2:
+                redis_server.stop()
+            if index == 4:
+                redis_server.start()
+            body = complete(server.url, prompt)
+            assert token_logprobs(body) == pytest.approx(recomputed(reference, prompt), abs=1e-4)
+        assert "KV remote tier" in server.log() and "is down" in server.log()
+        assert remote_metric(server.url, "failures_total") >= 1
+    finally:
+        assert server.stop() == 0, server.log()
