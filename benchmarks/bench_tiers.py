@@ -15,8 +15,13 @@ Sections (each builds its own engines; the model is the embedded SmolLM2-135M-In
   offload    Step time while every step writes fresh blocks down (--batch distinct prompts of
              --prefix-tokens, decoding --decode-tokens each), with tiers off and with the disk
              tier: median and p90 step time, and the blocks written.
+  shared     Two replicas (engines) on one Redis store on loopback (--kv-remote-url): a
+             --prefix-tokens prompt (+1) computed on A, then asked of B, whose device cache
+             never saw it; against B computing another such prompt. TTFT of each, median over
+             --repeats.
 
-    .venv/bin/python benchmarks/bench_tiers.py [--section restore multiturn restart offload]
+    .venv/bin/python benchmarks/bench_tiers.py [--section restore multiturn restart offload
+        shared]
 """
 
 from __future__ import annotations
@@ -232,11 +237,42 @@ def bench_offload(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def bench_shared(args: argparse.Namespace) -> dict[str, Any]:
+    from blockserve.bench.redis_server import RedisServer
+
+    loaded, computed, hits = [], [], []
+    with directory() as root:
+        store = RedisServer(root, maxmemory="4gb")
+        try:
+            a = LLM(dtype=args.dtype, kv_remote_url=store.url)
+            b = LLM(dtype=args.dtype, kv_remote_url=store.url)
+            for repeat in range(args.repeats):
+                prompt = random_prompt(700 + repeat, args.prefix_tokens + 1)
+                serve(a, prompt)
+                a.engine.core.kv_tiers.flush(60)  # type: ignore[union-attr]
+                output = serve(b, prompt)
+                loaded.append(ttft(output))
+                hits.append(output.tier_cached_tokens.get("remote", 0))
+                computed.append(ttft(serve(b, random_prompt(800 + repeat, args.prefix_tokens + 1))))
+            a.shutdown()
+            b.shutdown()
+        finally:
+            store.stop()
+    return {
+        "prefix_tokens": args.prefix_tokens,
+        "remote_hit_tokens": sorted(set(hits)),
+        "from_shared_tier_ttft_s": round(statistics.median(loaded), 4),
+        "recompute_ttft_s": round(statistics.median(computed), 4),
+        "ratio": round(statistics.median(loaded) / statistics.median(computed), 3),
+    }
+
+
 SECTIONS = {
     "restore": bench_restore,
     "multiturn": bench_multiturn,
     "restart": bench_restart,
     "offload": bench_offload,
+    "shared": bench_shared,
 }
 
 

@@ -92,7 +92,7 @@ def kernels(cpu_kernels_dir: Path) -> Any:
 @pytest.fixture
 def redis_server(tmp_path: Path) -> Any:
     """A real Redis server process on a free port (tests/kv_tiers/redis_server.py)."""
-    from tests.kv_tiers.redis_server import RedisServer
+    from blockserve.bench.redis_server import RedisServer
 
     server = RedisServer(tmp_path)
     yield server

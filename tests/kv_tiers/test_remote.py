@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
+from blockserve.bench.redis_server import RedisServer
 from blockserve.kv_tiers.remote import FIRST_BACKOFF_S, LOOKUP_TIMEOUT_S, RemoteStore
 from blockserve.kv_tiers.store import BlockShape
-from tests.kv_tiers.redis_server import RedisServer
 
 SHAPE = BlockShape(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
 
@@ -110,3 +111,19 @@ def test_a_paused_store_costs_a_lookup_its_timeout_only(
         redis_server.resume()
     assert first < LOOKUP_TIMEOUT_S + 0.25 and second < 0.005
     assert store.is_down and store.failures == 1
+
+
+def test_a_refused_password_reads_as_a_down_store(tmp_path: Path) -> None:
+    server = RedisServer(tmp_path, password="secret")
+    try:
+        wrong = RemoteStore(server.url.replace(":secret@", ":wrong@"), SHAPE, namespace="ns")
+        assert wrong.contains_many([b"k" * 32]) == [False]
+        assert wrong.put(b"k" * 32, block(7)) == [] and wrong.get(b"k" * 32) is None
+        assert wrong.is_down and wrong.failures == 1 and wrong.stats.stores == 0
+        right = RemoteStore(server.url, SHAPE, namespace="ns")
+        right.put(b"k" * 32, block(7))
+        assert torch.equal(right.get(b"k" * 32), block(7))  # type: ignore[arg-type]
+        wrong.close()
+        right.close()
+    finally:
+        server.stop()

@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from blockserve.bench.redis_server import RedisServer
 from blockserve.config import SchedulerConfig
 from blockserve.core.events import BlockRemoved, BlockStored, KVEventRecorder
 from blockserve.core.hashing import BlockHash, BlockHasher, RequestBlockHasher
@@ -28,7 +29,6 @@ from blockserve.sampling_params import SamplingParams
 from blockserve.sched.output import ModelRunnerOutput, SchedulerOutput
 from blockserve.sched.request import Request, RequestStatus
 from blockserve.sched.scheduler import Scheduler
-from tests.kv_tiers.redis_server import RedisServer
 
 BLOCK = 4
 NUM_BLOCKS = 6  # 5 usable: the device evicts often, the tiers serve the rest

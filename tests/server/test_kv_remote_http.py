@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from blockserve import LLM
+from blockserve.bench.redis_server import RedisServer
 from blockserve.bench.server_process import ServerProcess
-from tests.kv_tiers.redis_server import RedisServer
 from tests.server.conftest import TINY_ARGS
 from tests.server.test_kv_tiers_http import (  # noqa: F401
     PROMPT,

