@@ -8,7 +8,8 @@ previous answer is complete. Token-id prompts and `ignore_eos`, so lengths are e
 
 For each router: aggregate cached-token fraction (the servers' `cached_tokens` over prompt
 tokens), TTFT p50/p90, throughput, and per-replica load (/cluster/replicas). The reference is
-one replica holding the whole cluster's KV memory on the same load.
+one replica holding the whole cluster's KV memory on the same load. `--kv-remote`: the
+replicas (not the reference) share a KV tier on a local Redis server.
 
     .venv/bin/python benchmarks/bench_cluster.py --replicas 2
 """
@@ -20,6 +21,7 @@ import asyncio
 import random
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -81,7 +83,10 @@ async def run_load(args: argparse.Namespace, url: str) -> tuple[list[RequestResu
 
 
 def start_cluster(args: argparse.Namespace, replicas: int, router: str, blocks: int, log: Path):
+    # --kv-remote: the replicas of a cluster (not the one-replica reference) share a store.
+    shared = ["--kv-remote-url", args.kv_remote_url] if args.kv_remote_url and replicas > 1 else []
     flags = [
+        *shared,
         "--replicas",
         str(replicas),
         "--router",
@@ -104,6 +109,8 @@ def start_cluster(args: argparse.Namespace, replicas: int, router: str, blocks: 
 
 def measure(args: argparse.Namespace, replicas: int, router: str, blocks: int) -> dict:
     log = args.out_dir / f"cluster-{replicas}x-{router}.log"
+    if args.kv_remote_url:
+        args.store.client().flushall()  # every cluster starts from an empty store
     server = start_cluster(args, replicas, router, blocks, log)
     try:
         asyncio.run(run_warmup(server.url))
@@ -152,9 +159,14 @@ def summarize(runs: list[dict], replicas: int) -> dict:
             "runs": len(group),
         }
     summary: dict = {"medians": medians}
+    single = medians["1x kv"]
+    summary["cached_over_single"] = {
+        key: round(m["cached_fraction"] / single["cached_fraction"], 4)
+        for key, m in medians.items()
+        if not key.startswith("1x")
+    }
     kv = medians.get(f"{replicas}x kv")
     if kv is not None:
-        single = medians["1x kv"]
         summary["kv_cached_over_single"] = round(
             kv["cached_fraction"] / single["cached_fraction"], 4
         )
@@ -216,9 +228,19 @@ def main() -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tag", default="", help="added to the output files' names")
+    parser.add_argument(
+        "--kv-remote", action="store_true",
+        help="the replicas share a KV tier on a local Redis server (--kv-remote-url)",
+    )  # fmt: skip
     parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results/cluster"))
     args = parser.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
+    args.kv_remote_url = None
+    if args.kv_remote:
+        from blockserve.bench.redis_server import RedisServer
+
+        args.store = RedisServer(Path(tempfile.mkdtemp()), maxmemory="4gb")
+        args.kv_remote_url = args.store.url
     total = args.replicas * args.blocks_per_replica
     runs = []
     for repeat in range(args.repeats):  # interleaved, so a slow spell hits every router
@@ -230,6 +252,7 @@ def main() -> None:
     summary = summarize(runs, args.replicas)
     config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     stem = f"cluster-{args.replicas}x" + (f"-{args.tenants}tenants" if args.tenants else "")
+    stem += "-shared-tier" if args.kv_remote else ""
     stem += f"-{args.tag}" if args.tag else ""
     plot(
         summary["medians"],
@@ -238,10 +261,13 @@ def main() -> None:
         f"{args.per_group} conversations x {args.turns} turns, {args.rate:g} conv/s"
         + (f", {args.tenants} tenants" if args.tenants else ""),
     )
+    config.pop("store", None)
     emit(
         {"benchmark": "cluster", "config": config, "runs": runs, "summary": summary},
         args.out_dir / f"{stem}.json",
     )
+    if args.kv_remote:
+        args.store.stop()
 
 
 if __name__ == "__main__":

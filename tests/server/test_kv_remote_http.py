@@ -1,6 +1,7 @@
 """The remote KV tier across real server processes and a real Redis server: replica B serves
 the prefix replica A computed from the shared store (tokens and logprobs of a fresh
-computation), and a store that stops mid-load costs hits, never an answer."""
+computation), and a store that pauses, stops and restarts mid-load costs hits, never an
+answer."""
 
 from __future__ import annotations
 
@@ -75,7 +76,7 @@ def test_replica_b_serves_the_prefix_replica_a_computed(
         assert b.stop() == 0, b.log()
 
 
-def test_a_store_stopped_mid_load_changes_no_answer(
+def test_a_store_paused_or_stopped_mid_load_changes_no_answer(
     tiny_llama_dir: Path,
     tmp_path: Path,
     redis_server: RedisServer,
@@ -83,11 +84,11 @@ def test_a_store_stopped_mid_load_changes_no_answer(
 ) -> None:
     server = start(tiny_llama_dir, redis_server.url, tmp_path / "server.log")
     try:
+        changes = {1: redis_server.pause, 2: redis_server.resume, 3: redis_server.stop,
+                   5: redis_server.start}  # fmt: skip
         for index, prompt in enumerate(PROMPTS):
-            if index == 2:
-                redis_server.stop()
-            if index == 4:
-                redis_server.start()
+            if index in changes:
+                changes[index]()
             body = complete(server.url, prompt)
             assert token_logprobs(body) == pytest.approx(recomputed(reference, prompt), abs=1e-4)
         assert "KV remote tier" in server.log() and "is down" in server.log()
