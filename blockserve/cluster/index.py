@@ -5,10 +5,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
+import msgspec
+
 from blockserve.core.events import ExternalBlockHash, KVEventBatch
 from blockserve.events.subscriber import CacheMirror
 
 DEFAULT_CREDIT_TTL_S = 30.0
+MEDIUM_SHARED = "REMOTE"  # the tier every replica shares (--kv-remote-url)
 
 
 class PrefixIndex:
@@ -24,14 +27,28 @@ class PrefixIndex:
     sockets and no clock: the caller feeds events and passes the time.
     """
 
-    def __init__(self, max_credits: int, credit_ttl_s: float = DEFAULT_CREDIT_TTL_S) -> None:
+    def __init__(
+        self,
+        max_credits: int,
+        credit_ttl_s: float = DEFAULT_CREDIT_TTL_S,
+        shared: CacheMirror | None = None,
+    ) -> None:
         self.mirror = CacheMirror()
+        self.shared = shared if shared is not None else CacheMirror()  # every replica's
         self.max_credits = max_credits
         self.credit_ttl_s = credit_ttl_s
         self._credits: OrderedDict[ExternalBlockHash, float] = OrderedDict()
 
     def apply(self, batches: Iterable[KVEventBatch]) -> None:
-        self.mirror.apply(batches)
+        """The replica's events: those of the shared tier go to the mirror every replica's
+        index reads (a block any replica wrote there, every replica can load)."""
+        for batch in batches:
+            shared = [e for e in batch.events if getattr(e, "medium", None) == MEDIUM_SHARED]
+            if shared:
+                own = [e for e in batch.events if getattr(e, "medium", None) != MEDIUM_SHARED]
+                self.shared.apply([msgspec.structs.replace(batch, events=shared)])
+                batch = msgspec.structs.replace(batch, events=own)
+            self.mirror.apply([batch])
 
     def credit(self, block_hashes: Sequence[ExternalBlockHash], now: float) -> None:
         """Count `block_hashes` as held until `now + credit_ttl_s`, whatever the events say
@@ -54,6 +71,16 @@ class PrefixIndex:
                 break
             num_held += 1
         return num_held
+
+    def shared_overlap(self, block_hashes: Sequence[ExternalBlockHash], start: int) -> int:
+        """How many leading blocks after the first `start` (those the replica holds) it holds
+        or the shared tier does: what it would load from the shared store."""
+        num_more = 0
+        for block_hash in block_hashes[start:]:
+            if block_hash not in self.shared and block_hash not in self.mirror:
+                break
+            num_more += 1
+        return num_more
 
     def clear(self) -> None:
         """Forget everything (the replica is gone)."""

@@ -11,8 +11,12 @@ from blockserve.cluster.baselines import PowerOfTwoPolicy, RoundRobinPolicy, Tex
 from blockserve.cluster.index import DEFAULT_CREDIT_TTL_S, PrefixIndex
 from blockserve.cluster.routing import ReplicaLoad, RouteRequest, RoutingPolicy
 from blockserve.errors import InvalidConfigError
+from blockserve.events.subscriber import CacheMirror
 
 DEFAULT_PREFIX_WEIGHT = 2.0
+# What a block loaded from the shared tier saves of computing it: on the host measured a
+# 4,096-token prefix loaded in 0.03-0.10 of its prefill's time (bench_tiers.py --section shared).
+SHARED_CREDIT = 0.9
 _MAX_TRACKED = 100_000  # requests routed whose end was never reported: the oldest are dropped
 
 
@@ -20,18 +24,22 @@ class Score(NamedTuple):
     replica_id: str
     overlap: int  # leading blocks held or credited
     queued: int  # blocks of work routed here and not finished
-    value: float  # prefix_weight * overlap - queued
+    value: float  # prefix_weight * (overlap + SHARED_CREDIT * shared) - queued
+    shared: int = 0  # blocks after those it could load from the shared tier
 
 
 class KVAwarePolicy:
     """Exact prefix overlap against the work queued on each replica, in blocks.
 
-        score(r) = prefix_weight * overlap(r) - queued(r)
+        score(r) = prefix_weight * (overlap(r) + SHARED_CREDIT * shared(r)) - queued(r)
 
-    `overlap(r)`: the request's leading blocks replica r holds (its KV events) or was credited
-    with (requests routed to it whose blocks it has not announced yet). `queued(r)`: the
-    blocks r has to compute for the requests routed to it and not finished, each counted at
-    what it missed when it was routed (at least 1: a full hit still decodes). With weight 1
+    `shared(r)`: the blocks after those that r could load from the tier every replica shares
+    (--kv-remote-url; any replica's events with medium "REMOTE" say what it holds): a block
+    loaded saves most of computing it, less than one held. `overlap(r)`: the request's leading
+    blocks replica r holds (its KV events) or was credited with (requests routed to it whose
+    blocks it has not announced yet). `queued(r)`: the blocks r has to compute for the
+    requests routed to it and not finished, each counted at what it missed when it was routed
+    (at least 1: a full hit still decodes; a block it loads counts 1 - SHARED_CREDIT). With weight 1
     the best replica is the one with the least prefill ahead of this request's first token
     (its own missing blocks plus the queue: num_blocks is the same everywhere). The default, 2,
     also charges a replica that computes a prefix again for the time every request behind it
@@ -65,6 +73,7 @@ class KVAwarePolicy:
         self.max_blocks_per_replica = max_blocks_per_replica
         self.credit_ttl_s = credit_ttl_s
         self.indices: dict[str, PrefixIndex] = {}
+        self.shared = CacheMirror()  # the shared tier's blocks, from every replica's events
         self.queued: dict[str, int] = {}  # replica -> blocks routed there, not finished
         self._routed: dict[str, tuple[str, int]] = {}  # request id -> (replica, its blocks)
         self._turn = itertools.count()
@@ -73,7 +82,7 @@ class KVAwarePolicy:
         """The replica's index, created empty on first use (a new or restarted replica)."""
         index = self.indices.get(replica_id)
         if index is None:
-            index = PrefixIndex(self.max_blocks_per_replica, self.credit_ttl_s)
+            index = PrefixIndex(self.max_blocks_per_replica, self.credit_ttl_s, self.shared)
             self.indices[replica_id] = index
         return index
 
@@ -82,11 +91,19 @@ class KVAwarePolicy:
     ) -> list[Score]:
         scored = []
         for replica in replicas:
-            overlap = self.index(replica.replica_id).overlap(request.block_hashes, now)
+            index = self.index(replica.replica_id)
+            overlap = index.overlap(request.block_hashes, now)
+            shared = index.shared_overlap(request.block_hashes, overlap)
             queued = self.queued.get(replica.replica_id, 0)
-            value = self.prefix_weight * overlap - queued
+            value = self.prefix_weight * (overlap + SHARED_CREDIT * shared) - queued
             scored.append(
-                Score(replica_id=replica.replica_id, overlap=overlap, queued=queued, value=value)
+                Score(
+                    replica_id=replica.replica_id,
+                    overlap=overlap,
+                    queued=queued,
+                    value=value,
+                    shared=shared,
+                )
             )
         return scored
 
@@ -109,7 +126,9 @@ class KVAwarePolicy:
         self, request: RouteRequest, replica_id: str, now: float, request_id: str
     ) -> None:
         index = self.index(replica_id)
-        missed = max(len(request.block_hashes) - index.overlap(request.block_hashes, now), 1)
+        overlap = index.overlap(request.block_hashes, now)
+        loaded = round(SHARED_CREDIT * index.shared_overlap(request.block_hashes, overlap))
+        missed = max(len(request.block_hashes) - overlap - loaded, 1)
         self.on_finished(request_id)  # an id routed again (a retry) counts once
         self._routed[request_id] = (replica_id, missed)
         self.queued[replica_id] = self.queued.get(replica_id, 0) + missed

@@ -67,11 +67,12 @@ class KVTiers:
         self.block_size = block_size
         self.max_pending_bytes = max_pending_bytes
         self.num_dropped_writes = 0  # blocks not written because the queue was full
-        # The remote tier (shared, last) is asked in batches, never block by block on a step.
+        # The remote tier (shared, last) is asked in batches, never block by block on a step;
+        # its events (medium "REMOTE") say what this replica wrote there.
         remote = self.tiers[-1].store if self.tiers else None
         self._remote = remote if isinstance(remote, RemoteStore) else None
         self._local = self.tiers[:-1] if self._remote is not None else self.tiers
-        self._events = TierEvents(self._local, events_hash_format, block_size)
+        self._events = TierEvents(self.tiers, events_hash_format, block_size)
         self._lock = threading.Lock()  # pending writes, finished loads
         # Held around each store change and the events it records: the two threads' events
         # then come in the order the stores changed.
@@ -169,8 +170,9 @@ class KVTiers:
                 started = time.perf_counter()
                 with self._tier_locks[tier.name]:  # a drop and its event, before any put
                     held = tier.store is self._remote or block_hash in tier.store
+                    damaged = tier.store.stats.corrupt
                     block = tier.store.get(block_hash)
-                    if held and block is None:  # found damaged and dropped by the store
+                    if tier.store.stats.corrupt > damaged:  # found damaged, dropped
                         self._events.removed(tier, [block_hash])
                 if held:  # the time the tier took to read it
                     seconds[tier.name] = seconds.get(tier.name, 0.0) + time.perf_counter() - started

@@ -1,5 +1,6 @@
 """The KV events of the tiers below the device: one recorder per tier, with the tier's medium
-("CPU", "DISK"), so that a router knows what each replica can restore."""
+("CPU", "DISK", and "REMOTE" for the blocks this replica wrote to the shared store), so that a
+router knows what each replica can restore."""
 
 from __future__ import annotations
 

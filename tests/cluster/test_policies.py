@@ -238,3 +238,24 @@ def test_unknown_router_is_refused() -> None:
     """A typo in --router is a config error naming the choices."""
     with pytest.raises(InvalidConfigError, match="kv, pow2, round-robin, text-prefix"):
         make_policy("random", 16)
+
+
+def test_the_shared_tier_scores_between_held_and_computed() -> None:
+    """Ten blocks: `a` holds the first 4 itself, `b` wrote all 10 to the shared tier (medium
+    REMOTE: any replica can load them). a: 2 x (4 + 0.9 x 6) = 18.8, b: 2 x (0.9 x 10) = 18,
+    so `a` wins while the queues are even; one block queued on `a` hands the request to `b`,
+    where without the shared tier `a` would keep it until its queue passed 8."""
+    policy = kv_policy(weight=2.0, holdings={"a": (1, 2, 3, 4)})
+    remote = BlockStored(list(range(1, 11)), None, [], 4, None, "REMOTE", None)
+    policy.index("b").apply([KVEventBatch(ts=0.0, events=[remote])])
+    request = RouteRequest(tuple(range(1, 11)))
+    scores = {s.replica_id: s for s in policy.scores(request, loads(a=0, b=0), 0.0)}
+    assert (scores["a"].overlap, scores["a"].shared) == (4, 6)
+    assert (scores["b"].overlap, scores["b"].shared) == (0, 10)
+    assert [round(scores[r].value, 6) for r in "ab"] == [18.8, 18.0]
+    assert policy.rank(request, loads(a=0, b=0), 0.0)[0] == "a"
+    queue(policy, "a", 1, "q1")
+    assert policy.rank(request, loads(a=0, b=0), 0.0)[0] == "b"
+    alone = kv_policy(weight=2.0, holdings={"a": (1, 2, 3, 4)})
+    queue(alone, "a", 1, "q2")
+    assert alone.rank(request, loads(a=0, b=0), 0.0)[0] == "a"

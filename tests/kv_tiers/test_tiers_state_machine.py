@@ -59,7 +59,7 @@ class TiersMachine(RuleBasedStateMachine):
         config = SchedulerConfig(4, 16, max_model_len=(NUM_BLOCKS - 1) * BLOCK)
         self.scheduler = Scheduler(config, manager, (), self.tiers)
         self.prefixes: dict[BlockHash, tuple[int, ...]] = {}
-        self.mirror: dict[str, set[bytes]] = {"CPU": set(), "DISK": set()}
+        self.mirror: dict[str, set[bytes]] = {"CPU": set(), "DISK": set(), "REMOTE": set()}
         self.damaged: set[bytes] = set()  # disk or remote blocks a rule damaged: never KV
         self.next_id = 0
 
@@ -159,6 +159,14 @@ class TiersMachine(RuleBasedStateMachine):
             client.set(keys[index % len(keys)], bytes(value))
             self.damaged.add(keys[index % len(keys)][len(self.remote.key(b"")) :])
 
+    def written_remote(self) -> set[bytes]:
+        """What the remote store holds and this machine's tiers wrote (not damaged)."""
+        if self.server.process is None:
+            return set()
+        prefix = self.remote.key(b"")
+        held = {key[len(prefix) :] for key in self.server.client().keys(prefix + b"*")}
+        return held - self.damaged
+
     def _expected(self, block_hash: bytes) -> torch.Tensor:
         tokens = self.prefixes[BlockHash(block_hash)]
         start = len(tokens) - BLOCK
@@ -184,7 +192,9 @@ class TiersMachine(RuleBasedStateMachine):
                 self.mirror[event.medium] |= hashes
             else:
                 self.mirror[event.medium] -= hashes
-        for tier in self.tiers.tiers[:2]:  # the shared remote store records no events
+        # The shared store evicts and restarts unannounced: its events are what was written.
+        assert self.mirror["REMOTE"] >= self.written_remote()
+        for tier in self.tiers.tiers[:2]:
             assert self.mirror[tier.medium] == set(tier.store.keys()), tier.name
             held = tier.store.keys()
             for key in held:
