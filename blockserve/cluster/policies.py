@@ -15,7 +15,8 @@ from blockserve.events.subscriber import CacheMirror
 
 DEFAULT_PREFIX_WEIGHT = 2.0
 # What a block loaded from the shared tier saves of computing it: on the host measured a
-# 4,096-token prefix loaded in 0.03-0.10 of its prefill's time (bench_tiers.py --section shared).
+# 4,096-token prefix loaded in 0.03-0.04 of its prefill's time (bench_tiers.py --section shared);
+# a faster device computes more of it in the time a load takes.
 SHARED_CREDIT = 0.9
 _MAX_TRACKED = 100_000  # requests routed whose end was never reported: the oldest are dropped
 
