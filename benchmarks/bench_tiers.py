@@ -246,6 +246,8 @@ def bench_shared(args: argparse.Namespace) -> dict[str, Any]:
         try:
             a = LLM(dtype=args.dtype, kv_remote_url=store.url)
             b = LLM(dtype=args.dtype, kv_remote_url=store.url)
+            for llm in (a, b):  # a host's first build runs while an engine starts
+                llm.engine.core.runner.kernels.loader.wait()
             for repeat in range(args.repeats):
                 prompt = random_prompt(700 + repeat, args.prefix_tokens + 1)
                 serve(a, prompt)
