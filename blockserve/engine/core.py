@@ -110,8 +110,7 @@ class EngineCore:
         self.kv_tiers, self._kv_dir = create_kv_tiers(
             cache, self.runner, hasher, recorder.hash_format if recorder is not None else None
         )
-        # Async scheduling: the step launched last and not finished yet.
-        self._in_flight: tuple[ScheduledStep, LaunchedStep | Exception] | None = None
+        self._in_flight: tuple[ScheduledStep, LaunchedStep | Exception] | None = None  # async
         self.scheduler = Scheduler(
             config=self.scheduler_config,
             kv_cache_manager=self.kv_cache_manager,

@@ -46,8 +46,7 @@ class Scheduler:
         adapter_ready: Callable[[str], bool] | None = None,
     ) -> None:
         self.config = config
-        # With LoRA: whether an adapter can run now (its read, when not, is under way).
-        self._adapter_ready = adapter_ready
+        self._adapter_ready = adapter_ready  # LoRA: an adapter can run now (else it is read in)
         self.kv_cache_manager = kv_cache_manager
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting = create_request_queue(config, kv_cache_manager)
@@ -176,9 +175,8 @@ class Scheduler:
             head = self.waiting.peek()
             request = self.fair_share.next_to_admit(head, self.waiting, held)
             if not self._adapter_fits(request, adapters):
-                # Its adapter needs a slot the running ones hold, or is being read in: the
-                # first request behind it whose adapter fits goes instead (as vLLM skips
-                # it); it keeps its place.
+                # Its adapter needs a slot the running ones hold, or is being read in: the first
+                # request behind it whose adapter fits goes instead; it keeps its place.
                 fits = (r for r in self.waiting if self._adapter_fits(r, adapters))
                 behind: Request | None = next(fits, None)
                 if behind is None:
@@ -223,8 +221,7 @@ class Scheduler:
     def _adapter_fits(self, request: Request, adapters: set[str]) -> bool:
         """Whether the step can hold `request`'s LoRA adapter beside `adapters`, and the
         adapter is in memory (asked only of one that fits, so only it is read in)."""
-        name = request.lora_name
-        if name is None:
+        if (name := request.lora_name) is None:
             return True
         fits = name in adapters or len(adapters) < self.config.max_loras
         return fits and (self._adapter_ready is None or self._adapter_ready(name))
