@@ -243,9 +243,10 @@ class KVTiers:
                 self._events.stored(tier, block_hash, block)
 
     def _holds(self, tier: Tier, block_hash: BlockHash) -> bool:
-        """Whether `tier` holds the block; the remote one as far as this process knows."""
+        """Whether `tier` holds the block; the remote one as far as this process knows, or
+        while it is down (nothing is copied out for a store that would drop it)."""
         if self._remote is not None and tier.store is self._remote:
-            return self._remote.known(block_hash)
+            return self._remote.is_down or self._remote.known(block_hash)
         return block_hash in tier.store
 
     # -- state ----------------------------------------------------------------------------

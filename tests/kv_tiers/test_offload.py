@@ -9,10 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from blockserve.bench.redis_server import RedisServer
 from blockserve.core.events import BlockRemoved, BlockStored
 from blockserve.core.hashing import BlockHash
 from blockserve.kv_tiers import BlockShape, DiskStore, HostStore
 from blockserve.kv_tiers.offload import KVTiers
+from blockserve.kv_tiers.remote import RemoteStore
 from blockserve.kv_tiers.store import FilledBlock, Tier
 
 SHAPE = BlockShape(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
@@ -154,3 +156,29 @@ def test_a_cancelled_load_is_never_reported(tiers: KVTiers) -> None:
     tiers.cancel_load("r")
     tiers.wait_for_loads(0.2)
     assert tiers.finished_loads() == {}
+
+
+def test_a_shared_tier_is_fed_and_read_and_skipped_while_down(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """Host over a real Redis store: a filled block reaches both; a block only the store holds
+    loads from it (and joins the host); once the store is down, a step's blocks are copied out
+    for the host alone and the store is not tried again."""
+    remote = RemoteStore(redis_server.url, SHAPE, namespace="offload")
+    host = Tier("host", "CPU", HostStore(SHAPE, 4 * SHAPE.nbytes))
+    made = KVTiers([host, Tier("remote", "REMOTE", remote)], kv_caches(0), SHAPE.block_size)
+    try:
+        made.store([filled(1, 1)])
+        assert made.flush(10.0) and remote.stats.stores == 1 and key(1) in host.store
+        host.store.remove(key(1))
+        assert made.lookup([key(1), key(2)]) == ["remote"]
+        assert load(made, [key(1)], [5]) == 1 and key(1) in host.store
+        assert torch.equal(block_of(made.kv_caches, 5), block_of(kv_caches(0), 1))
+        redis_server.stop()
+        assert made.lookup([key(3)]) == [] and remote.is_down and remote.failures == 1
+        made.store([filled(3, 3)])
+        assert made.flush(10.0) and key(3) in host.store
+        assert (remote.stats.stores, remote.failures) == (1, 1)
+    finally:
+        made.close()
+        remote.close()
