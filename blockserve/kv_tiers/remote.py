@@ -10,6 +10,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from urllib.parse import urlsplit, urlunsplit
 
 import torch
 
@@ -45,7 +46,8 @@ class RemoteStore:
     ) -> None:
         import redis
 
-        self.url, self.shape, self.namespace, self._clock = url, shape, namespace, clock
+        self.url = redacted(url)  # what the logs name: no password
+        self.shape, self.namespace, self._clock = shape, namespace, clock
         self.capacity_bytes = 0  # the store's own (maxmemory)
         self.stats = StoreStats()
         self.failures = 0  # calls that found the store down, slow or refusing
@@ -187,3 +189,12 @@ class RemoteStore:
             self._backoff = FIRST_BACKOFF_S
         if recovered:
             logger.info("KV remote tier %s answers again", self.url)
+
+
+def redacted(url: str) -> str:
+    """`url` with its password, if any, replaced by ***."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))

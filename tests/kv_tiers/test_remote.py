@@ -117,6 +117,7 @@ def test_a_refused_password_reads_as_a_down_store(tmp_path: Path) -> None:
     server = RedisServer(tmp_path, password="secret")
     try:
         wrong = RemoteStore(server.url.replace(":secret@", ":wrong@"), SHAPE, namespace="ns")
+        assert wrong.url == f"redis://:***@127.0.0.1:{server.port}/0"  # what the logs show
         assert wrong.contains_many([b"k" * 32]) == [False]
         assert wrong.put(b"k" * 32, block(7)) == [] and wrong.get(b"k" * 32) is None
         assert wrong.is_down and wrong.failures == 1 and wrong.stats.stores == 0
