@@ -7,11 +7,10 @@ from collections.abc import Iterable, Sequence
 
 import msgspec
 
-from blockserve.core.events import ExternalBlockHash, KVEventBatch
+from blockserve.core.events import MEDIUM_REMOTE, ExternalBlockHash, KVEventBatch
 from blockserve.events.subscriber import CacheMirror
 
 DEFAULT_CREDIT_TTL_S = 30.0
-MEDIUM_SHARED = "REMOTE"  # the tier every replica shares (--kv-remote-url)
 
 
 class PrefixIndex:
@@ -43,9 +42,9 @@ class PrefixIndex:
         """The replica's events: those of the shared tier go to the mirror every replica's
         index reads (a block any replica wrote there, every replica can load)."""
         for batch in batches:
-            shared = [e for e in batch.events if getattr(e, "medium", None) == MEDIUM_SHARED]
+            shared = [e for e in batch.events if getattr(e, "medium", None) == MEDIUM_REMOTE]
             if shared:
-                own = [e for e in batch.events if getattr(e, "medium", None) != MEDIUM_SHARED]
+                own = [e for e in batch.events if getattr(e, "medium", None) != MEDIUM_REMOTE]
                 self.shared.apply([msgspec.structs.replace(batch, events=shared)])
                 batch = msgspec.structs.replace(batch, events=own)
             self.mirror.apply([batch])

@@ -21,6 +21,8 @@ from blockserve.errors import InvalidConfigError
 ExternalBlockHash = int | bytes
 MEDIUM_GPU = "GPU"
 """vLLM's medium name for the primary KV tier (used on every device, as vLLM does)."""
+MEDIUM_REMOTE = "REMOTE"
+"""Ours: the medium of the KV tier every replica shares (--kv-remote-url)."""
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -24,6 +24,7 @@ from blockserve.engine.core_step import (
     advance_adapter_reads,
     finish_step,
     run_step,
+    with_errors,
 )
 from blockserve.engine.outputs import (
     CoreStats,
@@ -182,7 +183,7 @@ class EngineCore:
             outputs = self._step_ahead(scheduled)
         else:
             outputs = self._apply(scheduled, run_step(self.runner.execute, scheduled))
-        return dataclasses.replace(outputs, errors={**outputs.errors, **unreadable})
+        return with_errors(outputs, unreadable)
 
     def _step_ahead(self, scheduled: ScheduledStep) -> EngineCoreOutputs:
         """Async scheduling: launch this step, then finish and apply the one before it (the

@@ -3,6 +3,7 @@ finished by the runner, each call turning a failure into the step's error, not t
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from blockserve.core.kv_cache_manager import RequestId
-from blockserve.engine.outputs import Started
+from blockserve.engine.outputs import EngineCoreOutputs, Started
 from blockserve.runner.launched import LaunchedStep
 from blockserve.runner.model_runner import ModelRunner
 from blockserve.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -82,3 +83,10 @@ def advance_adapter_reads(runner: ModelRunner, scheduler: Scheduler) -> dict[Req
         r.request_id: f"the LoRA adapter '{r.lora_name}' could not be read: {failed[r.lora_name]}"  # type: ignore[index]
         for r in ended
     }
+
+
+def with_errors(outputs: EngineCoreOutputs, errors: dict[RequestId, str]) -> EngineCoreOutputs:
+    """`outputs` with more failed samples (most steps have none: the outputs as they are)."""
+    if not errors:
+        return outputs
+    return dataclasses.replace(outputs, errors={**outputs.errors, **errors})

@@ -8,6 +8,7 @@ from collections.abc import Collection, Mapping
 
 from blockserve.config import CacheConfig
 from blockserve.core.cache_types import RequestId
+from blockserve.core.events import MEDIUM_REMOTE
 from blockserve.core.hashing import BlockHasher
 from blockserve.engine.outputs import TierStats
 from blockserve.kv_tiers.disk import DiskStore
@@ -62,7 +63,7 @@ def create_kv_tiers(
             logger.info("KV disk tier: %d blocks held in %s", len(store), directory.root)
     if cache.kv_remote_url and fingerprint is not None:
         if fingerprint.reusable:
-            tiers.append(Tier("remote", "REMOTE", RemoteStore(
+            tiers.append(Tier("remote", MEDIUM_REMOTE, RemoteStore(
                 cache.kv_remote_url, shape, fingerprint.namespace())))  # fmt: skip
         else:
             logger.warning(

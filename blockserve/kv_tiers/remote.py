@@ -35,8 +35,6 @@ class RemoteStore:
     `put` (the tiers' loader and writer threads). No LRU of its own, no capacity: the store's
     settings are the bound; `len` and `used_bytes` count what this process wrote."""
 
-    remote = True  # KVTiers asks it in batches and never for every step's blocks
-
     def __init__(
         self,
         url: str,
