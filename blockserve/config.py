@@ -53,6 +53,8 @@ class CacheConfig:
     kv_disk_bytes: int = 16 << 30
     kv_cache_dir_clear_mismatch: bool = False
     kv_remote_url: str | None = None  # a Redis-protocol store every replica shares
+    # Signs the remote store's records (None: the store is trusted); never printed.
+    kv_remote_secret: str | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,7 @@ from blockserve.cluster.registry import router_report
 from blockserve.cluster.replica import EngineReplica
 from blockserve.config import ServerConfig
 from blockserve.core.hashing import BlockHasher
+from blockserve.engine.arg_checks import lora_module
 from blockserve.engine.args import EngineArgs
 from blockserve.errors import InvalidConfigError
 from blockserve.server.app import build_app as build_http_app
@@ -106,6 +107,7 @@ def router_config(engine_args: EngineArgs, cluster: ClusterConfig) -> dict[str, 
             "policy": cluster.router,
             "block_size": engine_args.block_size,
             "hash_algo": engine_args.prefix_caching_hash_algo,
+            "lora_paths": dict(lora_module(str(e)) for e in engine_args.lora_modules),
             "prefix_weight": cluster.router_prefix_weight,
         },
         "request_routing_stats_period_s": ROUTING_STATS_PERIOD_S,

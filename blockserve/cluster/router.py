@@ -31,7 +31,8 @@ _MAX_UNROUTED = 10_000
 class PolicyRouter(FIFOMixin, RequestRouter):
     """A blockserve policy on Ray Serve. `request_router_kwargs`: policy (a name from
     cluster/policies.py), block_size, hash_algo, hash_seed (None: the engines' default),
-    prefix_weight and max_blocks_per_replica (kv).
+    lora_paths (the replicas' --lora-modules, name -> path: both enter an adapter's block
+    hashes), prefix_weight and max_blocks_per_replica (kv).
 
     `PolicyRouter` runs any policy on Ray Serve's `RequestRouter` API: it counts each replica's
     requests in flight from this router (its load), asks the policy for a ranking, and tells the
@@ -44,6 +45,7 @@ class PolicyRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, **kwargs: Any) -> None:
         self.block_size: int = kwargs.get("block_size", 16)
         self.hasher = BlockHasher(kwargs.get("hash_algo", "sha256"), kwargs.get("hash_seed"))
+        self.lora_paths: dict[str, str] = dict(kwargs.get("lora_paths", {}))
         self.policy: RoutingPolicy = make_policy(
             kwargs.get("policy", "kv"),
             kwargs.get("max_blocks_per_replica", 1 << 20),
@@ -113,7 +115,7 @@ class PolicyRouter(FIFOMixin, RequestRouter):
         route = self._routes.get(request_id)
         if route is None:
             spec = pending_request.args[0]
-            route = route_request(spec, self.hasher, self.block_size)
+            route = route_request(spec, self.hasher, self.block_size, self.lora_paths)
             self._routes[request_id] = route
             if len(self._routes) > _MAX_UNROUTED:  # requests cancelled before being routed
                 del self._routes[next(iter(self._routes))]

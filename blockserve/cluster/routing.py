@@ -4,7 +4,7 @@ and the policy protocol the Ray Serve router (cluster/router.py) and the cluster
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -22,11 +22,20 @@ class RouteRequest:
     text: str | tuple[int, ...] = ""
 
 
-def route_request(spec: RequestSpec, hasher: BlockHasher, block_size: int) -> RouteRequest:
+def route_request(
+    spec: RequestSpec,
+    hasher: BlockHasher,
+    block_size: int,
+    lora_paths: Mapping[str, str] | None = None,
+) -> RouteRequest:
     """The request as a policy sees it: its full prompt blocks hashed exactly as the engines
-    hash them (same algorithm, seed, block size, cache salt and LoRA name), in event form."""
+    hash them (same algorithm, seed, block size, cache salt, and the adapter's name and path
+    from `lora_paths`, the replicas' --lora-modules), in event form."""
     assert not isinstance(spec.prompt, str), "the ingress sends token ids"
-    hashes = hasher.hash_prompt(spec.prompt, block_size, spec.cache_salt, spec.lora_name)
+    lora = None
+    if spec.lora_name is not None:
+        lora = (spec.lora_name, (lora_paths or {}).get(spec.lora_name, ""))
+    hashes = hasher.hash_prompt(spec.prompt, block_size, spec.cache_salt, lora)
     return RouteRequest(tuple(block_hash_to_uint64(h) for h in hashes), spec.prompt)
 
 

@@ -12,7 +12,7 @@ from blockserve.core.block_hash_map import BlockHashToBlockMap
 from blockserve.core.events import CacheListener, KVEvent, KVEventRecorder
 from blockserve.core.eviction import HitAwarePolicy, TailLRUConfig, create_free_block_policy
 from blockserve.core.free_queue import FreeBlockQueue, KVCacheBlock
-from blockserve.core.hashing import BlockHash
+from blockserve.core.hashing import BlockHash, BlockKeyInputs
 from blockserve.errors import InvalidConfigError, NoFreeBlocksError
 
 
@@ -30,6 +30,9 @@ class CacheableRequest(Protocol):
 
     @property
     def cache_salt(self) -> str | None: ...
+
+    @property
+    def hash_keys(self) -> BlockKeyInputs: ...
 
 
 class BlockPool:
@@ -204,7 +207,12 @@ class BlockPool:
         for listener in self._listeners:
             listener.on_hashes_stored(new_hashes, parent, token_ids, request.cache_salt)
         if self.events is not None:
-            self.events.block_stored(new_hashes, parent, list(token_ids), size, request.lora_name)
+            extra_keys = request.hash_keys.event_extra_keys(
+                num_cached_blocks, num_full_blocks, size
+            )
+            self.events.block_stored(
+                new_hashes, parent, list(token_ids), size, request.lora_name, extra_keys
+            )
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; False, with nothing changed, while any block is held.

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Protocol, TypeAlias
 
 from blockserve.core.free_queue import KVCacheBlock
-from blockserve.core.hashing import BlockHash
+from blockserve.core.hashing import BlockHash, BlockKeyInputs
 
 RequestId: TypeAlias = Hashable
 """A request's key: any hashable value its owner chooses (the engine uses structured ids)."""
@@ -40,6 +40,9 @@ class KVCacheRequest(Protocol):
 
     @property
     def cache_salt(self) -> str | None: ...
+
+    @property
+    def hash_keys(self) -> BlockKeyInputs: ...
 
     @property
     def skip_reading_prefix_cache(self) -> bool: ...

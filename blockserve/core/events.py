@@ -129,7 +129,10 @@ class KVEventRecorder:
         token_ids: list[int],
         block_size: int,
         lora_name: str | None,
+        extra_keys: list[tuple[Any, ...] | None] | None = None,
     ) -> None:
+        """One `BlockStored`; `extra_keys`: one untagged entry a block, as vLLM publishes them
+        (None for every block of a request without extra keys)."""
         to_external = self.external_hash
         self._events.append(
             BlockStored(
@@ -142,6 +145,7 @@ class KVEventRecorder:
                 lora_id=None,
                 medium=self.medium,
                 lora_name=lora_name,
+                extra_keys=extra_keys,
             )
         )
 

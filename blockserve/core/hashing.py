@@ -128,14 +128,18 @@ class MultiModalFeature:
 class BlockKeyInputs:
     """Everything besides token ids that enters a request's block hashes.
 
-    Extra keys of the block [start, end), in vLLM's order:
-    1. the LoRA adapter name, on every block;
-    2. `(identifier, offset - start)` for each multimodal item overlapping the block;
-    3. the cache salt, on block 0 only (hashes chain, so it changes every later hash);
-    4. SHA-256 of the block's slice of the prompt embeddings (any buffer-protocol array).
+    Extra keys of the block [start, end), each tagged with its source, in vLLM 0.32's order
+    (`generate_block_hash_extra_keys`):
+    1. `("lora", name, path)` on every block: the path too, so a name pointed at other weights
+       never reads blocks computed with the old ones;
+    2. `("mm", identifier, offset - start)` for each multimodal item overlapping the block;
+    3. `("cache_salt", salt)` on block 0 only (hashes chain, so it changes every later hash);
+    4. `("prompt_embeds", SHA-256 of the block's slice)` of the prompt embeddings (any
+       buffer-protocol array).
     """
 
     lora_name: str | None = None
+    lora_path: str = ""
     mm_features: tuple[MultiModalFeature, ...] = ()
     cache_salt: str | None = None
     prompt_embeds: Any = None
@@ -150,19 +154,40 @@ class BlockKeyInputs:
         )
 
     def extra_keys(self, start: int, end: int) -> tuple[Any, ...] | None:
-        """The extra keys of the block covering token positions [start, end), or None."""
+        """The tagged extra keys of the block covering token positions [start, end), or None."""
         keys: list[Any] = []
         if self.lora_name is not None:
-            keys.append(self.lora_name)
+            keys.append(("lora", self.lora_name, self.lora_path))
         for feature in self.mm_features:
             if feature.offset < end and feature.offset + feature.length > start:
-                keys.append((feature.identifier, feature.offset - start))
+                keys.append(("mm", feature.identifier, feature.offset - start))
         if start == 0 and self.cache_salt:
-            keys.append(self.cache_salt)
+            keys.append(("cache_salt", self.cache_salt))
         if self.prompt_embeds is not None:
             embeds_slice = memoryview(self.prompt_embeds[start:end]).tobytes()
-            keys.append(hashlib.sha256(embeds_slice).digest())
+            keys.append(("prompt_embeds", hashlib.sha256(embeds_slice).digest()))
         return tuple(keys) if keys else None
+
+    def event_extra_keys(
+        self, first_block: int, end_block: int, block_size: int
+    ) -> list[tuple[Any, ...] | None]:
+        """`BlockStored.extra_keys` of blocks [first_block, end_block): one entry a block, the
+        keys untagged as vLLM publishes them (`to_event_extra_keys`): the LoRA name, the
+        `(identifier, offset)` pairs, the salt, the embeddings' digest."""
+        if self.is_empty:
+            return [None] * (end_block - first_block)
+        return [
+            untag_extra_keys(self.extra_keys(i * block_size, (i + 1) * block_size))
+            for i in range(first_block, end_block)
+        ]
+
+
+def untag_extra_keys(keys: tuple[Any, ...] | None) -> tuple[Any, ...] | None:
+    """One block's keys as KV events carry them: each tag dropped, an item's pair kept whole,
+    every other key reduced to its first value (a LoRA key to its name)."""
+    if keys is None:
+        return None
+    return tuple(key[1:] if key[0] == "mm" else key[1] for key in keys)
 
 
 NO_EXTRA_KEYS = BlockKeyInputs()
@@ -245,12 +270,17 @@ class BlockHasher:
         token_ids: Sequence[int],
         block_size: int = 16,
         cache_salt: str | None = None,
-        lora_name: str | None = None,
+        lora: tuple[str, str] | None = None,
     ) -> list[BlockHash]:
-        """One hash per full block of a prompt: what a router needs to look a prompt up."""
+        """One hash per full block of a prompt: what a router needs to look a prompt up.
+        `lora`: the adapter's (name, path), as the engines serving it were given them."""
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
             raise InvalidConfigError(f"block_size must be a positive integer, got {block_size!r}")
-        keys = BlockKeyInputs(lora_name=lora_name, cache_salt=cache_salt)
+        keys = BlockKeyInputs(
+            lora_name=None if lora is None else lora[0],
+            lora_path="" if lora is None else lora[1],
+            cache_salt=cache_salt,
+        )
         return self.hash_new_blocks(token_ids, [], block_size, keys)
 
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import math
 from typing import Any
+from urllib.parse import urlsplit
 
 from blockserve.events.config import KVEventsConfig
+from blockserve.lora.names import check_lora_name
 
 
 def device(value: str) -> str | None:
@@ -58,11 +60,11 @@ def lora_module(value: str) -> tuple[str, str]:
             raise ValueError(f"not JSON: {exc.msg}") from None
         if not isinstance(entry, dict) or not entry.get("name") or not entry.get("path"):
             raise ValueError(f"needs a name and a path, got {value}")
-        return str(entry["name"]), str(entry["path"])
+        return check_lora_name(str(entry["name"])), str(entry["path"])
     name, sep, path = value.partition("=")
     if not sep or not name or not path:
         raise ValueError(f"expected name=path, got {value!r}")
-    return name, path
+    return check_lora_name(name), path
 
 
 def lora_modules(values: Any) -> str | None:
@@ -106,4 +108,11 @@ def redis_url(value: str | None) -> str | None:
         return None
     if not isinstance(value, str) or value.split("://", 1)[0] not in ("redis", "rediss", "unix"):
         return "must be a redis://, rediss:// or unix:// URL"
+    try:
+        parts = urlsplit(value)
+        parts.port  # noqa: B018 - parsed for its ValueError
+    except ValueError as exc:  # an unclosed [ of an IPv6 host, a port out of range
+        return f"is not a URL that can be read ({exc})"
+    if parts.scheme != "unix" and not parts.hostname:
+        return "names no host"
     return None

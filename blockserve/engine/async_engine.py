@@ -20,8 +20,8 @@ from blockserve.engine.llm_engine import LLMEngine, build_engine
 from blockserve.engine.outputs import EngineStats, KVCacheReport, MissRatioReport, RequestOutput
 from blockserve.engine.request import RequestSpec, ValidatedRequest
 from blockserve.engine.tokenizer_pool import PoolTokenizing, TokenizerPool
-from blockserve.errors import EngineDeadError, InvalidRequestError
-from blockserve.lora.adapter import LoRAError
+from blockserve.errors import EngineDeadError, InvalidRequestError, ModelNotFoundError
+from blockserve.lora.names import LoRAError, check_lora_name
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +151,10 @@ class AsyncEngine(PoolTokenizing):
         """Read and check the adapter on a worker thread (the steps go on), then serve it
         from the next step; LoRAError (nothing changed) when it cannot be served."""
         manager = self.engine.lora_manager()
+        try:
+            check_lora_name(name)
+        except LoRAError as exc:
+            raise InvalidRequestError(str(exc), "lora_name") from None
         if name in manager.paths:
             raise InvalidRequestError(
                 f"The lora adapter '{name}' has already been loaded.", "lora_name"
@@ -261,7 +265,10 @@ class AsyncEngine(PoolTokenizing):
 
     def _apply(self, command: _Command) -> None:
         if isinstance(command, ValidatedRequest):
-            self.engine.add_validated(command)
+            try:
+                self.engine.add_validated(command)
+            except ModelNotFoundError as exc:  # its adapter went since it was checked
+                self._fail_one(command.request_id, exc)
         elif isinstance(command, _Abort):
             self.engine.abort_request([command.request_id])
         elif isinstance(command, _Call):
@@ -279,6 +286,15 @@ class AsyncEngine(PoolTokenizing):
             stream = self._streams.get(output.request_id)
             if stream is not None:
                 stream.put_nowait(output)
+
+    def _fail_one(self, request_id: str, error: BaseException) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._put_error, request_id, error)
+
+    def _put_error(self, request_id: str, error: BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put_nowait(error)
 
     def _fail_all(self, error: BaseException) -> None:
         if self._loop is None or self._loop.is_closed():

@@ -153,7 +153,13 @@ class EngineCore:
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a validated sample (the core trusts it)."""
-        keys = BlockKeyInputs(cache_salt=request.cache_salt, lora_name=request.lora_name)
+        lora_path = ""
+        if request.lora_name is not None:
+            assert self.runner.lora is not None, "a LoRA request reaches only a LoRA engine"
+            lora_path = self.runner.lora.hash_path(request.lora_name)
+        keys = BlockKeyInputs(
+            cache_salt=request.cache_salt, lora_name=request.lora_name, lora_path=lora_path
+        )
         sample = Request(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,

@@ -3,6 +3,7 @@ across options, then each config."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from blockserve.config import (
@@ -46,6 +47,9 @@ def engine_config(args: EngineArgs) -> EngineConfig:
             kv_disk_bytes=int(args.kv_disk_size * GIB),
             kv_cache_dir_clear_mismatch=args.kv_cache_dir_clear_mismatch,
             kv_remote_url=args.kv_remote_url,
+            kv_remote_secret=(
+                args.kv_remote_secret or os.environ.get("BLOCKSERVE_KV_REMOTE_SECRET") or None
+            ),
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,

@@ -8,7 +8,7 @@ from typing import Any
 
 from blockserve.engine.chat import Message, chat_prompt_ids
 from blockserve.engine.request import RequestSpec, ValidatedRequest
-from blockserve.errors import InvalidRequestError
+from blockserve.errors import InvalidRequestError, ModelNotFoundError
 from blockserve.grammar import GrammarCompiler
 from blockserve.model.tokenizer import Tokenizer
 
@@ -106,7 +106,9 @@ class InputProcessor:
                 "LoRA adapters are served with --enable-lora only", "lora_name"
             )
         if spec.lora_name is not None and spec.lora_name not in (self.lora_names or ()):
-            raise InvalidRequestError(f"no LoRA adapter named {spec.lora_name!r}", "lora_name")
+            # A 404 as for any model name nothing is served under (it may have been unloaded
+            # since the server read the name).
+            raise ModelNotFoundError(f"The lora adapter '{spec.lora_name}' cannot be found.")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(spec.params, name)
             if value is not None and value > self.max_logprobs:

@@ -42,3 +42,11 @@ class KVTierArgs:
         "bounds and evicts itself (docs/kv-tiers.md)",
         check=arg_checks.redis_url,
     )
+    kv_remote_secret: str | None = option(
+        None,
+        "a secret every replica shares: records in --kv-remote-url are signed with it "
+        "(HMAC-SHA256 over namespace, key and value) and a record that fails is a miss, "
+        "deleted; without it whoever can write the store is trusted (default: "
+        "BLOCKSERVE_KV_REMOTE_SECRET, if set)",
+        check=arg_checks.non_empty_or_none,
+    )

@@ -55,7 +55,16 @@ class LLMEngine:
         self.add_validated(self.input_processor.process(spec, self.output_processor))
 
     def add_validated(self, request: ValidatedRequest) -> None:
-        """Queue a request that an input processor of this engine already checked."""
+        """Queue a request that an input processor of this engine already checked.
+
+        ModelNotFoundError, nothing queued, when its adapter was unloaded since the check (on
+        another thread): on the engine's thread an adapter is either gone before its request
+        arrives, or counted as in use by the unload."""
+        name = request.spec.lora_name
+        if name is not None and (
+            self.core.runner.lora is None or not self.core.runner.lora.serves(name)
+        ):
+            raise ModelNotFoundError(f"The lora adapter '{name}' cannot be found.")
         for core_request in self.output_processor.add_request(request):
             self.core.add_request(core_request)
 

@@ -63,8 +63,10 @@ def create_kv_tiers(
             logger.info("KV disk tier: %d blocks held in %s", len(store), directory.root)
     if cache.kv_remote_url and fingerprint is not None:
         if fingerprint.reusable:
-            tiers.append(Tier("remote", MEDIUM_REMOTE, RemoteStore(
-                cache.kv_remote_url, shape, fingerprint.namespace())))  # fmt: skip
+            secret = cache.kv_remote_secret
+            remote = RemoteStore(cache.kv_remote_url, shape, fingerprint.namespace(),
+                                 secret=None if secret is None else secret.encode())  # fmt: skip
+            tiers.append(Tier("remote", MEDIUM_REMOTE, remote))
         else:
             logger.warning(
                 "KV remote tier OFF: %s hashes use a random per-process seed (PYTHONHASHSEED "
@@ -125,6 +127,7 @@ def filled_blocks(
                     parent_hash=hashes[index - 1] if index else None,
                     token_ids=tuple(tokens),
                     lora_name=request.lora_name,
+                    extra_keys=request.hash_keys.event_extra_keys(index, index + 1, block_size)[0],
                 )
             )
     return filled

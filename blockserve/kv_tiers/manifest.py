@@ -19,7 +19,7 @@ from blockserve.errors import InvalidConfigError
 logger = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
-_FORMAT = 1
+_FORMAT = 2  # 2: block hashes take vLLM 0.32's tagged extra keys
 _CHUNK = 8 << 20
 
 

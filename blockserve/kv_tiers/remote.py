@@ -1,20 +1,25 @@
 """`RemoteStore`: blocks in a Redis-protocol store that every replica shares (Redis, Valkey),
 keyed by block hash inside a namespace of the manifest fingerprint; the store bounds and evicts
 itself (`maxmemory`, `allkeys-lru`). A fault changes speed, never an answer: the tier is marked
-down (logged once, retried with backoff) and reads as a miss until the store answers again."""
+down (logged once, retried with backoff) and reads as a miss until the store answers again.
+With a shared secret a record is believed only with its signature over namespace, key and
+value; no value is read past a block's size."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import torch
 
 from blockserve.kv_tiers.store import (
+    RECORD_HEADER,
     BlockShape,
     StoreStats,
     check_block,
@@ -28,12 +33,19 @@ LOOKUP_TIMEOUT_S = 0.01  # a lookup on the engine thread waits at most this for 
 IO_TIMEOUT_S = 2.0  # reads and writes, on the tiers' own threads
 FIRST_BACKOFF_S, MAX_BACKOFF_S = 0.5, 30.0
 KNOWN = 1 << 16  # keys remembered as in the store (written or read here)
+TAG_BYTES = 32  # HMAC-SHA256 of a signed record, after it
 
 
 class RemoteStore:
     """The remote tier's store: `contains_many` (one round trip, engine thread), `get` and
     `put` (the tiers' loader and writer threads). No LRU of its own, no capacity: the store's
-    settings are the bound; `len` and `used_bytes` count what this process wrote."""
+    settings are the bound; `len` and `used_bytes` count what this process wrote.
+
+    `secret`: records carry HMAC-SHA256(secret, key || record) after them, the key holding
+    the namespace, so a record copied onto another key, or rewritten with a fresh checksum by
+    someone without the secret, fails: a miss, deleted. None: whoever can write the store is
+    trusted (said once in the log). Either way a value of any other length than a record's is
+    never read: the lookup asks for lengths, a read for the record's bytes at most."""
 
     def __init__(
         self,
@@ -41,6 +53,7 @@ class RemoteStore:
         shape: BlockShape,
         namespace: str,
         clock: Callable[[], float] = time.monotonic,  # for the backoff (tests pass their own)
+        secret: bytes | None = None,
     ) -> None:
         import redis
 
@@ -59,6 +72,12 @@ class RemoteStore:
         self._backoff = FIRST_BACKOFF_S
         self._written = 0
         self._known: OrderedDict[bytes, None] = OrderedDict()
+        self._secret = secret
+        self.record_bytes = RECORD_HEADER.size + shape.nbytes + (TAG_BYTES if secret else 0)
+        if secret is None:
+            logger.warning("KV remote tier %s: no --kv-remote-secret, so its records are not "
+                           "signed: whoever can write the store answers for every replica",
+                           self.url)  # fmt: skip
 
     def known(self, key: bytes) -> bool:
         """Whether this process wrote or read `key` lately (no round trip: the write path asks
@@ -95,15 +114,16 @@ class RemoteStore:
         return []  # the engine never scans the store's keyspace
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
-        """Whether the store holds each key: one pipelined round trip, bounded by
-        `LOOKUP_TIMEOUT_S`; all False while the store is down or when it does not answer."""
+        """Whether the store holds a record of a block's length at each key: one pipelined
+        round trip, bounded by `LOOKUP_TIMEOUT_S`; all False while the store is down or when
+        it does not answer."""
         if not keys or self.is_down:
             return [False] * len(keys)
         try:
             pipe = self._lookups.pipeline(transaction=False)
             for key in keys:
-                pipe.exists(self.key(key))
-            found = [bool(n) for n in pipe.execute()]
+                pipe.strlen(self.key(key))
+            found = [n == self.record_bytes for n in pipe.execute()]
         except Exception as exc:
             self._failed(exc)
             return [False] * len(keys)
@@ -114,17 +134,20 @@ class RemoteStore:
         if self.is_down:
             self.stats.misses += 1
             return None
-        try:
-            data = self._io.get(self.key(key))
+        try:  # the length, and at most a record's bytes: a huge value is never read whole
+            pipe = self._io.pipeline(transaction=False)
+            pipe.strlen(self.key(key))
+            pipe.getrange(self.key(key), 0, self.record_bytes - 1)
+            length, data = pipe.execute()
         except Exception as exc:
             self._failed(exc)
             self.stats.misses += 1
             return None
         self._answered()
-        if not isinstance(data, bytes):  # absent (None); the client decodes no responses
+        if not length:  # absent; the client decodes no responses
             self.stats.misses += 1
             return None
-        payload, reason = unpack_block(data, self.shape.nbytes)
+        payload, reason = self._open(key, data, length)
         if payload is None:
             logger.warning("KV remote tier: a block %s; deleted, its tokens computed", reason)
             self.stats.corrupt += 1
@@ -142,8 +165,11 @@ class RemoteStore:
         if self.is_down:
             return []
         payload = block.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
+        record = pack_block(payload)
+        if self._secret is not None:
+            record += self._tag(key, record)
         try:
-            if self._io.set(self.key(key), pack_block(payload), nx=True):
+            if self._io.set(self.key(key), record, nx=True):
                 self.stats.stores += 1
                 self._written += 1
         except Exception as exc:
@@ -152,6 +178,20 @@ class RemoteStore:
         self._answered()
         self._remember(key)  # written now, or another replica had written it
         return []
+
+    def _tag(self, key: bytes, record: bytes | bytearray) -> bytes:
+        return hmac.new(self._secret or b"", self.key(key) + record, hashlib.sha256).digest()
+
+    def _open(self, key: bytes, data: bytes, length: int) -> tuple[bytearray | None, str]:
+        """The block's bytes from a record read at `key`, or None and what is wrong."""
+        if length != self.record_bytes or len(data) != self.record_bytes:
+            return None, f"is {length} bytes, not a record's {self.record_bytes}"
+        if self._secret is not None:
+            record, tag = memoryview(data)[:-TAG_BYTES], data[-TAG_BYTES:]
+            if not hmac.compare_digest(self._tag(key, record.tobytes()), tag):
+                return None, "fails its signature (written without the shared secret)"
+            data = data[:-TAG_BYTES]
+        return unpack_block(data, self.shape.nbytes)
 
     def remove(self, key: bytes) -> bool:
         return self._delete(key)
@@ -190,9 +230,20 @@ class RemoteStore:
 
 
 def redacted(url: str) -> str:
-    """`url` with its password, if any, replaced by ***."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return urlunsplit(parts._replace(netloc=netloc))
+    """`url` with its password, in the address or as a `password=` query parameter (which
+    redis-py reads too), replaced by ***."""
+    try:
+        parts = urlsplit(url)
+        password = parts.password
+    except ValueError:  # not a URL that parses: nothing of it is shown
+        return "<a URL that does not parse>"
+    shown = url
+    if password is not None:
+        at = parts.netloc.rindex("@")
+        user = parts.netloc[:at].partition(":")[0]
+        shown = shown.replace(parts.netloc, f"{user}:***@{parts.netloc[at + 1 :]}", 1)
+    if parts.query:
+        query = parse_qsl(parts.query, keep_blank_values=True)
+        hidden = [(k, "***" if k.lower() == "password" else v) for k, v in query]
+        shown = shown.replace(f"?{parts.query}", f"?{urlencode(hidden, safe='*')}", 1)
+    return shown

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import struct
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import xxhash
@@ -99,6 +99,7 @@ class FilledBlock:
     parent_hash: BlockHash | None
     token_ids: tuple[int, ...]
     lora_name: str | None = None
+    extra_keys: tuple[Any, ...] | None = None  # untagged, as its BlockStored event carries them
 
 
 def check_block(shape: BlockShape, block: torch.Tensor) -> None:

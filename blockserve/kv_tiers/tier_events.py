@@ -31,8 +31,9 @@ class TierEvents:
         parent = block.parent_hash if block is not None else None
         tokens = list(block.token_ids) if block is not None else []
         lora = block.lora_name if block is not None else None
+        extra_keys = [block.extra_keys] if block is not None else None
         with self._lock:
-            recorder.block_stored([block_hash], parent, tokens, self.block_size, lora)
+            recorder.block_stored([block_hash], parent, tokens, self.block_size, lora, extra_keys)
 
     def removed(self, tier: Tier, keys: Sequence[bytes]) -> None:
         recorder = self._recorders.get(tier.name)

@@ -30,6 +30,10 @@ class LoRAManager:
         self.config, self.arch, self.dtype = config, arch, dtype
         self.slots, self.step = slots, step
         self.paths: dict[str, str] = {}
+        # Each (name, path) ever served here, with the content digests it has held in turn:
+        # a name pointed again at a path whose files changed hashes its blocks apart.
+        self._versions: dict[tuple[str, str], list[str]] = {}
+        self._hash_paths: dict[str, str] = {}
         self.host = HostAdapters(config.host_capacity, self._parts)
         self._slot_used: list[int] = [0] * config.max_loras  # the step that last used each
         self._steps = 0
@@ -49,13 +53,30 @@ class LoRAManager:
         """Serve an adapter already read (between steps: it may replace one in a slot)."""
         name = adapter.name
         self.paths[name] = adapter.path
+        versions = self._versions.setdefault((name, adapter.path), [])
+        if adapter.digest not in versions:
+            versions.append(adapter.digest)
+        generation = versions.index(adapter.digest)
+        # vLLM's key is (name, path); other content at a path served before gets its own.
+        self._hash_paths[name] = adapter.path + (f"#{generation}" if generation else "")
         self.host.drop(name)  # an older version's read, if one is under way
         self.host.keep(adapter)
         if name in self.slots.resident:  # a new version under a known name
             self.slots.install(adapter, self.slots.resident.index(name))
 
+    def serves(self, name: str) -> bool:
+        """Whether `name` is registered now (a request checked earlier may outlive it)."""
+        return name in self.paths
+
+    def hash_path(self, name: str) -> str:
+        """The path that enters the block hashes of `name`'s requests: the path it was loaded
+        from, as vLLM hashes it, with `#N` after it for the Nth other content seen there (so
+        blocks computed with replaced weights are never read). `name` must be served."""
+        return self._hash_paths[name]
+
     def unregister(self, name: str) -> None:
         self.paths.pop(name)
+        self._hash_paths.pop(name)
         self.host.drop(name)
         if name in self.slots.resident:
             self.slots.resident[self.slots.resident.index(name)] = None
@@ -63,7 +84,10 @@ class LoRAManager:
     def ready(self, name: str) -> bool:
         """Whether a step can take `name` now: in a slot or in host memory. If neither, its
         read starts on the reading thread (the scheduler leaves its requests waiting)."""
-        return name in self.slots.resident or self.host.request(name, self.paths[name])
+        if name in self.slots.resident:
+            return True
+        path = self.paths.get(name)  # None: unloaded (the engine refuses its new requests)
+        return path is not None and self.host.request(name, path)
 
     def between_steps(self) -> dict[str, str]:
         """Advance the reads under way; the adapters whose read failed since last asked, each

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from blockserve.core.free_queue import KVCacheBlock
-from blockserve.core.hashing import BlockHash
+from blockserve.core.hashing import BlockHash, BlockKeyInputs
 from blockserve.core.kv_cache_manager import KVCacheManager
 from blockserve.core.miss_ratio import MissRatioCurve
 from blockserve.errors import InvalidConfigError
@@ -68,6 +68,11 @@ class ReplayRequest:
     skip_reading_prefix_cache: bool = False
     num_preemptions: int = 0
     priority: int = 0
+
+    @property
+    def hash_keys(self) -> BlockKeyInputs:
+        """Its keys as its events would carry them (its hashes are the trace's, not these)."""
+        return BlockKeyInputs(lora_name=self.lora_name, cache_salt=self.cache_salt)
 
 
 @dataclass(slots=True)

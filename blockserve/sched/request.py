@@ -121,6 +121,11 @@ class Request:
         self.block_hashes: list[BlockHash] = []
         self._extend_block_hashes()
 
+    @property
+    def hash_keys(self) -> BlockKeyInputs:
+        """What besides its tokens enters this request's block hashes."""
+        return self._hash_keys
+
     def __repr__(self) -> str:
         return (
             f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from blockserve import __version__
 from blockserve.config import ServerConfig
 from blockserve.engine.client import EngineClient, ModelInfo
-from blockserve.errors import InvalidRequestError
+from blockserve.errors import InvalidConfigError, InvalidRequestError
 from blockserve.server.auth import RequireApiKey
 from blockserve.server.completions import create_completion
 from blockserve.server.context import ServingContext
@@ -67,6 +67,9 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
         limits=_request_limits(config),
         lora_adapters=dict(info.lora_adapters),
     )
+    for name in ctx.lora_adapters:
+        if name in served_names:
+            raise InvalidConfigError(f"--lora-modules: {name!r} is a served model's name")
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import Request
 
 from blockserve.engine.client import EngineClient
-from blockserve.errors import ModelNotFoundError
+from blockserve.errors import InvalidRequestError, ModelNotFoundError
 from blockserve.sampling_params import SamplingParams
 from blockserve.server.auth import salt_for_key
 from blockserve.server.drain import Drain
@@ -53,8 +53,16 @@ class ServingContext:
     def check_model(self, model: str | None) -> str | None:
         """The LoRA adapter `model` names, or None for the base model; ModelNotFoundError
         (a 404) for a name nothing is served under."""
-        if model is not None and model in self.lora_adapters:
+        if model is None or model == self.model_name or model in self.served_names:
+            return None
+        if model in self.lora_adapters:
             return model
-        if model is not None and model != self.model_name and model not in self.served_names:
-            raise ModelNotFoundError(f"The model `{model}` does not exist.")
-        return None
+        raise ModelNotFoundError(f"The model `{model}` does not exist.")
+
+    def check_adapter_name(self, name: str) -> None:
+        """InvalidRequestError for an adapter name a served model already has: the base
+        model's names always mean the base model."""
+        if name == self.model_name or name in self.served_names:
+            raise InvalidRequestError(
+                f"the LoRA adapter name {name!r} is a served model's name", "lora_name"
+            )

@@ -24,6 +24,7 @@ def add_lora_routes(app: FastAPI, ctx: ServingContext) -> None:
     async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> PlainTextResponse:
         """Read and check the adapter off the engine's thread, then serve it; a 400 naming
         the reason (nothing changed) when it cannot be served."""
+        ctx.check_adapter_name(body.lora_name)
         await ctx.engine.load_lora(body.lora_name, body.lora_path)
         ctx.lora_adapters[body.lora_name] = body.lora_path
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")

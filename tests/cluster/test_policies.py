@@ -15,9 +15,10 @@ from blockserve.cluster.baselines import (
 from blockserve.cluster.policies import KVAwarePolicy, make_policy
 from blockserve.cluster.routing import ReplicaLoad, RouteRequest, route_request
 from blockserve.core.events import BlockStored, KVEventBatch
-from blockserve.core.hashing import BlockHasher
+from blockserve.core.hashing import BlockHasher, BlockKeyInputs, RequestBlockHasher
 from blockserve.engine.request import RequestSpec
 from blockserve.errors import InvalidConfigError
+from blockserve.sched.request import Request
 
 HASHES = (11, 12, 13, 14)
 
@@ -174,13 +175,17 @@ def test_salted_and_unsalted_prompts_never_share_credit() -> None:
 
 
 def test_router_hashes_equal_the_engines_hashes() -> None:
-    """The uint64 route hashes are the engine's block hashes in event form (LoRA included)."""
+    """The uint64 route hashes are the engine's block hashes in event form, an adapter's
+    hashed with the path the replicas were given (vLLM's ("lora", name, path) key)."""
     hasher = BlockHasher("sha256")
     tokens = tuple(range(9))
-    route = route_request(RequestSpec("r", tokens, lora_name="adapter"), hasher, 4)
-    first = hasher.hash_block(None, tokens[:4], ("adapter",))
-    second = hasher.hash_block(first, tokens[4:8], ("adapter",))
-    assert route.block_hashes == tuple(int.from_bytes(h[-8:], "big") for h in (first, second))
+    spec = RequestSpec("r", tokens, lora_name="adapter")
+    route = route_request(spec, hasher, 4, {"adapter": "/adapters/a"})
+    keys = BlockKeyInputs(lora_name="adapter", lora_path="/adapters/a")
+    engine = Request("r", tokens, block_hasher=RequestBlockHasher(hasher, 4), hash_keys=keys)
+    assert route.block_hashes == tuple(int.from_bytes(h[-8:], "big") for h in engine.block_hashes)
+    elsewhere = route_request(spec, hasher, 4, {"adapter": "/adapters/b"})
+    assert set(elsewhere.block_hashes).isdisjoint(route.block_hashes)
 
 
 def test_a_forgotten_replica_is_never_chosen_and_loses_its_index() -> None:

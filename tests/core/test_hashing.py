@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import pickle
 import sys
+from pathlib import Path
+from typing import Any
 
 import cbor2
 import numpy as np
@@ -123,11 +126,11 @@ def test_empty_extra_keys_hash_as_none() -> None:
 
 
 def test_cache_salt_only_on_block_zero() -> None:
-    """The salt is an extra key of block 0 only; chaining still changes every later hash."""
+    """The salt, tagged, is an extra key of block 0 only; chaining changes every later hash."""
     hasher = BlockHasher("sha256")
     define = DEFINITIONS["sha256"]
     tokens = list(range(8))
-    h0 = define((hasher.none_hash, (0, 1, 2, 3), ("tenant-a",)))
+    h0 = define((hasher.none_hash, (0, 1, 2, 3), (("cache_salt", "tenant-a"),)))
     h1 = define((h0, (4, 5, 6, 7), None))
     salted = hasher.hash_prompt(tokens, block_size=4, cache_salt="tenant-a")
     assert salted == [h0, h1]
@@ -135,30 +138,84 @@ def test_cache_salt_only_on_block_zero() -> None:
     assert unsalted[0] != salted[0] and unsalted[1] != salted[1]
 
 
-def test_lora_name_on_every_block() -> None:
-    """The LoRA adapter name is an extra key of every block."""
+def test_lora_name_and_path_on_every_block() -> None:
+    """The adapter's name and path, tagged "lora", are an extra key of every block."""
     hasher = BlockHasher("sha256")
     define = DEFINITIONS["sha256"]
-    h0 = define((hasher.none_hash, (0, 1, 2, 3), ("adapter",)))
-    h1 = define((h0, (4, 5, 6, 7), ("adapter",)))
-    assert hasher.hash_prompt(range(8), block_size=4, lora_name="adapter") == [h0, h1]
+    key = (("lora", "adapter", "/a"),)
+    h0 = define((hasher.none_hash, (0, 1, 2, 3), key))
+    h1 = define((h0, (4, 5, 6, 7), key))
+    assert hasher.hash_prompt(range(8), block_size=4, lora=("adapter", "/a")) == [h0, h1]
+    assert hasher.hash_prompt(range(8), block_size=4, lora=("adapter", "/b"))[0] != h0
 
 
 def test_extra_key_order_lora_mm_salt_embeds() -> None:
-    """Extra keys come as (LoRA name, multimodal items, salt, prompt-embedding digest)."""
+    """Extra keys come tagged as (LoRA, multimodal items, salt, prompt-embedding digest); the
+    events carry them untagged."""
     embeds = np.arange(8 * 2, dtype=np.float32).reshape(8, 2)
     keys = BlockKeyInputs(
         lora_name="adapter",
+        lora_path="/a",
         mm_features=(MultiModalFeature("img-1", offset=2, length=3),),
         cache_salt="salt",
         prompt_embeds=embeds,
     )
     digest0 = hashlib.sha256(embeds[0:4].tobytes()).digest()
     digest1 = hashlib.sha256(embeds[4:8].tobytes()).digest()
-    assert keys.extra_keys(0, 4) == ("adapter", ("img-1", 2), "salt", digest0)
+    lora = ("lora", "adapter", "/a")
+    assert keys.extra_keys(0, 4) == (
+        lora, ("mm", "img-1", 2), ("cache_salt", "salt"), ("prompt_embeds", digest0)
+    )  # fmt: skip
     # The image spans tokens 2..4, so it overlaps block 1 too, at offset -2; no salt there.
-    assert keys.extra_keys(4, 8) == ("adapter", ("img-1", -2), digest1)
-    assert keys.extra_keys(8, 12) == ("adapter", hashlib.sha256(b"").digest())
+    assert keys.extra_keys(4, 8) == (lora, ("mm", "img-1", -2), ("prompt_embeds", digest1))
+    empty = hashlib.sha256(b"").digest()
+    assert keys.extra_keys(8, 12) == (lora, ("prompt_embeds", empty))
+    assert keys.event_extra_keys(0, 3, 4) == [
+        ("adapter", ("img-1", 2), "salt", digest0),
+        ("adapter", ("img-1", -2), digest1),
+        ("adapter", empty),
+    ]
+
+
+def _ours(case: dict[str, Any], algo: str, num_tokens: int, block_size: int) -> dict[str, Any]:
+    """Our block hashes and event extra keys for a case of vllm_hash_vectors.json."""
+    embeds = None
+    if case.get("embeds"):
+        embeds = np.arange(num_tokens * 4, dtype=np.float32).reshape(num_tokens, 4)
+    lora = case.get("lora")
+    keys = BlockKeyInputs(
+        lora_name=None if lora is None else lora[0],
+        lora_path="" if lora is None else lora[1],
+        mm_features=tuple(MultiModalFeature(*item) for item in case.get("mm", [])),
+        cache_salt=case.get("cache_salt"),
+        prompt_embeds=embeds,
+    )
+    tokens = list(range(100, 100 + num_tokens))
+    hashes = BlockHasher(algo).hash_new_blocks(tokens, [], block_size, keys)
+    events = keys.event_extra_keys(0, len(hashes), block_size)
+
+    def jsonable(value: Any) -> Any:
+        if isinstance(value, bytes):
+            return {"hex": value.hex()}
+        if isinstance(value, (tuple, list)):
+            return [jsonable(v) for v in value]
+        return value
+
+    return {"block_hashes": [h.hex() for h in hashes], "event_extra_keys": jsonable(events)}
+
+
+VECTORS = json.loads((Path(__file__).parent / "vllm_hash_vectors.json").read_text())
+
+
+@pytest.mark.parametrize(
+    "case", VECTORS["cases"], ids=[f"{c['name']}-{c['algo']}" for c in VECTORS["cases"]]
+)
+def test_hashes_and_event_keys_equal_vllms(case: dict[str, Any]) -> None:
+    """Every combination of extra keys (salt, LoRA, both, images, all three, embeddings), as
+    vLLM 0.32's own code hashes and publishes them (tests/core/vllm_hash_vectors.py)."""
+    assert VECTORS["vllm_version"] == "0.32.0"
+    ours = _ours(case, case["algo"], VECTORS["num_tokens"], VECTORS["block_size"])
+    assert ours == {k: case[k] for k in ("block_hashes", "event_extra_keys")}
 
 
 def test_no_extra_keys_is_none() -> None:

@@ -205,6 +205,7 @@ def test_decode_tokens_complete_and_cache_blocks() -> None:
         lora_id=None,
         medium="GPU",
         lora_name=None,
+        extra_keys=[None],
     )
     for token in (100, 101):
         request.append_output_token_ids(token)
@@ -220,6 +221,7 @@ def test_decode_tokens_complete_and_cache_blocks() -> None:
             lora_id=None,
             medium="GPU",
             lora_name=None,
+            extra_keys=[None],
         )
     ]
     request.append_output_token_ids(102)
@@ -242,6 +244,7 @@ def test_identical_requests_store_once() -> None:
             lora_id=None,
             medium="GPU",
             lora_name=None,
+            extra_keys=[None, None],
         )
     ]
     admit(manager, make_request("b", range(33), block_size=16))

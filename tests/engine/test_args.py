@@ -75,6 +75,7 @@ GOOD: dict[str, tuple[object, list[str]]] = {
     "kv_disk_size": (2.0, ["--kv-disk-size", "2"]),
     "kv_cache_dir_clear_mismatch": (True, ["--kv-cache-dir-clear-mismatch"]),
     "kv_remote_url": ("redis://127.0.0.1:6379/0", ["--kv-remote-url", "redis://127.0.0.1:6379/0"]),
+    "kv_remote_secret": ("s3cret", ["--kv-remote-secret", "s3cret"]),
     "kv_events_config": (
         '{"enable_kv_cache_events": true, "publisher": "zmq"}',
         ["--kv-events-config", '{"enable_kv_cache_events": true, "publisher": "zmq"}'],
@@ -158,7 +159,12 @@ BAD: dict[str, list[tuple[object, list[str] | None]]] = {
     "kv_cache_dir": [(3, None)],
     "kv_disk_size": [(-2.0, ["--kv-disk-size", "-2"])],
     "kv_cache_dir_clear_mismatch": [("yes", None)],
-    "kv_remote_url": [("http://127.0.0.1:6379", ["--kv-remote-url", "http://127.0.0.1:6379"])],
+    "kv_remote_url": [
+        ("http://127.0.0.1:6379", ["--kv-remote-url", "http://127.0.0.1:6379"]),
+        ("redis://:pw@[::1", ["--kv-remote-url", "redis://:pw@[::1"]),
+        ("redis://:70000", ["--kv-remote-url", "redis://:70000"]),
+    ],
+    "kv_remote_secret": [("", ["--kv-remote-secret", ""])],
     "kv_events_config": [
         ('{"publisher": "kafka"}', ["--kv-events-config", '{"publisher": "kafka"}']),
         ("{not json", ["--kv-events-config", "{not json"]),

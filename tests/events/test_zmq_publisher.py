@@ -98,6 +98,7 @@ def test_identical_requests_store_once(llm_with_events: tuple[LLM, KVEventsConfi
         lora_id=None,
         medium="GPU",
         lora_name=None,
+        extra_keys=[None, None],
     )
 
 

@@ -12,8 +12,14 @@ import pytest
 import torch
 
 from blockserve.bench.redis_server import RedisServer
-from blockserve.kv_tiers.remote import FIRST_BACKOFF_S, LOOKUP_TIMEOUT_S, RemoteStore
-from blockserve.kv_tiers.store import BlockShape
+from blockserve.kv_tiers.remote import (
+    FIRST_BACKOFF_S,
+    LOOKUP_TIMEOUT_S,
+    TAG_BYTES,
+    RemoteStore,
+    redacted,
+)
+from blockserve.kv_tiers.store import RECORD_HEADER, BlockShape, pack_block
 
 SHAPE = BlockShape(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
 
@@ -128,3 +134,86 @@ def test_a_refused_password_reads_as_a_down_store(tmp_path: Path) -> None:
         right.close()
     finally:
         server.stop()
+
+
+@pytest.fixture
+def signed(redis_server: RedisServer) -> Iterator[RemoteStore]:
+    remote = RemoteStore(redis_server.url, SHAPE, namespace="ns-s", secret=b"shared")
+    yield remote
+    remote.close()
+
+
+def rewritten(value: bytes, signed: bool) -> bytes:
+    """`value` with its block's first byte changed and its checksum made good again: what
+    someone who can write the store, but has no secret, can do."""
+    tag = value[-TAG_BYTES:] if signed else b""
+    record = bytearray(value[:-TAG_BYTES] if signed else value)
+    payload = bytearray(record[RECORD_HEADER.size :])
+    payload[0] ^= 0x55
+    return pack_block(bytes(payload)) + tag
+
+
+def test_unsigned_records_are_believed_and_the_log_says_so(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Without a secret a rewritten record (a fresh checksum) is served: the store is trusted,
+    as the warning at start says."""
+    with caplog.at_level("WARNING", logger="blockserve.kv_tiers.remote"):
+        store = RemoteStore(redis_server.url, SHAPE, namespace="ns-u")
+    assert [r.message for r in caplog.records] == [
+        f"KV remote tier {redis_server.url}: no --kv-remote-secret, so its records are not "
+        "signed: whoever can write the store answers for every replica"
+    ]
+    key = b"u" * 32
+    store.put(key, block(1))
+    client = redis_server.client()
+    client.set(store.key(key), rewritten(client.get(store.key(key)), signed=False))  # type: ignore[arg-type]
+    got = store.get(key)
+    assert got is not None and not torch.equal(got, block(1))
+    store.close()
+
+
+def test_a_signed_record_rewritten_or_moved_is_a_miss_and_is_deleted(
+    signed: RemoteStore, redis_server: RedisServer
+) -> None:
+    """With the secret: a record rewritten with a fresh checksum, or copied onto another
+    prompt's key, fails its signature: a miss, deleted, and the next write lands."""
+    one, two = b"1" * 32, b"2" * 32
+    signed.put(one, block(1))
+    signed.put(two, block(2))
+    client = redis_server.client()
+    client.set(signed.key(one), rewritten(client.get(signed.key(one)), signed=True))  # type: ignore[arg-type]
+    client.set(signed.key(two), client.get(signed.key(one)))  # another key's record
+    assert signed.contains_many([one, two]) == [True, True]  # a lookup reads lengths only
+    assert signed.get(one) is None and signed.get(two) is None
+    assert client.exists(signed.key(one), signed.key(two)) == 0
+    assert (signed.stats.corrupt, signed.stats.hits) == (2, 0)
+    signed.put(one, block(1))
+    assert torch.equal(signed.get(one), block(1))  # type: ignore[arg-type]
+
+
+def test_a_value_of_another_size_is_never_read(
+    signed: RemoteStore, redis_server: RedisServer
+) -> None:
+    """A 64 MiB value under a block's key: the lookup says absent (its length), a read takes
+    at most a record's bytes, counts it corrupt and deletes it."""
+    key = b"h" * 32
+    client = redis_server.client()
+    client.set(signed.key(key), b"\0" * (64 << 20))
+    assert signed.contains_many([key]) == [False]
+    assert signed.get(key) is None
+    assert client.exists(signed.key(key)) == 0 and signed.stats.corrupt == 1
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://:pw@host:6379/0", "redis://:***@host:6379/0"),
+        ("redis://user:p@ss@host:6379", "redis://user:***@host:6379"),
+        ("redis://host:6379/0?password=pw&db=1", "redis://host:6379/0?password=***&db=1"),
+        ("unix:///tmp/r.sock?password=pw", "unix:///tmp/r.sock?password=***"),
+        ("redis://:pw@[::1", "<a URL that does not parse>"),
+    ],
+)
+def test_urls_are_logged_without_their_password(url: str, shown: str) -> None:
+    assert redacted(url) == shown

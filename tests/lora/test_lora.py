@@ -124,8 +124,8 @@ def broken(adapter: Path, tmp: Path, change: str) -> Path:
         ("layer", "targets q_proj of layer 7, which the model lacks"),
         (
             "shape",
-            "q_proj of layer 0 has A [4, 10] and B [64, 4]; the model needs A [r, 64] and "
-            "B [64, r]",
+            "q_proj of layer 0 has A [4, 10] and B [64, 4]; with r = 4 the model needs "
+            "A [4, 64] and B [64, 4]",
         ),
     ],
 )

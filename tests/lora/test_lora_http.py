@@ -110,6 +110,57 @@ def test_runtime_loading(updating_server: ServerProcess, adapter: Path, tmp_path
     assert post("unload_lora_adapter", lora_name="late").status_code == 404
 
 
+def test_hostile_loads_are_400s_and_an_unload_race_kills_nothing(
+    updating_server: ServerProcess, adapter: Path, tmp_path: Path
+) -> None:
+    """A served model's name, a bad name, a bad config: 400s naming the field. Then the race
+    that killed the engine: four requests under an adapter and its unload at once. Each
+    request ends 200 or 404, the unload 200 or 400, and the engine serves on."""
+    import asyncio
+    import json
+    import shutil
+
+    import httpx
+
+    url = updating_server.url
+    base = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+    bad_config = tmp_path / "bad"
+    shutil.copytree(adapter, bad_config)
+    (bad_config / "adapter_config.json").write_text(json.dumps({"r": "abc"}))
+    for name, path, param, message in [
+        (base, adapter, "lora_name", f"the LoRA adapter name {base!r} is a served model's name"),
+        ("a,b", adapter, "lora_name",
+         "a LoRA adapter's name has no commas or control characters, got 'a,b'"),
+        ("bad", bad_config, "lora_path",
+         f"LoRA adapter 'bad' ({bad_config}): r must be an integer, got abc"),
+    ]:  # fmt: skip
+        body = {"lora_name": name, "lora_path": str(path)}
+        response = httpx.post(f"{url}/v1/load_lora_adapter", json=body, timeout=60)
+        error = response.json()["error"]
+        assert (response.status_code, error["param"], error["message"]) == (400, param, message)
+
+    async def race() -> tuple[list[int], int]:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            body = {"lora_name": "racer", "lora_path": str(adapter)}
+            (await client.post("/v1/load_lora_adapter", json=body)).raise_for_status()
+            prompt = [(7 * i + 3) % 300 + 1 for i in range(200)]
+            completions = [
+                client.post(
+                    "/v1/completions", json={"model": "racer", "prompt": prompt, "max_tokens": 4}
+                )
+                for _ in range(4)
+            ]
+            unload = client.post("/v1/unload_lora_adapter", json={"lora_name": "racer"})
+            *answers, unloaded = await asyncio.gather(*completions, unload)
+            return [a.status_code for a in answers], unloaded.status_code
+
+    statuses, unload_status = asyncio.run(race())
+    assert set(statuses) <= {200, 404} and unload_status in (200, 400)
+    assert httpx.get(f"{url}/health").status_code == 200
+    after = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
+    assert after.status_code == 200
+
+
 def test_the_routes_are_off_without_the_flag(lora_server: ServerProcess) -> None:
     import httpx
 

@@ -24,8 +24,8 @@ from tests.server.test_kv_tiers_http import (  # noqa: F401
 )
 
 
-def start(model: Path, url: str, log: Path) -> ServerProcess:
-    return ServerProcess(["--model", str(model), *TINY_ARGS, "--kv-remote-url", url], log)
+def start(model: Path, url: str, log: Path, *flags: str) -> ServerProcess:
+    return ServerProcess(["--model", str(model), *TINY_ARGS, "--kv-remote-url", url, *flags], log)
 
 
 def remote_metric(url: str, name: str) -> float:
@@ -74,6 +74,45 @@ def test_replica_b_serves_the_prefix_replica_a_computed(
     finally:
         assert a.stop() == 0, a.log()
         assert b.stop() == 0, b.log()
+
+
+def test_with_a_shared_secret_a_forged_store_changes_no_answer(
+    tiny_llama_dir: Path,
+    tmp_path: Path,
+    redis_server: RedisServer,
+    reference: LLM,  # noqa: F811
+) -> None:
+    """Both replicas sign with --kv-remote-secret; someone without it rewrites every block A
+    wrote (a fresh checksum over other bytes). B reads none of them: 0 remote tokens, each
+    record counted corrupt and deleted, its answer a fresh computation's."""
+    flags = ("--kv-remote-secret", "s3cret")
+    a = start(tiny_llama_dir, redis_server.url, tmp_path / "a.log", *flags)
+    b = start(tiny_llama_dir, redis_server.url, tmp_path / "b.log", *flags)
+    try:
+        cold = complete(a.url, PROMPT)
+        wait_for_keys(redis_server, 5)
+        client = redis_server.client()
+        for key in client.keys("blockserve:*"):
+            client.set(key, forged(client.get(key)))  # type: ignore[arg-type]
+        warm = complete(b.url, PROMPT)
+        assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert warm["choices"][0]["text"] == cold["choices"][0]["text"]
+        assert token_logprobs(warm) == pytest.approx(recomputed(reference, PROMPT), abs=1e-4)
+        assert remote_metric(b.url, "corrupt_total") >= 1
+        assert remote_metric(b.url, "hits_total") == 0
+    finally:
+        assert a.stop() == 0, a.log()
+        assert b.stop() == 0, b.log()
+
+
+def forged(value: bytes) -> bytes:
+    """A signed record's block bytes changed, its checksum made good, its signature kept."""
+    from blockserve.kv_tiers.remote import TAG_BYTES
+    from blockserve.kv_tiers.store import RECORD_HEADER, pack_block
+
+    payload = bytearray(value[RECORD_HEADER.size : -TAG_BYTES])
+    payload[: len(payload) // 2] = bytes(len(payload) // 2)
+    return pack_block(bytes(payload)) + value[-TAG_BYTES:]
 
 
 def test_a_store_paused_or_stopped_mid_load_changes_no_answer(
