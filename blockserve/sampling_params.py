@@ -200,7 +200,8 @@ def _checked_logit_bias(bias: Any) -> dict[int, float]:
         token = _token_id(key)
         if token is None or isinstance(value, bool) or not isinstance(value, (int, float)):
             raise InvalidRequestError(
-                f"logit_bias must map token ids to numbers, got {key!r}: {value!r}", "logit_bias"
+                f"logit_bias must map token ids to numbers, got {_short(key)}: {_short(value)}",
+                "logit_bias",
             )
         if not math.isfinite(value):
             raise InvalidRequestError(
@@ -211,9 +212,16 @@ def _checked_logit_bias(bias: Any) -> dict[int, float]:
 
 
 def _token_id(key: Any) -> int | None:
-    """A token id given as an int or, as JSON object keys are, a string of digits."""
+    """A token id given as an int or, as JSON object keys are, a string of at most 10 ASCII
+    digits (str.isdigit alone takes other scripts' digits, and any length)."""
     if isinstance(key, int) and not isinstance(key, bool) and key >= 0:
         return key
-    if isinstance(key, str) and key.isdigit():
+    if isinstance(key, str) and 0 < len(key) <= 10 and key.isascii() and key.isdigit():
         return int(key)
     return None
+
+
+def _short(value: Any) -> str:
+    """`value`'s repr, cut to 40 characters (an error message must not echo a huge key)."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:37]}..."

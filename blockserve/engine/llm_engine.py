@@ -112,6 +112,8 @@ class LLMEngine:
             return outputs
         processed = self.output_processor.process(self.core.step(), final_only)
         self.core.abort_requests(processed.samples_to_abort)
+        for sample in processed.samples_to_add:
+            self.core.add_request(sample)
         return outputs + processed.request_outputs
 
     def stats(self) -> EngineStats:

@@ -47,6 +47,9 @@ class _RequestState:
     error: str | None = None
     # prompt_logprobs: None at the first position (nothing predicts it), then each token's
     prompt_logprobs: tuple[Logprob | None, ...] | None = None
+    # Samples 1..n-1 of a request with prompt logprobs, held until sample 0 has computed the
+    # prompt (they then read its blocks from the cache and compute no prompt logprobs).
+    deferred: list[EngineCoreRequest] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -68,6 +71,8 @@ class ProcessedOutputs:
 
     request_outputs: list[RequestOutput]
     samples_to_abort: list[SampleId]
+    # Samples held back until a sibling computed their shared prompt: the core runs them now.
+    samples_to_add: list[EngineCoreRequest] = field(default_factory=list)
 
 
 class OutputProcessor:
@@ -95,7 +100,11 @@ class OutputProcessor:
         return list(self._requests)
 
     def add_request(self, request: ValidatedRequest) -> list[EngineCoreRequest]:
-        """Track a request; returns its samples, for the core to run."""
+        """Track a request; returns its samples, for the core to run now.
+
+        With prompt logprobs (echo scoring too) and n > 1 only sample 0 runs at first: the
+        prompt's logprobs are every choice's, so they are computed once, and the other samples
+        start (from `process`'s `samples_to_add`) once sample 0's prompt is in the cache."""
         spec, prompt_ids = request.spec, request.prompt_token_ids
         params = spec.params
         samples = [
@@ -105,8 +114,9 @@ class OutputProcessor:
             )
             for _ in range(params.n)
         ]
-        self._requests[spec.request_id] = _RequestState(request, samples, time.monotonic())
-        return [
+        state = _RequestState(request, samples, time.monotonic())
+        self._requests[spec.request_id] = state
+        core_requests = [
             EngineCoreRequest(
                 SampleId(spec.request_id, index),
                 prompt_ids,
@@ -121,6 +131,15 @@ class OutputProcessor:
             )
             for index in range(params.n)
         ]
+        if params.prompt_logprobs is None or params.n == 1:
+            return core_requests
+        state.deferred = [
+            dataclasses.replace(
+                r, sampling_params=dataclasses.replace(r.sampling_params, prompt_logprobs=None)
+            )
+            for r in core_requests[1:]
+        ]
+        return core_requests[:1]
 
     def abort(self, request_ids: Iterable[str]) -> ProcessedOutputs:
         """End requests now: their final outputs, and their samples for the core to abort."""
@@ -146,6 +165,7 @@ class OutputProcessor:
                 state.cache_explanation = explanation
         touched: dict[str, _RequestState] = {}
         to_abort: list[SampleId] = []
+        to_add: list[EngineCoreRequest] = []
         for core_id, error in core_outputs.errors.items():
             state = self._state_of(core_id)
             if state is not None:
@@ -161,6 +181,9 @@ class OutputProcessor:
             if self._apply_update(state, sample_id.sample_index, update):
                 to_abort.append(sample_id)
             touched[sample_id.request_id] = state
+            if state.deferred and not state.finished:  # sample 0 has computed the prompt
+                to_add += state.deferred
+                state.deferred = []
         outputs = []
         for request_id, state in touched.items():
             finished = state.finished
@@ -168,7 +191,7 @@ class OutputProcessor:
                 outputs.append(self._output(state))
             if finished:
                 del self._requests[request_id]
-        return ProcessedOutputs(outputs, to_abort)
+        return ProcessedOutputs(outputs, to_abort, to_add)
 
     def _state_of(self, core_id: RequestId) -> _RequestState | None:
         """The live request a core id (a `SampleId`) belongs to; None once it has ended."""

@@ -79,7 +79,7 @@ async def create_completion(
         None, body.logprobs, body.constraint(), ctx.default_sampling, echoed_logprobs
     )
     prompts = body.prompts()
-    ctx.check_limits(params, len(prompts))
+    ctx.check_limits(params, prompts)
     run = HttpRun(ctx, body.request_id or f"cmpl-{uuid.uuid4().hex}", prompts)
     salt = ctx.cache_salt(request, body.cache_salt)
     await run.start(params, body.priority, salt, request, body.return_cache_explanation, lora_name)

@@ -3,7 +3,7 @@ names and adapters, the options that shape replies, the drain, the request limit
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,9 +39,9 @@ class ServingContext:
     # The adapters served (name -> path): --lora-modules', and those loaded at runtime.
     lora_adapters: dict[str, str] = field(default_factory=dict)
 
-    def check_limits(self, params: SamplingParams, num_prompts: int) -> None:
+    def check_limits(self, params: SamplingParams, prompts: Sequence[str | Sequence[int]]) -> None:
         """InvalidRequestError if the request asks for more than `limits` allow."""
-        self.limits.check(params, num_prompts, self.engine.model_info().max_model_len)
+        self.limits.check(params, prompts, self.engine.model_info().max_model_len)
 
     def cache_salt(self, request: Request, client_salt: str | None) -> str | None:
         """The salt a request runs under: the client's, or with per-key salts one derived

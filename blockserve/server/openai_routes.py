@@ -75,7 +75,7 @@ async def create_chat_completion(
     default = max(1, min(ctx.default_chat_max_tokens, room))  # the server's, within the room
     constraint = plan.constraint or body.constraint()
     params = body.sampling_params(default, num_logprobs, constraint, ctx.default_sampling)
-    ctx.check_limits(params, 1)
+    ctx.check_limits(params, [prompt])
     run = HttpRun(ctx, body.request_id or f"chatcmpl-{uuid.uuid4().hex}", [prompt])
     salt = ctx.cache_salt(request, body.cache_salt)
     await run.start(params, body.priority, salt, request, body.return_cache_explanation, lora_name)

@@ -1,9 +1,11 @@
 """What one HTTP request may ask of the engine, checked before anything is queued: prompts per
-request, stop strings (their count and total length), and generated tokens in all
-(prompts × n × max_tokens). Each exceeded bound is a 400 naming the field and its flag."""
+request, stop strings (their count and total length), and tokens in all: generated ones
+(prompts × n × max_tokens) and, with prompt logprobs, the prompts' tokens × n. Each exceeded
+bound is a 400 naming the field and its flag."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from blockserve.errors import InvalidRequestError
@@ -19,10 +21,14 @@ class RequestLimits:
     max_stop_chars: int = 4096
     max_request_tokens: int = 262144
 
-    def check(self, params: SamplingParams, num_prompts: int, max_model_len: int) -> None:
+    def check(
+        self, params: SamplingParams, prompts: Sequence[str | Sequence[int]], max_model_len: int
+    ) -> None:
         """InvalidRequestError for the first bound the request exceeds. A sample generates
         at most up to the context's end (max_tokens past it is the engine's 400 to give), and
-        one without max_tokens is counted so."""
+        one without max_tokens is counted so. A prompt whose logprobs are asked for counts
+        its tokens once per sample (a text prompt as its UTF-8 bytes: no token is shorter)."""
+        num_prompts = len(prompts)
         if num_prompts > self.max_prompts_per_request:
             _refuse(
                 f"{num_prompts} prompts",
@@ -52,6 +58,23 @@ class RequestLimits:
                 "request-tokens",
                 "max_tokens",
             )
+        if params.prompt_logprobs is None:
+            return
+        scored = sum(min(prompt_token_bound(p), max_model_len) for p in prompts) * params.n
+        if total + scored > self.max_request_tokens:
+            _refuse(
+                f"up to {total + scored} tokens ({total} generated, and {scored} prompt tokens "
+                f"scored: prompt logprobs for each of n = {params.n} samples)",
+                self.max_request_tokens,
+                "request-tokens",
+                "prompt_logprobs",
+            )
+
+
+def prompt_token_bound(prompt: str | Sequence[int]) -> int:
+    """At most this many tokens: a token list's length, or a text's UTF-8 bytes and one for
+    a BOS (a byte-level tokenizer's token holds at least one byte)."""
+    return len(prompt.encode()) + 1 if isinstance(prompt, str) else len(prompt)
 
 
 def _refuse(what: str, bound: int, flag: str, field: str) -> None:

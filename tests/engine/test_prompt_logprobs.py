@@ -124,6 +124,11 @@ def test_logit_bias_moves_the_choice_not_the_logprobs(raw_logits: torch.Tensor, 
         ({"3": "up"}, "logit_bias must map token ids to numbers, got '3': 'up'"),
         ({"3": float("nan")}, "logit_bias values must be finite, got nan"),
         (
+            {"9" * 100_000: 1.0},
+            f"logit_bias must map token ids to numbers, got '{'9' * 36}...: 1.0",
+        ),
+        ({"\u0663": 1.0}, "logit_bias must map token ids to numbers, got '\u0663': 1.0"),
+        (
             {str(i): 1.0 for i in range(MAX_LOGIT_BIAS_ENTRIES + 1)},
             "logit_bias may have at most 300 entries, got 301",
         ),
@@ -139,3 +144,24 @@ def test_logit_bias_is_clamped_and_keyed_by_int() -> None:
     params = SamplingParams(logit_bias={"3": 250.0, 4: -1e9, 5: 0.5})
     assert params.logit_bias == {3: 100.0, 4: -100.0, 5: 0.5}
     assert SamplingParams(logit_bias={}).logit_bias is None
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_n_choices_share_one_computation_of_the_prompt(
+    tiny_llama_dir: Path, raw_logits: torch.Tensor, asynchronous: bool
+) -> None:
+    """n = 4 with prompt logprobs: sample 0 computes the prompt and its logprobs; the other
+    three start once it is cached and read its 4 full blocks (3 x 64 hit tokens), computing
+    no prompt logprobs. Every choice shows the same, correct prompt logprobs."""
+    llm = make_llm(tiny_llama_dir, async_scheduling=asynchronous)
+    before = llm.engine.stats()
+    params = SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=2, n=4)
+    output = llm.generate({"prompt_token_ids": PROMPT}, params, use_tqdm=False)[0]
+    after = llm.engine.stats()
+    assert after.prefix_cache_hits - before.prefix_cache_hits == 3 * 64
+    assert output.prompt_logprobs is not None
+    expected = expected_prompt_logprobs(raw_logits, 2)
+    for got, want in zip(output.prompt_logprobs[1:], expected, strict=True):
+        assert_close(got, want)
+    assert len({choice.token_ids for choice in output.outputs}) == 1
+    assert [len(choice.token_ids) for choice in output.outputs] == [3, 3, 3, 3]

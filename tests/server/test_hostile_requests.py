@@ -125,8 +125,13 @@ def test_a_named_tool_over_the_limits_is_a_400_and_at_the_limit_runs(
             "max_tokens",
             "--max-request-tokens",
         ),
+        (  # 16 x 128 x 1 generated, but 16 x 200 x 128 prompt tokens scored: each counts
+            {"prompt": [[1] * 200] * 16, "n": 128, "max_tokens": 1, "echo": True, "logprobs": 1},
+            "prompt_logprobs",
+            "--max-request-tokens",
+        ),
     ],
-    ids=["2049-prompts", "65-stop-strings", "4097-stop-chars", "8x128x300-tokens"],
+    ids=["2049-prompts", "65-stop-strings", "4097-stop-chars", "8x128x300-tokens", "scored-x-n"],
 )
 def test_work_past_a_limit_is_a_400_naming_it(
     hardened: ServerProcess, body: dict[str, Any], param: str, flag: str
