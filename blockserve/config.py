@@ -117,6 +117,10 @@ class SchedulerConfig:
     # Schedule step N+1 while step N runs, its sampled tokens as placeholders (engine/core.py).
     async_scheduling: bool = False
     max_loras: int = 0  # the most distinct LoRA adapters one step may hold (0: LoRA off)
+    # Prompt positions a prompt-logprobs request scores per step: each costs a row of logits
+    # over the vocabulary, so a long scoring prefill goes in short chunks and leaves the rest
+    # of the budget, and the step's time, to others.
+    max_scored_tokens_per_step: int = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,6 +242,12 @@ class ServerConfig:
     )
     body_timeout: float = option(
         30.0, "seconds to wait for each chunk of a request body; then a 408", check=positive
+    )
+    stream_write_timeout: float = option(
+        30.0,
+        "seconds a streamed response may wait on a client that reads nothing; then its "
+        "request is aborted (blocks freed) and the connection closed. vLLM has no such bound",
+        check=positive,
     )
     timeout_keep_alive: int = option(
         5, "seconds an idle keep-alive connection stays open (uvicorn's)", check=positive

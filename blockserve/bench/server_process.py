@@ -24,6 +24,20 @@ def read_metric(url: str, name: str) -> float:
     return float(match.group(1))
 
 
+def metric_sum(url: str, name: str, **labels: str) -> float:
+    """The sum of the samples named `name` (with the prefix: `vllm:...`) in /metrics whose
+    labels include `labels`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    )
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -153,6 +153,15 @@ class Request:
         """num_tokens with the tokens in flight: what the next step may compute up to."""
         return len(self.all_token_ids) + self.num_output_placeholders
 
+    def chunk_limit(self, budget: int, max_scored_tokens: int) -> int:
+        """The most tokens the next step may compute for it within `budget`: at most
+        `max_scored_tokens` while its prompt is being scored (prompt logprobs: each position
+        costs a row of logits over the whole vocabulary)."""
+        scoring = self.sampling_params.prompt_logprobs is not None
+        if scoring and self.num_computed_tokens < self.num_prompt_tokens:
+            return min(budget, max_scored_tokens)
+        return budget
+
     def stops_in_flight(self, max_model_len: int) -> bool:
         """Whether a token in flight is certain to end the request (max_tokens, the context):
         nothing is scheduled after it."""

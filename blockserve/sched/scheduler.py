@@ -137,7 +137,8 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens_ahead - request.num_computed_tokens, budget)
+            limit = request.chunk_limit(budget, self.config.max_scored_tokens_per_step)
+            num_new = min(request.num_tokens_ahead - request.num_computed_tokens, limit)
             if num_new <= 0 or request.stops_in_flight(self.config.max_model_len):
                 index += 1  # its next token is in flight (async scheduling)
                 continue
@@ -202,7 +203,8 @@ class Scheduler:
                 if first_admission and request.explain_cache
                 else None
             )
-            num_new = min(request.num_tokens - num_hits, budget)
+            limit = request.chunk_limit(budget, self.config.max_scored_tokens_per_step)
+            num_new = min(request.num_tokens - num_hits, limit)
             if self.kv_cache_manager.allocate_slots(request, num_new, num_hits, hit_blocks) is None:
                 break  # strict head-of-line: nothing behind it jumps ahead
             self._take_waiting(request, head)

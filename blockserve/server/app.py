@@ -66,6 +66,7 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
         tool_call_parser=config.tool_call_parser if config.enable_auto_tool_choice else None,
         limits=_request_limits(config),
         lora_adapters=dict(info.lora_adapters),
+        stream_write_timeout_s=config.stream_write_timeout,
     )
     for name in ctx.lora_adapters:
         if name in served_names:

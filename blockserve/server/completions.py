@@ -4,6 +4,7 @@ choice, `max_tokens` 0 with `echo` returns the prompt alone (scoring), as vLLM d
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import Sequence
@@ -31,8 +32,10 @@ def _choice(
     choice: CompletionOutput,
     token_text: TokenText,
     body: CompletionRequest,
+    prompt_json: list[dict[str, dict[str, Any]] | None] | None,
 ) -> dict[str, Any]:
-    """One choice; with `echo`, the prompt's text, ids and logprobs lead its own."""
+    """One choice; with `echo`, the prompt's text, ids and logprobs lead its own.
+    `prompt_json`: the output's vLLM `prompt_logprobs`, built once for its choices."""
     text, ids = choice.text, list(choice.token_ids)
     logprobs: list[Logprob | None] = list(choice.logprobs or ())
     if body.echo:
@@ -52,7 +55,7 @@ def _choice(
         "logprobs": completion_logprobs(logprobs, token_text, 0, ids) if want_logprobs else None,
         "finish_reason": choice.finish_reason,
         "stop_reason": choice.stop_reason,
-        "prompt_logprobs": prompt_logprobs_json(output.prompt_logprobs, token_text),
+        "prompt_logprobs": prompt_json,
     }
 
 
@@ -96,12 +99,19 @@ async def create_completion(
 
     if not body.stream:
         outputs = await final_outputs(run, request)
-        choices = [
-            _choice(i * n + c.index, output, c, token_text, body)
-            for i, output in enumerate(outputs)
-            for c in output.outputs
-        ]
-        return JSONResponse({**base(choices), "usage": usage(outputs)})
+
+        def respond() -> JSONResponse:
+            choices = [
+                _choice(i * n + c.index, output, c, token_text, body, prompt_json)
+                for i, output in enumerate(outputs)
+                for prompt_json in [prompt_logprobs_json(output.prompt_logprobs, token_text)]
+                for c in output.outputs
+            ]
+            return JSONResponse({**base(choices), "usage": usage(outputs)})
+
+        # Off the event loop: a scored prompt's body (n choices x its tokens x their top
+        # logprobs) takes a while to build, and the streams of others go on meanwhile.
+        return await asyncio.to_thread(respond)
     chunk = _stream_chunk(body, base, token_text, _echo_texts(prompts, token_text, n, body))
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     return stream_response(

@@ -38,6 +38,7 @@ class ServingContext:
     limits: RequestLimits = field(default_factory=RequestLimits)  # what one request may ask
     # The adapters served (name -> path): --lora-modules', and those loaded at runtime.
     lora_adapters: dict[str, str] = field(default_factory=dict)
+    stream_write_timeout_s: float = 30.0  # --stream-write-timeout
 
     def check_limits(self, params: SamplingParams, prompts: Sequence[str | Sequence[int]]) -> None:
         """InvalidRequestError if the request asks for more than `limits` allow."""

@@ -4,13 +4,15 @@ stream of outputs, aborted together when the client leaves, and rendered as SSE.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
+from starlette.types import Message, Send
 
 from blockserve.engine.outputs import CompletionOutput, RequestOutput
 from blockserve.engine.request import Prompt, RequestSpec
@@ -29,6 +31,7 @@ from blockserve.server.responses import ChoiceTracker, sse, usage
 
 DISCONNECT_POLL_S = 0.1
 T = TypeVar("T")
+logger = logging.getLogger("blockserve.server")
 
 
 def shutting_down() -> ServerShuttingDownError:
@@ -122,7 +125,7 @@ class HttpRun:
         if output.finished:
             timer.on_finish([c.finish_reason or "abort" for c in output.outputs])
 
-    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def outputs(self) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
         self._queue = queue
         if self.ctx.drain.expired.is_set():
@@ -225,9 +228,10 @@ def stream_response(
     async def events() -> AsyncIterator[str]:
         tracker = ChoiceTracker(every_token)
         finals: dict[int, RequestOutput] = {}
+        outputs = run.outputs()
         try:
             try:
-                async for prompt_index, output in run.outputs():
+                async for prompt_index, output in outputs:
                     finals[prompt_index] = output
                     if output.error:
                         yield sse(error_body(500, output.error))
@@ -250,6 +254,36 @@ def stream_response(
                 yield sse(error_body(exc.http_status, str(exc)))
             yield sse("[DONE]")
         finally:
+            await outputs.aclose()  # its readers of the engine's streams stop first
             await run.close()  # a closed stream (client gone) aborts what is still running
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+    return StalledReaderBound(events(), run.ctx.stream_write_timeout_s, run.request_id)
+
+
+class StalledReaderBound(StreamingResponse):
+    """An event stream whose every write must go out within `write_timeout_s`: a client that
+    stops reading fills the socket's buffers, and the write then waits. Past the timeout the
+    stream is closed (its `finally` aborts the request, freeing its blocks) and the app
+    returns with the response unfinished, which makes the server close the connection."""
+
+    def __init__(self, events: AsyncIterator[str], write_timeout_s: float, label: str) -> None:
+        super().__init__(events, media_type="text/event-stream")
+        self.write_timeout_s, self.label = write_timeout_s, label
+
+    async def stream_response(self, send: Send) -> None:
+        async def bounded(message: Message) -> None:
+            try:
+                await asyncio.wait_for(send(message), self.write_timeout_s)
+            except TimeoutError:
+                raise _Stalled from None
+
+        try:
+            await super().stream_response(bounded)
+        except _Stalled:
+            logger.warning("request %s: its client read nothing for %g s (--stream-write-"
+                           "timeout); aborted", self.label, self.write_timeout_s)  # fmt: skip
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+class _Stalled(Exception):
+    """A write to the client did not go out in time."""

@@ -5,6 +5,7 @@ stream is sent."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from typing import Any
@@ -94,8 +95,16 @@ async def create_chat_completion(
 
     if not body.stream:
         (output,) = await final_outputs(run, request)
-        choices = [_chat_choice(c, token_text, body.logprobs, plan, role) for c in output.outputs]
-        return JSONResponse(_chat_response(base(choices, "chat.completion"), output, token_text))
+
+        def respond() -> JSONResponse:
+            choices = [
+                _chat_choice(c, token_text, body.logprobs, plan, role) for c in output.outputs
+            ]
+            return JSONResponse(
+                _chat_response(base(choices, "chat.completion"), output, token_text)
+            )
+
+        return await asyncio.to_thread(respond)  # off the event loop, as completions' bodies
 
     streams: dict[int, ToolCallStream] = {}
 

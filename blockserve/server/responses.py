@@ -47,13 +47,18 @@ def sse(payload: dict[str, Any] | str) -> str:
 
 
 class TokenText:
-    """Token id → its text, for logprobs (decoded with the server's own tokenizer)."""
+    """Token id → its text, for logprobs (decoded with the server's own tokenizer), each id
+    decoded once per response: a scored prompt names the same tokens thousands of times."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        self._texts: dict[int, str] = {}  # at most the vocabulary
 
     def __call__(self, token_id: int) -> str:
-        return str(self.tokenizer.decode([token_id]))
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = str(self.tokenizer.decode([token_id]))
+        return text
 
     def decode(self, ids: Sequence[int]) -> str:
         """The text of a sequence of ids (an echoed token-id prompt)."""

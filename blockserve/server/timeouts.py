@@ -1,12 +1,19 @@
 """A deadline uvicorn does not set: a request's head must arrive within `header_timeout_s` of
 the connection's start or of its previous response, else the connection is closed, so a client
 sending nothing (or a byte at a time) holds no connection longer. Idle keep-alive connections
-close after uvicorn's `timeout_keep_alive`; a slow body is server/limits.py's."""
+close after uvicorn's `timeout_keep_alive`; a slow body is server/limits.py's. Each
+connection's kernel send buffer is bounded (`SEND_BUFFER_BYTES`), so a client that reads
+nothing stops a stream's writes soon, and --stream-write-timeout can end it."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
 from typing import Any
+
+# The kernel's send buffer of a connection (Linux doubles it): loopback autotuning grows it to
+# megabytes, which a stream of tokens for a client that reads nothing would fill for minutes.
+SEND_BUFFER_BYTES = 128 << 10
 
 
 def with_header_deadline(header_timeout_s: float) -> type[asyncio.Protocol]:
@@ -26,6 +33,9 @@ def with_header_deadline(header_timeout_s: float) -> type[asyncio.Protocol]:
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
+            sock = transport.get_extra_info("socket")
+            if sock is not None:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
             self._arm()
 
         def data_received(self, data: bytes) -> None:

@@ -27,6 +27,7 @@ from blockserve.core.hashing import (
 )
 from blockserve.errors import InvalidConfigError, UnknownHashAlgorithmError
 from blockserve.sched.request import Request
+from tests.core.vllm_hash_vectors import jsonable
 
 # Independent spellings of the four algorithms, straight from docs/behaviour.md item 3.
 DEFINITIONS = {
@@ -193,13 +194,6 @@ def _ours(case: dict[str, Any], algo: str, num_tokens: int, block_size: int) -> 
     tokens = list(range(100, 100 + num_tokens))
     hashes = BlockHasher(algo).hash_new_blocks(tokens, [], block_size, keys)
     events = keys.event_extra_keys(0, len(hashes), block_size)
-
-    def jsonable(value: Any) -> Any:
-        if isinstance(value, bytes):
-            return {"hex": value.hex()}
-        if isinstance(value, (tuple, list)):
-            return [jsonable(v) for v in value]
-        return value
 
     return {"block_hashes": [h.hex() for h in hashes], "event_extra_keys": jsonable(events)}
 

@@ -15,13 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import vllm
-from vllm.lora.request import LoRARequest
-from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
-from vllm.sampling_params import SamplingParams
-from vllm.utils.hashing import get_hash_fn_by_name
-from vllm.v1.core import kv_cache_utils
-from vllm.v1.request import Request
 
 BLOCK_SIZE = 16
 NUM_TOKENS = 56  # three full blocks and a partial one
@@ -45,6 +38,7 @@ def prompt_embeds() -> torch.Tensor:
 
 
 def jsonable(value: Any) -> Any:
+    """`value` as the JSON file holds it: tuples as lists, bytes as {"hex": ...}."""
     if isinstance(value, bytes):
         return {"hex": value.hex()}
     if isinstance(value, (tuple, list)):
@@ -53,6 +47,14 @@ def jsonable(value: Any) -> Any:
 
 
 def vllm_case(algo: str, case: dict[str, Any]) -> dict[str, Any]:
+    """The case's block hashes and event extra keys, as vLLM's own code computes them."""
+    from vllm.lora.request import LoRARequest
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.request import Request
+
     hash_fn = get_hash_fn_by_name(algo)
     kv_cache_utils.init_none_hash(hash_fn)
     features = [
@@ -90,6 +92,8 @@ def vllm_case(algo: str, case: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> None:
+    import vllm
+
     assert not os.environ.get("PYTHONHASHSEED"), "run with PYTHONHASHSEED unset"
     vectors = {
         "vllm_version": vllm.__version__,

@@ -68,6 +68,25 @@ def test_chunked_prefill_32_32_32_4() -> None:
     assert counts == {"a": 1}  # decoding
 
 
+def test_a_scored_prompt_goes_in_short_chunks_beside_a_newcomer() -> None:
+    """A 600-token prompt with prompt logprobs takes 256 + 256 + 88 (the scored-token bound
+    of a step), not the whole budget; a prompt that arrives meanwhile is admitted at once
+    with the budget left, and after scoring the request decodes as any other."""
+    scheduler = make_scheduler(num_blocks=80, budget=2048)
+    scheduler.add_request(make_request("scored", 600, prompt_logprobs=1))
+    _, first = step(scheduler)
+    scheduler.add_request(make_request("plain", 300, first_token=5000))
+    _, second = step(scheduler)
+    _, third = step(scheduler)
+    _, fourth = step(scheduler)
+    assert [first, second, third, fourth] == [
+        {"scored": 256},
+        {"scored": 256, "plain": 300},
+        {"scored": 88, "plain": 1},
+        {"scored": 1, "plain": 1},
+    ]
+
+
 def test_same_step_sharing() -> None:
     """Two identical 48-token prompts in one step: 48 + 16 tokens scheduled (32 hit)."""
     scheduler = make_scheduler()

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from blockserve.bench.server_process import ServerProcess
+from blockserve.bench.server_process import ServerProcess, metric_sum
 from tests.hostile_inputs import lark_chain, ref_chain
 from tests.server.conftest import tiny_server
 
@@ -178,3 +178,35 @@ def test_a_body_that_stops_arriving_is_a_408(hardened: ServerProcess) -> None:
     assert data.startswith(b"HTTP/1.1 408 ")
     body = json.loads(data.split(b"\r\n\r\n", 1)[1])
     assert "--body-timeout" in body["error"]["message"]
+
+
+ABORTED = "vllm:request_success_total"
+
+
+def test_a_stream_whose_client_reads_nothing_is_aborted(
+    tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A client asks for 32 x 500 streamed tokens with 20 logprobs each (some 20 MB of
+    events) and reads nothing. Once the socket's buffers are full, a write waits; after
+    --stream-write-timeout 1 s the request is aborted (its 32 choices counted as aborts, its
+    blocks freed: nothing running) and the connection closed before the stream's end."""
+    for server in tiny_server(tiny_llama_dir, tmp_path_factory, ["--stream-write-timeout", "1"]):
+        body = json.dumps({"prompt": "hi", "stream": True, "n": 32, "max_tokens": 500,
+                           "logprobs": 20, "ignore_eos": True}).encode()  # fmt: skip
+        head = (
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        )
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", server.port))
+        sock.sendall(head.encode() + body)
+        deadline = time.monotonic() + 120
+        while metric_sum(server.url, ABORTED, finished_reason="abort") < 32:
+            assert time.monotonic() < deadline, "the stalled stream was never aborted"
+            time.sleep(0.2)
+        data, _ = read_until_closed(sock, 30)
+        sock.close()
+        assert b"data: [DONE]" not in data and data.startswith(b"HTTP/1.1 200 ")
+        assert metric_sum(server.url, "vllm:num_requests_running") == 0
+        assert completion(server.url, prompt="hi", max_tokens=2).status_code == 200
