@@ -1,9 +1,7 @@
-"""`RemoteStore`: blocks in a Redis-protocol store that every replica shares (Redis, Valkey),
-keyed by block hash inside a namespace of the manifest fingerprint; the store bounds and evicts
-itself (`maxmemory`, `allkeys-lru`). A fault changes speed, never an answer: the tier is marked
-down (logged once, retried with backoff) and reads as a miss until the store answers again.
-With a shared secret a record is believed only with its signature over namespace, key and
-value; no value is read past a block's size."""
+"""`RemoteStore`: blocks in a Redis-protocol store every replica shares, keyed by block hash in
+a namespace of the manifest fingerprint; the store bounds and evicts itself. A fault changes
+speed, never an answer (marked down, a miss, retried with backoff); with a shared secret only
+signed records are believed, and no value is read past a record's size."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""A deadline uvicorn does not set: a request's head must arrive within `header_timeout_s` of
-the connection's start or of its previous response, else the connection is closed, so a client
-sending nothing (or a byte at a time) holds no connection longer. Idle keep-alive connections
-close after uvicorn's `timeout_keep_alive`; a slow body is server/limits.py's. Each
-connection's kernel send buffer is bounded (`SEND_BUFFER_BYTES`), so a client that reads
-nothing stops a stream's writes soon, and --stream-write-timeout can end it."""
+"""What uvicorn does not bound: a request's head must arrive within `header_timeout_s` of the
+connection's start or its previous response, else the connection closes (a slow body is
+server/limits.py's); each connection's kernel send buffer is `SEND_BUFFER_BYTES`, so the writes
+to a client that reads nothing stop soon (--stream-write-timeout then ends the stream)."""
 
 from __future__ import annotations
 

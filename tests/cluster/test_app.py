@@ -26,8 +26,11 @@ def test_the_example_config_is_a_serve_config_whose_args_build_the_app() -> None
 
 
 def test_router_config_passes_the_engines_hashing_to_the_kv_router() -> None:
-    """The router hashes with the engines' block size and algorithm; pow2 is Ray's default."""
-    engine_args = EngineArgs(block_size=32, prefix_caching_hash_algo="sha256_cbor")
+    """The router hashes with the engines' block size, algorithm and adapters' paths; pow2 is
+    Ray's default."""
+    engine_args = EngineArgs(
+        block_size=32, prefix_caching_hash_algo="sha256_cbor", lora_modules=("caps=/a/caps",)
+    )
     kv = router_config(engine_args, ClusterConfig(replicas=2, router="kv"))
     assert kv == {
         "request_router_class": "blockserve.cluster.router:KVCacheAwareRouter",
@@ -35,6 +38,7 @@ def test_router_config_passes_the_engines_hashing_to_the_kv_router() -> None:
             "policy": "kv",
             "block_size": 32,
             "hash_algo": "sha256_cbor",
+            "lora_paths": {"caps": "/a/caps"},
             "prefix_weight": 2.0,
         },
         "request_routing_stats_period_s": 1.0,

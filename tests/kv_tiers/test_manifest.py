@@ -88,3 +88,17 @@ def test_the_model_hash_follows_the_weights(tmp_path: Path) -> None:
     before = model_content_hash(tmp_path)
     (tmp_path / "model.safetensors").write_bytes(b"\x00" * 99 + b"\x01")
     assert model_content_hash(tmp_path) != before and len(before) == 32
+
+
+def test_a_directory_written_before_tagged_extra_keys_is_not_served(tmp_path: Path) -> None:
+    """Format 1 keyed salted and adapter blocks by untagged extra keys: such a directory,
+    otherwise the same, is left alone (the shared store's namespace, a digest of the same
+    fingerprint, changes with it)."""
+    open_directory(tmp_path, PRINT).close()
+    block = with_a_block(tmp_path)
+    old = {**json.loads((tmp_path / MANIFEST).read_text()), "format": 1}
+    (tmp_path / MANIFEST).write_text(json.dumps(old))
+    directory = open_directory(tmp_path, PRINT)
+    assert not directory.usable and block.exists()
+    assert PRINT.to_json()["format"] == 2
+    directory.close()
