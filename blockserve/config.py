@@ -187,6 +187,7 @@ class ServerConfig:
         "require `Authorization: Bearer KEY` on every route but /health; give several keys "
         "after one flag or repeat it (default: BLOCKSERVE_API_KEY, if set)",
         check=_non_empty_strings,
+        secret=True,
     )
     api_keys_file: str | None = option(
         None, "a file of API keys, one per line (blank lines and # comments are skipped)"

@@ -38,10 +38,13 @@ def option(
     choices: tuple[str, ...] | None = None,
     check: Check | None = None,
     exclusive_group: str | None = None,
+    secret: bool = False,
 ) -> Any:
-    """A dataclass field with a default and an `Option` describing it."""
+    """A dataclass field with a default and an `Option` describing it; a `secret` one is left
+    out of the dataclass's repr (a key or password must not reach a log)."""
     return dataclasses.field(
         default=default,
+        repr=not secret,
         metadata={
             "option": Option(
                 help=help, choices=choices, check=check, exclusive_group=exclusive_group

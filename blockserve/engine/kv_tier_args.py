@@ -49,4 +49,5 @@ class KVTierArgs:
         "deleted; without it whoever can write the store is trusted (default: "
         "BLOCKSERVE_KV_REMOTE_SECRET, if set)",
         check=arg_checks.non_empty_or_none,
+        secret=True,
     )

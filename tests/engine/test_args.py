@@ -302,3 +302,13 @@ def test_vllm_flags_this_engine_cannot_honour_are_refused_in_one_line(
 def test_load_format_gguf_fits_a_gguf_model() -> None:
     configs = configs_from_flags(["--model", "/models/m.gguf", "--load-format", "gguf"])
     assert configs.model.model == "/models/m.gguf"
+
+
+def test_secrets_stay_out_of_the_reprs() -> None:
+    """The shared store's secret and the API keys never appear in a printed config."""
+    from blockserve.config import ServerConfig
+
+    args = EngineArgs(kv_remote_secret="s3cret-value", enable_prefix_caching=True)
+    assert "s3cret-value" not in repr(args)
+    assert "s3cret-value" not in repr(args.create_configs())
+    assert "key-value" not in repr(ServerConfig(api_key=("key-value",)))
