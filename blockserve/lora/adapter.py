@@ -106,6 +106,9 @@ def read_in_parts(
         weights = {}
         for (layer, module), (a_key, b_key) in pairs.items():
             a, b = tensors.get_tensor(a_key), tensors.get_tensor(b_key)
+            if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+                # NaN logits for its requests: arbitrary tokens, logprobs no JSON can carry.
+                raise fail(f"{module} of layer {layer} has weights that are NaN or infinite")
             up = (b.float() * scaling).t().to(dtype).contiguous()
             weights[(layer, module)] = (a.t().to(dtype).contiguous(), up)
             yield None

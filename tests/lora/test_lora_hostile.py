@@ -71,6 +71,13 @@ def v_proj_rank(adapter: Path, rank: int) -> None:
     save_file(tensors, str(adapter / WEIGHTS))
 
 
+def nan_weights(adapter: Path) -> None:
+    tensors = load_file(str(adapter / WEIGHTS))
+    key = next(k for k in sorted(tensors) if "layers.1.mlp.up_proj.lora_B" in k)
+    tensors[key][3, 1] = float("nan")
+    save_file(tensors, str(adapter / WEIGHTS))
+
+
 def int_tensors(adapter: Path) -> None:
     tensors = load_file(str(adapter / WEIGHTS))
     save_file({k: v.to(torch.int32) for k, v in tensors.items()}, str(adapter / WEIGHTS))
@@ -129,6 +136,7 @@ BAD_ADAPTERS = [
         "base_model.model.model.layers.0.mlp.down_proj.lora_A.weight is not a float32, float16 "
         "or bfloat16 tensor",
     ),
+    ("nan-weights", nan_weights, "up_proj of layer 1 has weights that are NaN or infinite"),
     (
         "truncated",
         truncated,
