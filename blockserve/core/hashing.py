@@ -110,6 +110,16 @@ def hash_block_tokens(
     return BlockHash(hash_fn((parent, tuple(token_ids), extra_keys or None)))
 
 
+def tier_key(block_hash: BlockHash, identity: bytes | None) -> BlockHash:
+    """A block's key in the tiers below the device: its hash, or for a block computed under
+    an adapter, a digest of the hash and the adapter's content (`identity`). vLLM's hash
+    keys an adapter by name and path only, which a store every replica shares, or one kept
+    across restarts, would serve for other weights found under that name and path."""
+    if identity is None:
+        return block_hash
+    return BlockHash(hashlib.sha256(block_hash + identity).digest()[: len(block_hash)])
+
+
 def block_hash_to_uint64(block_hash: bytes) -> int:
     """The event form of a hash: its last 8 bytes read as a big-endian unsigned int."""
     return int.from_bytes(block_hash[-8:], "big")

@@ -169,6 +169,8 @@ class EngineCore:
             priority=request.priority,
         )
         sample.explain_cache = request.explain_cache
+        if request.lora_name is not None and self.runner.lora is not None:
+            sample.tier_identity = self.runner.lora.identity(request.lora_name)
         sample.group_id = request.group_id or request.request_id.request_id
         self.scheduler.add_request(sample)
 

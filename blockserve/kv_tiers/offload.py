@@ -200,8 +200,7 @@ class KVTiers:
             wanted = [
                 b
                 for b in blocks
-                if b.block_hash not in self._pending
-                and any(not self._holds(t, b.block_hash) for t in self.tiers)
+                if b.key not in self._pending and any(not self._holds(t, b.key) for t in self.tiers)
             ]
             room = (self.max_pending_bytes - self._pending_bytes) // self.block_nbytes
             if len(wanted) > room:
@@ -209,7 +208,7 @@ class KVTiers:
                 wanted = wanted[: max(room, 0)]
             if not wanted:
                 return
-            self._pending.update(b.block_hash for b in wanted)
+            self._pending.update(b.key for b in wanted)
             self._pending_bytes += len(wanted) * self.block_nbytes
         ids = torch.tensor([b.block_id for b in wanted], device=self.kv_caches[0].device)
         # [blocks, layers, 2, block_size, heads, head_dim], on the CPU, one copy per layer.
@@ -223,24 +222,25 @@ class KVTiers:
             for index, block in enumerate(blocks):
                 try:
                     for tier in self.tiers:
-                        if not self._holds(tier, block.block_hash):
-                            self._put(tier, block.block_hash, data[index], block)
+                        if not self._holds(tier, block.key):
+                            self._put(tier, block.key, data[index], block)
                 except Exception:  # a full disk costs this block, never the writer
                     logger.exception("KV tiers: writing a block failed")
                 with self._lock:
-                    self._pending.discard(block.block_hash)
+                    self._pending.discard(block.key)
                     self._pending_bytes -= self.block_nbytes
 
     def _put(
-        self, tier: Tier, block_hash: BlockHash, data: torch.Tensor, block: FilledBlock | None
+        self, tier: Tier, key: BlockHash, data: torch.Tensor, block: FilledBlock | None
     ) -> None:
-        """Put one block into one tier and record what it stored and evicted."""
+        """Put one block into one tier under `key` and record what it stored (under its block
+        hash, when known) and evicted."""
         with self._tier_locks[tier.name]:  # events in the order the store changed
             stores = tier.store.stats.stores
-            evicted = tier.store.put(block_hash, data)
+            evicted = tier.store.put(key, data)
             self._events.removed(tier, evicted)
             if tier.store.stats.stores > stores:  # written now, not only refreshed
-                self._events.stored(tier, block_hash, block)
+                self._events.stored(tier, key if block is None else block.block_hash, block)
 
     def _holds(self, tier: Tier, block_hash: BlockHash) -> bool:
         """Whether `tier` holds the block; the remote one as far as this process knows, or

@@ -100,6 +100,12 @@ class FilledBlock:
     token_ids: tuple[int, ...]
     lora_name: str | None = None
     extra_keys: tuple[Any, ...] | None = None  # untagged, as its BlockStored event carries them
+    tier_key: BlockHash | None = None  # its key in the tiers, if not its hash (an adapter's)
+
+    @property
+    def key(self) -> BlockHash:
+        """What the tiers store it under (core.hashing.tier_key)."""
+        return self.block_hash if self.tier_key is None else self.tier_key
 
 
 def check_block(shape: BlockShape, block: torch.Tensor) -> None:

@@ -34,6 +34,7 @@ class LoRAManager:
         # a name pointed again at a path whose files changed hashes its blocks apart.
         self._versions: dict[tuple[str, str], list[str]] = {}
         self._hash_paths: dict[str, str] = {}
+        self._identities: dict[str, bytes] = {}
         self.host = HostAdapters(config.host_capacity, self._parts)
         self._slot_used: list[int] = [0] * config.max_loras  # the step that last used each
         self._steps = 0
@@ -59,6 +60,7 @@ class LoRAManager:
         generation = versions.index(adapter.digest)
         # vLLM's key is (name, path); other content at a path served before gets its own.
         self._hash_paths[name] = adapter.path + (f"#{generation}" if generation else "")
+        self._identities[name] = bytes.fromhex(adapter.digest)[:16]
         self.host.drop(name)  # an older version's read, if one is under way
         self.host.keep(adapter)
         if name in self.slots.resident:  # a new version under a known name
@@ -74,9 +76,15 @@ class LoRAManager:
         blocks computed with replaced weights are never read). `name` must be served."""
         return self._hash_paths[name]
 
+    def identity(self, name: str) -> bytes:
+        """The content digest of the adapter served as `name` (it must be served): what
+        keys its blocks in the tiers below the device."""
+        return self._identities[name]
+
     def unregister(self, name: str) -> None:
         self.paths.pop(name)
         self._hash_paths.pop(name)
+        self._identities.pop(name)
         self.host.drop(name)
         if name in self.slots.resident:
             self.slots.resident[self.slots.resident.index(name)] = None

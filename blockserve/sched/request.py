@@ -79,6 +79,7 @@ class Request:
         "status",
         "stop_reason",
         "tier_cached_tokens",
+        "tier_identity",
     )
 
     def __init__(
@@ -108,6 +109,8 @@ class Request:
         self.num_cached_tokens: int | None = None
         # The part of num_cached_tokens loaded from each lower tier, by its name.
         self.tier_cached_tokens: dict[str, int] = {}
+        # Its adapter's content digest: its blocks' keys in the tiers (core.hashing.tier_key).
+        self.tier_identity: bytes | None = None
         self.explain_cache = False
         # The scheduler's fairness unit: the caller's whole request (its n samples, its
         # prompts); by default the request itself.

@@ -8,7 +8,7 @@ from typing import Protocol
 
 from blockserve.core.cache_types import RequestId
 from blockserve.core.free_queue import KVCacheBlock
-from blockserve.core.hashing import BlockHash
+from blockserve.core.hashing import BlockHash, tier_key
 from blockserve.core.kv_cache_manager import KVCacheManager
 from blockserve.sched.request import Request, RequestStatus
 
@@ -58,7 +58,12 @@ class TierLoads:
 
     def lookup(self, request: Request, num_device_blocks: int) -> list[str]:
         """The tiers of the blocks after the request's device hit (empty: nothing to load)."""
-        return self.kv_cache_manager.get_tier_hits(request, num_device_blocks, self.tiers.lookup)
+        identity = request.tier_identity
+
+        def lookup(hashes: Sequence[BlockHash]) -> list[str]:
+            return self.tiers.lookup([tier_key(h, identity) for h in hashes])
+
+        return self.kv_cache_manager.get_tier_hits(request, num_device_blocks, lookup)
 
     def start(
         self, request: Request, hit_blocks: Sequence[KVCacheBlock], tier_hits: list[str]
@@ -81,7 +86,8 @@ class TierLoads:
         self._loading[request.request_id] = (request, tier_hits)
         first = len(hit_blocks)
         hashes = request.block_hashes[first : first + len(tier_hits)]
-        self.tiers.start_load(request.request_id, hashes, [b.block_id for b in blocks])
+        keys = [tier_key(h, request.tier_identity) for h in hashes]
+        self.tiers.start_load(request.request_id, keys, [b.block_id for b in blocks])
         return True
 
     def finish(self) -> list[Request]:

@@ -24,6 +24,7 @@ from blockserve.core.hashing import (
     block_hash_to_uint64,
     hash_block_tokens,
     resolve_seed,
+    tier_key,
 )
 from blockserve.errors import InvalidConfigError, UnknownHashAlgorithmError
 from blockserve.sched.request import Request
@@ -254,3 +255,13 @@ def test_partial_prompt_has_no_hash() -> None:
     hasher = BlockHasher()
     assert hasher.hash_prompt(range(15)) == []
     assert len(hasher.hash_prompt(range(16))) == 1
+
+
+def test_a_tier_key_is_the_hash_or_a_digest_of_it_and_the_adapter() -> None:
+    """Without an adapter a block's tier key is its hash; with one, 32 bytes that differ per
+    adapter content and from the hash."""
+    block_hash = BlockHasher("sha256").hash_block(None, range(16))
+    assert tier_key(block_hash, None) is block_hash
+    one, two = tier_key(block_hash, b"\x01" * 16), tier_key(block_hash, b"\x02" * 16)
+    assert len({block_hash, one, two}) == 3 and len(one) == 32
+    assert one == hashlib.sha256(block_hash + b"\x01" * 16).digest()

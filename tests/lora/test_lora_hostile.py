@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from blockserve import LLM, LoRARequest
+from blockserve import LLM, LoRARequest, SamplingParams
 from blockserve.engine.request import RequestSpec
 from blockserve.errors import ModelNotFoundError
 from blockserve.lora.names import LoRAError
@@ -234,3 +234,34 @@ def test_an_adapter_unloaded_after_its_request_was_checked_fails_that_request_al
     assert not engine.has_unfinished_requests()
     output = llm.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, use_tqdm=False)[0]
     assert list(output.outputs[0].token_ids) == reference(tiny_llama_dir, None, PROMPTS[0])[0]
+
+
+def test_a_disk_tier_never_serves_an_adapters_blocks_for_other_weights_at_its_path(
+    tiny_llama_dir: Path, adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    """`tuned` at one path fills a disk tier; the files at that path are replaced and the
+    engine restarted on the same directory: the tier's blocks for the old weights are not
+    read (0 tokens from disk, tokens of the new weights), and once the new weights' blocks
+    are written, a third engine hits them (64 tokens from disk)."""
+    path = copy_of(adapters["every"], tmp_path, "tuned")
+    prompt = [(t * 3) % 290 + 5 for t in range(80)]  # 4 hittable blocks
+    lora = LoRARequest("tuned", 1, str(path))
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+    def run(**tiers: object) -> tuple[int | None, dict[str, int], list[int]]:
+        llm = LLM(str(tiny_llama_dir), dtype="float32", enable_lora=True, max_lora_rank=8,
+                  num_gpu_blocks_override=12, **tiers)  # fmt: skip
+        try:
+            (out,) = llm.generate({"prompt_token_ids": prompt}, greedy, use_tqdm=False,
+                                  lora_request=lora)  # fmt: skip
+        finally:
+            llm.shutdown()  # flushes the disk tier's writes, frees the directory
+        return out.num_cached_tokens, dict(out.tier_cached_tokens), list(out.outputs[0].token_ids)
+
+    kv = str(tmp_path / "kv")
+    run(kv_cache_dir=kv)
+    for name in (CONFIG, WEIGHTS):
+        shutil.copy(adapters["qv"] / name, path / name)
+    _, _, fresh = run(enable_prefix_caching=False)
+    assert run(kv_cache_dir=kv) == (0, {}, fresh)
+    assert run(kv_cache_dir=kv) == (64, {"disk": 64}, fresh)
