@@ -64,8 +64,10 @@ def create_kv_tiers(
     if cache.kv_remote_url and fingerprint is not None:
         if fingerprint.reusable:
             secret = cache.kv_remote_secret
-            remote = RemoteStore(cache.kv_remote_url, shape, fingerprint.namespace(),
-                                 secret=None if secret is None else secret.encode())  # fmt: skip
+            secret_bytes = None if secret is None else secret.encode()
+            remote = RemoteStore(
+                cache.kv_remote_url, shape, fingerprint.namespace(), secret=secret_bytes
+            )
             tiers.append(Tier("remote", MEDIUM_REMOTE, remote))
         else:
             logger.warning(

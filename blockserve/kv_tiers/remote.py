@@ -73,9 +73,11 @@ class RemoteStore:
         self._secret = secret
         self.record_bytes = RECORD_HEADER.size + shape.nbytes + (TAG_BYTES if secret else 0)
         if secret is None:
-            logger.warning("KV remote tier %s: no --kv-remote-secret, so its records are not "
-                           "signed: whoever can write the store answers for every replica",
-                           self.url)  # fmt: skip
+            logger.warning(
+                "KV remote tier %s: no --kv-remote-secret, so its records are not signed: "
+                "whoever can write the store answers for every replica",
+                self.url,
+            )
 
     def known(self, key: bytes) -> bool:
         """Whether this process wrote or read `key` lately (no round trip: the write path asks

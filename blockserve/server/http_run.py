@@ -280,8 +280,11 @@ class StalledReaderBound(StreamingResponse):
         try:
             await super().stream_response(bounded)
         except _Stalled:
-            logger.warning("request %s: its client read nothing for %g s (--stream-write-"
-                           "timeout); aborted", self.label, self.write_timeout_s)  # fmt: skip
+            logger.warning(
+                "request %s: its client read nothing for %g s (--stream-write-timeout); aborted",
+                self.label,
+                self.write_timeout_s,
+            )
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
 
 
