@@ -48,7 +48,20 @@ class LoRAManager:
         return load_adapter(name, path, self.arch, self.config.max_lora_rank, self.dtype)
 
     def _parts(self, name: str, path: str) -> Iterator[LoRAAdapter | None]:
-        return read_in_parts(name, path, self.arch, self.config.max_lora_rank, self.dtype)
+        """A read back into host memory: LoRAError at its end if the files now hold other
+        content than the one served (its blocks are keyed by that content)."""
+        for part in read_in_parts(name, path, self.arch, self.config.max_lora_rank, self.dtype):
+            served = self._identities.get(name)
+            if (
+                part is not None
+                and served is not None
+                and bytes.fromhex(part.digest)[:16] != served
+            ):
+                raise LoRAError(
+                    f"LoRA adapter {name!r} ({path}): its files changed since it was loaded; "
+                    "load it again to serve them"
+                )
+            yield part
 
     def add(self, adapter: LoRAAdapter) -> None:
         """Serve an adapter already read (between steps: it may replace one in a slot)."""

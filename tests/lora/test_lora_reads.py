@@ -138,3 +138,28 @@ def test_a_failed_read_ends_that_adapters_requests_only(
     assert str(every) in finished["e"].error
     base_tokens, _ = reference(tiny_llama_dir, None, PROMPTS[0])
     assert list(finished["base"].outputs[0].token_ids) == base_tokens
+
+
+def test_a_read_back_of_changed_files_ends_that_adapters_requests(
+    tiny_llama_dir: Path, adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    """The adapter's files are replaced (other weights) after it left host memory: its blocks
+    are keyed by the content it was loaded with, so the read back refuses the new content and
+    its request ends with the reason; a base request beside it is untouched."""
+    every = Path(shutil.copytree(adapters["every"], tmp_path / "every"))
+    engine = evicted_engine(tiny_llama_dir, adapters, every)
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        shutil.copy(adapters["qv"] / name, every / name)
+    engine.add_request(RequestSpec("e", PROMPTS[1], GREEDY, lora_name="every"))
+    engine.add_request(RequestSpec("base", PROMPTS[0], GREEDY))
+    finished = {}
+    for _ in range(100):  # the read, a prefill and 8 decodes: bounded
+        finished |= {o.request_id: o for o in engine.step() if o.finished}
+        if not engine.has_unfinished_requests():
+            break
+    assert finished["e"].error == (
+        f"the LoRA adapter 'every' could not be read: LoRA adapter 'every' ({every}): its "
+        "files changed since it was loaded; load it again to serve them"
+    )
+    base_tokens, _ = reference(tiny_llama_dir, None, PROMPTS[0])
+    assert list(finished["base"].outputs[0].token_ids) == base_tokens
