@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from blockserve.engine.llm_engine import LLMEngine
+from blockserve.engine.outputs import RequestOutput
 from blockserve.engine.request import RequestSpec
 from blockserve.lora import host_set
 from blockserve.lora.adapter import WEIGHTS, LoRAAdapter
@@ -119,6 +120,17 @@ def test_a_request_waits_for_its_adapters_read_while_others_run(
     assert stats is not None and stats.loads == 1 and stats.load_seconds > 0
 
 
+def run_to_end(engine: LLMEngine) -> dict[str, RequestOutput]:
+    """Each request's final output, stepping until none is left (the read, a prefill and 8
+    decodes: 100 steps bound it)."""
+    finished = {}
+    for _ in range(100):
+        finished |= {o.request_id: o for o in engine.step() if o.finished}
+        if not engine.has_unfinished_requests():
+            break
+    return finished
+
+
 def test_a_failed_read_ends_that_adapters_requests_only(
     tiny_llama_dir: Path, adapters: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -127,11 +139,7 @@ def test_a_failed_read_ends_that_adapters_requests_only(
     shutil.rmtree(every)  # gone since it was registered
     engine.add_request(RequestSpec("e", PROMPTS[1], GREEDY, lora_name="every"))
     engine.add_request(RequestSpec("base", PROMPTS[0], GREEDY))
-    finished = {}
-    for _ in range(100):  # the read, a prefill and 8 decodes: bounded
-        finished |= {o.request_id: o for o in engine.step() if o.finished}
-        if not engine.has_unfinished_requests():
-            break
+    finished = run_to_end(engine)
     assert finished["e"].outputs[0].finish_reason == "error"
     assert finished["e"].error is not None
     assert finished["e"].error.startswith("the LoRA adapter 'every' could not be read: ")
@@ -152,11 +160,7 @@ def test_a_read_back_of_changed_files_ends_that_adapters_requests(
         shutil.copy(adapters["qv"] / name, every / name)
     engine.add_request(RequestSpec("e", PROMPTS[1], GREEDY, lora_name="every"))
     engine.add_request(RequestSpec("base", PROMPTS[0], GREEDY))
-    finished = {}
-    for _ in range(100):  # the read, a prefill and 8 decodes: bounded
-        finished |= {o.request_id: o for o in engine.step() if o.finished}
-        if not engine.has_unfinished_requests():
-            break
+    finished = run_to_end(engine)
     assert finished["e"].error == (
         f"the LoRA adapter 'every' could not be read: LoRA adapter 'every' ({every}): its "
         "files changed since it was loaded; load it again to serve them"
