@@ -9,7 +9,7 @@ from collections.abc import Collection, Mapping
 from blockserve.config import CacheConfig
 from blockserve.core.cache_types import RequestId
 from blockserve.core.events import MEDIUM_REMOTE
-from blockserve.core.hashing import BlockHasher, tier_key
+from blockserve.core.hashing import BlockHasher, tier_key, untag_extra_keys
 from blockserve.engine.outputs import TierStats
 from blockserve.kv_tiers.disk import DiskStore
 from blockserve.kv_tiers.host import HostStore
@@ -129,7 +129,9 @@ def filled_blocks(
                     parent_hash=hashes[index - 1] if index else None,
                     token_ids=tuple(tokens),
                     lora_name=request.lora_name,
-                    extra_keys=request.hash_keys.event_extra_keys(index, index + 1, block_size)[0],
+                    extra_keys=untag_extra_keys(
+                        request.hash_keys.extra_keys(index * block_size, (index + 1) * block_size)
+                    ),
                     tier_key=None
                     if request.tier_identity is None
                     else tier_key(hashes[index], request.tier_identity),

@@ -61,10 +61,12 @@ class RemoteStore:
         self.stats = StoreStats()
         self.failures = 0  # calls that found the store down, slow or refusing
         self._prefix = f"blockserve:{namespace}:".encode()
-        self._lookups = redis.Redis.from_url(url, socket_timeout=LOOKUP_TIMEOUT_S,
-                                             socket_connect_timeout=LOOKUP_TIMEOUT_S)  # fmt: skip
-        self._io = redis.Redis.from_url(url, socket_timeout=IO_TIMEOUT_S,
-                                        socket_connect_timeout=IO_TIMEOUT_S)  # fmt: skip
+        self._lookups = redis.Redis.from_url(
+            url, socket_timeout=LOOKUP_TIMEOUT_S, socket_connect_timeout=LOOKUP_TIMEOUT_S
+        )
+        self._io = redis.Redis.from_url(
+            url, socket_timeout=IO_TIMEOUT_S, socket_connect_timeout=IO_TIMEOUT_S
+        )
         self._lock = threading.Lock()
         self._down_until = 0.0
         self._backoff = FIRST_BACKOFF_S
@@ -218,8 +220,13 @@ class RemoteStore:
             self._down_until = self._clock() + self._backoff
             self._backoff = min(2 * self._backoff, MAX_BACKOFF_S)
         if first:
-            logger.warning("KV remote tier %s is down (%s: %s); serving from the other tiers, "
-                           "retrying with backoff", self.url, type(exc).__name__, exc)  # fmt: skip
+            logger.warning(
+                "KV remote tier %s is down (%s: %s); serving from the other tiers, retrying "
+                "with backoff",
+                self.url,
+                type(exc).__name__,
+                exc,
+            )
 
     def _answered(self) -> None:
         with self._lock:

@@ -185,9 +185,12 @@ def build_lora_manager(
     if config is None:
         return None
     slots = LoRASlots(
-        arch=arch, max_loras=config.max_loras, max_rank=config.max_lora_rank, dtype=dtype,
+        arch=arch,
+        max_loras=config.max_loras,
+        max_rank=config.max_lora_rank,
+        dtype=dtype,
         device=device,
-    )  # fmt: skip
+    )
     kernel = None
     if device.type == "cuda":  # the grouped products in one Triton launch per projection
         from blockserve.kernels.triton_lora import add_lora

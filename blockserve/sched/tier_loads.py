@@ -59,6 +59,10 @@ class TierLoads:
     def lookup(self, request: Request, num_device_blocks: int) -> list[str]:
         """The tiers of the blocks after the request's device hit (empty: nothing to load)."""
         identity = request.tier_identity
+        if identity is None:  # a block's key below the device is its hash
+            return self.kv_cache_manager.get_tier_hits(
+                request, num_device_blocks, self.tiers.lookup
+            )
 
         def lookup(hashes: Sequence[BlockHash]) -> list[str]:
             return self.tiers.lookup([tier_key(h, identity) for h in hashes])
