@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 from collections.abc import AsyncIterator
@@ -60,6 +61,8 @@ class ClusterEngineClient(PoolTokenizing):
         # request id -> the replica's response stream
         self._streams: dict[str, DeploymentResponseGenerator] = {}
         self._num_running = 0
+        # Finished streams read to their end in the background (see _generate).
+        self._draining: set[asyncio.Task[None]] = set()
         self._counts = _Counts()
         self._per_replica: dict[str, _Counts] = {}
 
@@ -100,6 +103,10 @@ class ClusterEngineClient(PoolTokenizing):
                     if output.finished:
                         self._counts.count(output)
                         self._per_replica.setdefault(item.replica_id, _Counts()).count(output)
+                        # The replica's call ends on its own: read to its end, never cancelled.
+                        # A cancel racing the call's end can lose Ray Serve's completion
+                        # callback, and with it the router's count of work queued there.
+                        self._drain(self._streams.pop(spec.request_id))
                     yield output
                 return
             except RayTaskError as exc:
@@ -110,6 +117,11 @@ class ClusterEngineClient(PoolTokenizing):
                 if streamed or attempt == MAX_ATTEMPTS:
                     raise EngineDeadError("the replica serving this request died") from None
                 logger.warning("replica died before request %s started; retrying", spec.request_id)
+
+    def _drain(self, stream: DeploymentResponseGenerator) -> None:
+        task = asyncio.get_running_loop().create_task(_read_to_end(stream))
+        self._draining.add(task)
+        task.add_done_callback(self._draining.discard)
 
     def abort(self, request_id: str) -> None:
         stream = self._streams.pop(request_id, None)
@@ -172,6 +184,16 @@ class _Counts:
             num_prompt_tokens=self.prompt_tokens,
             num_generation_tokens=self.generation_tokens,
         )
+
+
+async def _read_to_end(stream: DeploymentResponseGenerator) -> None:
+    """What a finished request's stream still holds: its end (a replica yields nothing after
+    the finished output), or the error of a replica that died just after it."""
+    try:
+        async for _ in stream:
+            pass
+    except Exception:  # the client has its output; nothing is left to tell it
+        logger.debug("a finished request's stream ended with an error", exc_info=True)
 
 
 async def fetch_front_end(replicas: DeploymentHandle) -> FrontEnd:
