@@ -20,6 +20,8 @@ from blockserve.engine.outputs import EngineStats, LoRAStats
 
 logger = logging.getLogger("blockserve.stats")
 
+# vLLM 0.32's finish reasons (FinishReason): each has its request_success series from the start.
+FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 LATENCY_BUCKETS = (
     0.005,
     0.01,
@@ -199,39 +201,53 @@ class ServerMetrics:
 
 
 class _TwinHistogram:
-    """A latency histogram under both names (vLLM's labels on `vllm:`)."""
+    """A latency histogram under both names (vLLM's labels on `vllm:`), its series there, at
+    zero, from the first scrape."""
 
     def __init__(self, name: str, doc: str, metrics: ServerMetrics) -> None:
-        self.model_name = metrics.model_name
-        self.vllm = Histogram(
-            f"vllm:{name}", doc, ["model_name", "engine"], buckets=LATENCY_BUCKETS,
+        vllm = Histogram(
+            f"vllm:{name}",
+            doc,
+            ["model_name", "engine"],
+            buckets=LATENCY_BUCKETS,
             registry=metrics.registry,
-        )  # fmt: skip
-        self.ours = Histogram(
-            f"blockserve:{name}", doc, ["model_name"], buckets=LATENCY_BUCKETS,
+        )
+        ours = Histogram(
+            f"blockserve:{name}",
+            doc,
+            ["model_name"],
+            buckets=LATENCY_BUCKETS,
             registry=metrics.registry,
-        )  # fmt: skip
+        )
+        self.series = (
+            vllm.labels(metrics.model_name, VLLM_ENGINE),
+            ours.labels(metrics.model_name),
+        )
 
     def observe(self, seconds: float, times: int = 1) -> None:
-        vllm = self.vllm.labels(self.model_name, VLLM_ENGINE)
-        ours = self.ours.labels(self.model_name)
         for _ in range(times):
-            vllm.observe(seconds)
-            ours.observe(seconds)
+            for series in self.series:
+                series.observe(seconds)
 
 
 class _TwinCounter:
-    """Finished requests by reason under both names (vLLM's labels on `vllm:`)."""
+    """Finished requests by reason under both names (vLLM's labels on `vllm:`): a series per
+    vLLM finish reason, at zero, from the first scrape (as vLLM creates them)."""
 
     def __init__(self, name: str, doc: str, metrics: ServerMetrics) -> None:
         self.model_name = metrics.model_name
         self.vllm = Counter(
-            f"vllm:{name}", doc, ["model_name", "engine", "finished_reason"],
+            f"vllm:{name}",
+            doc,
+            ["model_name", "engine", "finished_reason"],
             registry=metrics.registry,
-        )  # fmt: skip
+        )
         self.ours = Counter(
             f"blockserve:{name}", doc, ["model_name", "finished_reason"], registry=metrics.registry
         )
+        for reason in FINISH_REASONS:
+            self.vllm.labels(self.model_name, VLLM_ENGINE, reason)
+            self.ours.labels(self.model_name, reason)
 
     def inc(self, reason: str, amount: int = 1) -> None:
         self.vllm.labels(self.model_name, VLLM_ENGINE, reason).inc(amount)

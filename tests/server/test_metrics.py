@@ -52,6 +52,22 @@ def test_engine_values_are_read_at_scrape_time() -> None:
     assert samples(metrics)["blockserve:prefix_cache_queries_total" + label] == 164
 
 
+def test_every_vllm_series_is_there_at_zero_before_the_first_request() -> None:
+    """As vLLM creates its labelled series at start, a dashboard shows zeros, not "no data":
+    each latency histogram's count and every finish reason's request_success, under both
+    names."""
+    values = samples(ServerMetrics(StatsOnly(STATS), "m"))  # type: ignore[arg-type]
+    vllm = [("engine", "0"), ("model_name", "m")]
+    for name in ("time_to_first_token", "inter_token_latency", "e2e_request_latency"):
+        assert values[f"vllm:{name}_seconds_count{vllm}"] == 0
+        assert values[f"blockserve:{name}_seconds_count{[('model_name', 'm')]}"] == 0
+    for reason in ("stop", "length", "abort", "error", "repetition"):
+        labels = sorted([*vllm, ("finished_reason", reason)])
+        assert values[f"vllm:request_success_total{labels}"] == 0
+        ours = [("finished_reason", reason), ("model_name", "m")]
+        assert values[f"blockserve:request_success_total{ours}"] == 0
+
+
 def test_request_timer_observes_ttft_itl_and_e2e() -> None:
     """First token: one TTFT; three more tokens at once: three ITL samples; finish: e2e and
     one success per choice, by finish reason."""
