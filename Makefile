@@ -16,7 +16,7 @@ SERVE_ARGS ?=
 PEER := .peer
 VLLM_VERSION := 0.32.0
 
-.PHONY: setup setup-dev serve test lint typecheck pytest bench peer-vllm clean
+.PHONY: setup setup-dev serve test test-fast lint typecheck pytest bench peer-vllm clean
 
 # torch first, pinned, from TORCH_INDEX_URL; where that index cannot be reached (checked in a
 # few seconds, not waited for), from pip's own configuration: a local wheel on machines that
@@ -63,12 +63,17 @@ lint: setup-dev
 	$(BIN)/ruff format --check blockserve tests benchmarks adapters
 
 typecheck: setup-dev
-	$(BIN)/mypy blockserve/core blockserve/sched blockserve/engine blockserve/server blockserve/kv_tiers blockserve/replay blockserve/cluster blockserve/events blockserve/config.py blockserve/options.py
+	$(BIN)/mypy blockserve
 
 pytest: setup-dev
 	$(BIN)/pytest
 
 test: lint typecheck pytest
+
+# The tests not marked slow (no real servers, Ray, kernel builds or compiles): a quick lane
+# while working; `make test` stays the suite CI runs.
+test-fast: setup-dev
+	$(BIN)/pytest -m "not slow"
 
 bench: setup-dev
 	$(BIN)/python benchmarks/bench_block_manager.py

@@ -8,11 +8,16 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from blockserve.core.eviction import EvictionConfig
 from blockserve.errors import InvalidConfigError
 from blockserve.events.config import KVEventsConfig
 from blockserve.grammar_limits import ConstraintLimits
 from blockserve.options import at_least, option, positive, validate
+
+if TYPE_CHECKING:  # cpu_threads imports torch, which a config never needs
+    from blockserve.cpu_threads import ThreadPlan
 
 
 def default_cache_dir() -> Path:
@@ -43,9 +48,7 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float | None = None
-    eviction_policy: str = "lru"
-    tlru_threshold_tokens: int = 512  # tlru's xi: the prefill a turn may pay within its budget
-    tlru_next_prompt_tokens: int = 128  # tlru's q: the expected length of a next turn
+    eviction: EvictionConfig = field(default_factory=EvictionConfig)  # which block goes next
     miss_ratio_samples: int = 4096  # the online miss-ratio curve's hash budget; 0: no curve
     # Tiers below the device (kv_tiers/): a host-memory store and a disk store; 0 / None: off.
     kv_offloading_bytes: int = 0
@@ -148,6 +151,9 @@ class EngineConfig:
     scheduler: SchedulerConfig
     kv_events: KVEventsConfig | None = None
     lora: LoRAConfig | None = None  # None: --enable-lora not given
+    # The compute threads on a CPU, planned once from --cpu-threads and the host (None: the
+    # engine plans them when it starts).
+    threads: ThreadPlan | None = None
 
 
 def _port(value: int) -> str | None:

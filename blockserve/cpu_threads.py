@@ -11,8 +11,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from blockserve.errors import InvalidConfigError
 
 logger = logging.getLogger(__name__)
@@ -70,6 +68,15 @@ def plan_threads(
     return ThreadPlan(affinity, max(1, min(len(affinity), default_threads)), adaptive=True)
 
 
+def host_thread_plan(cpu_threads: int | None) -> ThreadPlan:
+    """This process's plan: its environment, the cores it may use, and torch's default count
+    (one thread per physical core) as the adaptive ceiling."""
+    affinity = frozenset(os.sched_getaffinity(0))
+    import torch  # here: a config plans threads without importing torch for anything else
+
+    return plan_threads(cpu_threads, os.environ, affinity, torch.get_num_threads())
+
+
 @dataclass(frozen=True, slots=True)
 class CpuTimes:
     """Busy and total ticks of some cores, and this process's own ticks, at one moment."""
@@ -118,11 +125,14 @@ class ThreadGovernor:
         plan: ThreadPlan,
         read: Callable[[frozenset[int]], CpuTimes] = read_cpu_times,
         clock: Callable[[], float] = time.monotonic,
-        set_threads: Callable[[int], None] = torch.set_num_threads,
+        set_threads: Callable[[int], None] | None = None,  # None: torch.set_num_threads
     ) -> None:
+        import torch
+
         self.plan = plan
         self.threads = plan.threads
-        self._read, self._clock, self._set_threads = read, clock, set_threads
+        self._read, self._clock = read, clock
+        self._set_threads = set_threads or torch.set_num_threads
         self._last: tuple[float, CpuTimes] | None = None
 
     def before_step(self) -> None:

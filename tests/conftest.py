@@ -14,10 +14,22 @@ import pytest
 def pytest_configure(config: pytest.Config) -> None:
     """The suite's engines (and the servers it starts) run a fixed thread count: an adapted
     one would follow the load of the suite's own servers, and float32 sums differ in their
-    last bits between counts (tests/test_cpu_threads.py tests the adapting)."""
+    last bits between counts (tests/test_cpu_threads.py tests the adapting). Without a CUDA
+    device, Triton kernels run under its interpreter (set before any is imported: `triton.jit`
+    reads it when decorating)."""
     import torch
 
     os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test on our built CPU kernels is slow wherever it sits: the session builds every
+    library the host can run before the first one (cpu_kernels_dir, ~20 s a build)."""
+    for item in items:
+        if "cpu_kernels_dir" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")
@@ -54,7 +66,7 @@ def cpu_kernels_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A cache dir every build of a CPU kernel library the host can run was built into (once
     a session: ~20 s each). Before the builds it held, for each, an older source's library
     for this torch install, which its build replaces, and another install's, which they
-    leave (tests/attention/test_cpu_kernel.py checks both)."""
+    leave (tests/kernels/test_cpu_kernel.py checks both)."""
     from blockserve.kernels import build
 
     directory = tmp_path_factory.mktemp("kernel-cache")
@@ -91,7 +103,7 @@ def kernels(cpu_kernels_dir: Path) -> Any:
 
 @pytest.fixture
 def redis_server(tmp_path: Path) -> Any:
-    """A real Redis server process on a free port (tests/kv_tiers/redis_server.py)."""
+    """A real Redis server process on a free port (blockserve/bench/redis_server.py)."""
     from blockserve.bench.redis_server import RedisServer
 
     server = RedisServer(tmp_path)

@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_dry_run_races_the_blockserve_half_offline_and_served(
     tiny_llama_dir: Path, tmp_path: Path
 ) -> None:

@@ -163,6 +163,7 @@ def test_a_fixed_plan_is_never_changed() -> None:
 HOG = "import torch, time\na = torch.randn(512, 512)\nwhile True:\n    a @ a\n"
 
 
+@pytest.mark.slow
 def test_beside_a_real_cpu_bound_process_the_count_drops() -> None:
     """A process multiplying matrices on every core this one may use: after half a second
     the governor, reading the real /proc, leaves this engine fewer threads than cores."""

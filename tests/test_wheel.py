@@ -30,6 +30,7 @@ print((got - expected).abs().max().item())
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     not can_build(torch.float32), reason="needs an x86 CPU with AVX2 and FMA, and g++"
 )

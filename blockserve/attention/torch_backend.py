@@ -210,9 +210,15 @@ class TorchAttentionBackend:
                     pack, kv_cache, plan.common_set, plan.common_block_ids
                 )
             return fused(
-                query, kv_cache[0], kv_cache[1], plan.own_tables, plan.own_lengths,
-                head_dim**-0.5, plan.common_block_ids, packed,
-            )  # fmt: skip
+                query,
+                kv_cache[0],
+                kv_cache[1],
+                plan.own_tables,
+                plan.own_lengths,
+                head_dim**-0.5,
+                plan.common_block_ids,
+                packed,
+            )
         context = plan.mask.shape[-1]
         gathered = self._gather_blocks(kv_cache, plan.own_tables.view(-1))
         # [num_decodes, context, kv_heads, dim] → [num_decodes, kv_heads, context, dim]

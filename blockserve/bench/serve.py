@@ -85,10 +85,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="prompts draw token ids from [100, this): below the model's vocabulary size",
     )
     parser.add_argument(
-        "--lora-modules", nargs="+", default=None, metavar="NAME",
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME",
         help="adapters the server serves: each shared-prefix group, conversation or random "
         "prompt names one, in turn (vLLM's picks one per request at random)",
-    )  # fmt: skip
+    )
     parser.add_argument("--url", default=None, help="a running server (else one is started)")
     parser.add_argument(
         "--compare-caching", action="store_true", help="run with caching on and off"

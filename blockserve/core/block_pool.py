@@ -10,7 +10,7 @@ from typing import Protocol
 
 from blockserve.core.block_hash_map import BlockHashToBlockMap
 from blockserve.core.events import CacheListener, KVEvent, KVEventRecorder
-from blockserve.core.eviction import HitAwarePolicy, TailLRUConfig, create_free_block_policy
+from blockserve.core.eviction import LRU, EvictionConfig, HitAwarePolicy
 from blockserve.core.free_queue import FreeBlockQueue, KVCacheBlock
 from blockserve.core.hashing import BlockHash, BlockKeyInputs
 from blockserve.errors import InvalidConfigError, NoFreeBlocksError
@@ -53,8 +53,7 @@ class BlockPool:
         block_size: int,
         enable_caching: bool = True,
         events: KVEventRecorder | None = None,
-        eviction_policy: str = "lru",
-        tlru: TailLRUConfig | None = None,
+        eviction: EvictionConfig = LRU,
     ) -> None:
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 2:
             raise InvalidConfigError(f"num_blocks must be an integer >= 2, got {num_blocks!r}")
@@ -67,9 +66,7 @@ class BlockPool:
         self.blocks = [KVCacheBlock(block_id=i) for i in range(num_blocks)]
         self.null_block = self.blocks[0]
         self.null_block.is_null = True
-        self.free_block_queue = create_free_block_policy(
-            eviction_policy, self.blocks[1:], num_blocks, block_size, tlru
-        )
+        self.free_block_queue = eviction.create(self.blocks[1:], num_blocks, block_size)
         # LRU needs no notifications: its order is the free queue itself, untouched and fast.
         self._hooks: HitAwarePolicy | None = (
             None if isinstance(self.free_block_queue, FreeBlockQueue) else self.free_block_queue

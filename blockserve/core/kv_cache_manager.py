@@ -17,7 +17,7 @@ from blockserve.core.cache_types import (
     RequestId,
 )
 from blockserve.core.events import KVEvent, KVEventRecorder
-from blockserve.core.eviction import TailLRUConfig
+from blockserve.core.eviction import LRU, EvictionConfig
 from blockserve.core.explain import CacheExplainer, CacheExplanation
 from blockserve.core.free_queue import KVCacheBlock
 from blockserve.core.hashing import BlockHash
@@ -38,16 +38,14 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool = True,
         events: KVEventRecorder | None = None,
-        eviction_policy: str = "lru",
-        tlru: TailLRUConfig | None = None,
+        eviction: EvictionConfig = LRU,
     ) -> None:
         self.block_pool = BlockPool(
             num_blocks=num_blocks,
             block_size=block_size,
             enable_caching=enable_caching,
             events=events,
-            eviction_policy=eviction_policy,
-            tlru=tlru,
+            eviction=eviction,
         )
         self.block_size = block_size
         self.enable_caching = enable_caching

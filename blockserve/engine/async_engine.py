@@ -110,7 +110,7 @@ class AsyncEngine(PoolTokenizing):
             tokenizer=processor.tokenizer,
             default_sampling=engine.default_sampling,
             runtime=engine.core.info.runtime,
-            lora_adapters=dict(lora.paths) if (lora := engine.core.runner.lora) else {},
+            lora_adapters=lora.registry if (lora := engine.core.lora) else {},
         )
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
@@ -155,7 +155,7 @@ class AsyncEngine(PoolTokenizing):
             check_lora_name(name)
         except LoRAError as exc:
             raise InvalidRequestError(str(exc), "lora_name") from None
-        if name in manager.paths:
+        if name in manager.registry:
             raise InvalidRequestError(
                 f"The lora adapter '{name}' has already been loaded.", "lora_name"
             )

@@ -29,7 +29,8 @@ class ModelInfo:
     default_sampling: Mapping[str, float | int] = field(default_factory=dict)
     # Where the engine runs (device, ISA level, dtype, threads), for /version.
     runtime: Mapping[str, str | int | bool] = field(default_factory=dict)
-    # The LoRA adapters served at start (--lora-modules): name -> path.
+    # The LoRA adapters served now, name -> path: the engine's registry (lora/registry.py),
+    # which loads and unloads change; a cluster's ingress holds the replicas' --lora-modules.
     lora_adapters: Mapping[str, str] = field(default_factory=dict)
 
 

@@ -2,23 +2,17 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import os
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from dataclasses import dataclass, field, replace
 
 from blockserve.config import CacheConfig, EngineConfig
 from blockserve.core.events import KVEventBatch, KVEventRecorder
-from blockserve.core.eviction import TailLRUConfig
 from blockserve.core.hashing import BlockHasher, BlockKeyInputs, RequestBlockHasher
 from blockserve.core.kv_cache_manager import KVCacheManager
 from blockserve.core.miss_ratio import MissRatioCurve
-from blockserve.cpu_threads import ThreadGovernor, plan_threads
+from blockserve.cpu_threads import ThreadGovernor, host_thread_plan
 from blockserve.engine.core_step import (
     ScheduledStep,
     advance_adapter_reads,
@@ -36,12 +30,10 @@ from blockserve.engine.outputs import (
 from blockserve.engine.reports import kv_cache_report, miss_ratio_report
 from blockserve.engine.request import EngineCoreRequest, SampleId
 from blockserve.engine.tier_feed import create_kv_tiers, filled_blocks, tier_stats
+from blockserve.events.config import KVEventsConfig
 from blockserve.events.publisher import create_event_publisher
-from blockserve.runner.build import build_runner, capture_decode_graphs, warm_up_device
-from blockserve.runner.kv_budget import LargestStep
-from blockserve.runner.kv_cache import context_length
-from blockserve.runner.launched import LaunchedStep
-from blockserve.runner.page_mapping import blocks_per_step
+from blockserve.model.tokenizer import Tokenizer
+from blockserve.runner.start import LaunchedStep, RunnerInfo, start_runner
 from blockserve.sched.output import ModelRunnerOutput
 from blockserve.sched.request import Request, RequestStatus
 from blockserve.sched.scheduler import Scheduler
@@ -65,6 +57,22 @@ class CoreInfo:
     # Where it runs: device, CPU architecture and ISA level, native bf16, dtype, threads.
     runtime: Mapping[str, str | int | bool] = field(default_factory=dict)
 
+    @classmethod
+    def of(cls, runner: RunnerInfo, threads: ThreadGovernor | None) -> CoreInfo:
+        return cls(
+            model_name=runner.model_name,
+            model_path=str(runner.model_dir),
+            dtype=str(runner.dtype).removeprefix("torch."),
+            max_model_len=runner.max_model_len,
+            vocab_size=runner.arch.vocab_size,
+            num_blocks=runner.num_blocks,
+            block_size=runner.block_size,
+            runtime={
+                **runner.runtime,
+                **({"threads": threads.threads} if threads is not None else {}),
+            },
+        )
+
 
 class EngineCore:
     """Add requests, call `step()` while `has_unfinished_requests()`; abort at any time.
@@ -76,87 +84,56 @@ class EngineCore:
     """
 
     def __init__(self, config: EngineConfig) -> None:
-        sched = config.scheduler
-        per_step = blocks_per_step(
-            sched.max_num_batched_tokens, sched.max_num_seqs, config.cache.block_size
-        )
-        largest = LargestStep(sched.max_num_batched_tokens, sched.max_num_seqs)
-        self.runner = build_runner(config.model, config.cache, per_step, largest, config.lora)
-        loaded = self.runner.loaded
-        max_model_len = context_length(
-            config.model.max_model_len, loaded.arch, self.runner.num_blocks, config.cache.block_size
-        )
-        self.scheduler_config = dataclasses.replace(config.scheduler, max_model_len=max_model_len)
-        warm_up_device(self.runner, max_model_len)  # nothing compiles once ready
-        graphs = capture_decode_graphs(self.runner, config.model, sched.max_num_seqs, max_model_len)
-        if graphs is not None:
-            logger.info(graphs.line())
-        events = config.kv_events
-        self.event_publisher = create_event_publisher(events)
-        recorder = None
-        if events is not None and events.enabled:
-            recorder = KVEventRecorder(hash_format=events.hash_format)  # type: ignore[arg-type]
-        cache = config.cache
+        self.runner, info = start_runner(config)  # steps in, outputs out
+        self.runner_info, self.lora, cache = info, info.lora, config.cache
+        self.scheduler_config = replace(config.scheduler, max_model_len=info.max_model_len)
+        self.event_publisher = create_event_publisher(config.kv_events)
+        recorder = _event_recorder(config.kv_events)
         self.kv_cache_manager = KVCacheManager(
-            num_blocks=self.runner.num_blocks,
+            num_blocks=info.num_blocks,
             block_size=cache.block_size,
             enable_caching=cache.enable_prefix_caching,
             events=recorder,
-            eviction_policy=cache.eviction_policy,
-            tlru=TailLRUConfig(cache.tlru_threshold_tokens, cache.tlru_next_prompt_tokens),
+            eviction=cache.eviction,
         )
         self.miss_ratio_curve = self._track_miss_ratio(cache)
         hasher = BlockHasher(cache.prefix_caching_hash_algo)
         self.block_hasher = RequestBlockHasher(hasher, cache.block_size)
         self.kv_tiers, self._kv_dir = create_kv_tiers(
-            cache, self.runner, hasher, recorder.hash_format if recorder is not None else None
+            cache, self.runner_info, hasher, recorder.hash_format if recorder else None
         )
         self._in_flight: tuple[ScheduledStep, LaunchedStep | Exception] | None = None  # async
         self.scheduler = Scheduler(
             config=self.scheduler_config,
             kv_cache_manager=self.kv_cache_manager,
-            eos_token_ids=self.runner.eos_token_ids,
+            eos_token_ids=info.arch.eos_token_ids,
             tiers=self.kv_tiers,
-            adapter_ready=self.runner.lora.ready if self.runner.lora is not None else None,
+            adapter_ready=self.lora.ready if self.lora is not None else None,
         )
-        self.threads = _thread_governor(config.model.cpu_threads, self.runner.device)
-        self.info = CoreInfo(
-            model_name=loaded.name,
-            model_path=str(loaded.model_dir),
-            dtype=str(loaded.dtype).removeprefix("torch."),
-            max_model_len=max_model_len,
-            vocab_size=loaded.arch.vocab_size,
-            num_blocks=self.runner.num_blocks,
-            block_size=cache.block_size,
-            runtime={
-                **self.runner.host.report(loaded.dtype),
-                **({"threads": self.threads.threads} if self.threads is not None else {}),
-                "compiled": self.runner.compile_report is not None,
-                "cuda_graphs": 0 if graphs is None else len(graphs.sizes),
-            },
-        )
+        self.threads = _thread_governor(config, info)
+        self.info = CoreInfo.of(info, self.threads)
 
     def _track_miss_ratio(self, cache: CacheConfig) -> MissRatioCurve | None:
         """Gauges at 1/8x to 8x this cache, read after every step (O(1) each)."""
         if not (cache.enable_prefix_caching and cache.miss_ratio_samples):
             return None
-        usable = self.runner.num_blocks - 1
+        usable = self.runner_info.num_blocks - 1
         points = sorted({max(1, round(usable * 2.0**k)) for k in range(-3, 4)})
         curve = MissRatioCurve(cache.block_size, points, cache.miss_ratio_samples)
         self.kv_cache_manager.track_miss_ratio(curve)
         return curve
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> Tokenizer:
         """The loaded model's tokenizer, for the front end to take at build time."""
-        return self.runner.loaded.tokenizer
+        return self.runner_info.tokenizer
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a validated sample (the core trusts it)."""
         lora_path = ""
         if request.lora_name is not None:
-            assert self.runner.lora is not None, "a LoRA request reaches only a LoRA engine"
-            lora_path = self.runner.lora.hash_path(request.lora_name)
+            assert self.lora is not None, "a LoRA request reaches only a LoRA engine"
+            lora_path = self.lora.hash_path(request.lora_name)
         keys = BlockKeyInputs(
             cache_salt=request.cache_salt, lora_name=request.lora_name, lora_path=lora_path
         )
@@ -169,8 +146,8 @@ class EngineCore:
             priority=request.priority,
         )
         sample.explain_cache = request.explain_cache
-        if request.lora_name is not None and self.runner.lora is not None:
-            sample.tier_identity = self.runner.lora.identity(request.lora_name)
+        if request.lora_name is not None and self.lora is not None:
+            sample.tier_identity = self.lora.identity(request.lora_name)
         sample.group_id = request.group_id or request.request_id.request_id
         self.scheduler.add_request(sample)
 
@@ -183,7 +160,7 @@ class EngineCore:
 
     def step(self) -> EngineCoreOutputs:
         """Schedule, run the model, apply its tokens and publish the step's KV events."""
-        unreadable = advance_adapter_reads(self.runner, self.scheduler)
+        unreadable = advance_adapter_reads(self.lora, self.scheduler)
         scheduled = self._schedule()
         if self.threads is not None:
             self.threads.before_step()
@@ -212,8 +189,8 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty and self.kv_tiers is not None and self.scheduler.num_loading:
             self.kv_tiers.wait_for_loads(_LOAD_WAIT_S)  # nothing to run until a load is in
-        elif scheduler_output.is_empty and self.runner.lora is not None:
-            self.runner.lora.host.wait(_LOAD_WAIT_S)  # an adapter's read, if one is under way
+        elif scheduler_output.is_empty and self.lora is not None:
+            self.lora.host.wait(_LOAD_WAIT_S)  # an adapter's read, if one is under way
         return ScheduledStep.of(scheduler_output, self.scheduler.requests)
 
     def _apply(
@@ -300,9 +277,15 @@ class EngineCore:
         self.runner.close()
 
 
-def _thread_governor(cpu_threads: int | None, device: torch.device) -> ThreadGovernor | None:
-    """On a CPU, what sets the compute threads before each step (cpu_threads.py)."""
-    if device.type != "cpu":
+def _event_recorder(events: KVEventsConfig | None) -> KVEventRecorder | None:
+    """What records the cache's KV events, where they are published."""
+    if events is None or not events.enabled:
         return None
-    affinity = frozenset(os.sched_getaffinity(0))
-    return ThreadGovernor(plan_threads(cpu_threads, os.environ, affinity, torch.get_num_threads()))
+    return KVEventRecorder(hash_format=events.hash_format)  # type: ignore[arg-type]
+
+
+def _thread_governor(config: EngineConfig, runner: RunnerInfo) -> ThreadGovernor | None:
+    """On a CPU, what sets the compute threads before each step (cpu_threads.py)."""
+    if not runner.on_cpu:
+        return None
+    return ThreadGovernor(config.threads or host_thread_plan(config.model.cpu_threads))

@@ -12,8 +12,8 @@ from typing import TypeVar
 
 from blockserve.core.kv_cache_manager import RequestId
 from blockserve.engine.outputs import EngineCoreOutputs, Started
-from blockserve.runner.launched import LaunchedStep
-from blockserve.runner.model_runner import ModelRunner
+from blockserve.lora.manager import LoRAManager
+from blockserve.runner.start import LaunchedStep, ModelRunner
 from blockserve.sched.output import ModelRunnerOutput, SchedulerOutput
 from blockserve.sched.request import Request, RequestStatus
 from blockserve.sched.scheduler import Scheduler
@@ -71,10 +71,10 @@ def finish_step(
         return exc
 
 
-def advance_adapter_reads(runner: ModelRunner, scheduler: Scheduler) -> dict[RequestId, str]:
+def advance_adapter_reads(lora: LoRAManager | None, scheduler: Scheduler) -> dict[RequestId, str]:
     """Between steps, LoRA adapters being read back into host memory advance; the waiting
     requests of one whose read failed (its files changed since) end, with the reason."""
-    failed = runner.lora.between_steps() if runner.lora is not None else {}
+    failed = lora.between_steps() if lora is not None else {}
     if not failed:
         return {}
     ids = [r.request_id for r in scheduler.waiting if r.lora_name in failed]

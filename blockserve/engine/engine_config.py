@@ -13,6 +13,8 @@ from blockserve.config import (
     ModelConfig,
     SchedulerConfig,
 )
+from blockserve.core.eviction import EvictionConfig, TailLRUConfig
+from blockserve.cpu_threads import host_thread_plan
 from blockserve.engine import arg_checks
 from blockserve.errors import InvalidConfigError
 from blockserve.events.config import KVEventsConfig
@@ -38,9 +40,10 @@ def engine_config(args: EngineArgs) -> EngineConfig:
             num_gpu_blocks_override=args.num_gpu_blocks_override,
             kv_cache_memory_bytes=args.kv_cache_memory_bytes,
             gpu_memory_utilization=args.gpu_memory_utilization,
-            eviction_policy=args.eviction_policy,
-            tlru_threshold_tokens=args.tlru_threshold_tokens,
-            tlru_next_prompt_tokens=args.tlru_next_prompt_tokens,
+            eviction=EvictionConfig(
+                args.eviction_policy,
+                TailLRUConfig(args.tlru_threshold_tokens, args.tlru_next_prompt_tokens),
+            ),
             miss_ratio_samples=args.miss_ratio_samples,
             kv_offloading_bytes=int(args.kv_offloading_size * GIB),
             kv_cache_dir=args.kv_cache_dir,
@@ -63,6 +66,7 @@ def engine_config(args: EngineArgs) -> EngineConfig:
         ),
         kv_events=_kv_events_config(args),
         lora=_lora_config(args),
+        threads=host_thread_plan(args.cpu_threads),
     )
 
 

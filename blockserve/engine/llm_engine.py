@@ -61,9 +61,7 @@ class LLMEngine:
         another thread): on the engine's thread an adapter is either gone before its request
         arrives, or counted as in use by the unload."""
         name = request.spec.lora_name
-        if name is not None and (
-            self.core.runner.lora is None or not self.core.runner.lora.serves(name)
-        ):
+        if name is not None and (self.core.lora is None or not self.core.lora.serves(name)):
             raise ModelNotFoundError(f"The lora adapter '{name}' cannot be found.")
         for core_request in self.output_processor.add_request(request):
             self.core.add_request(core_request)
@@ -75,7 +73,7 @@ class LLMEngine:
     def remove_lora(self, name: str) -> None:
         """Stop serving an adapter; refused (InvalidRequestError) while requests use it."""
         manager = self.lora_manager()
-        if name not in manager.paths:
+        if name not in manager.registry:
             raise ModelNotFoundError(f"The lora adapter '{name}' cannot be found.")
         users = sum(r.lora_name == name for r in self.core.scheduler.requests.values())
         if users:
@@ -87,9 +85,9 @@ class LLMEngine:
         manager.unregister(name)
 
     def lora_manager(self) -> LoRAManager:
-        if self.core.runner.lora is None:
+        if self.core.lora is None:
             raise InvalidRequestError("LoRA adapters are served with --enable-lora only")
-        return self.core.runner.lora
+        return self.core.lora
 
     def abort_request(self, request_ids: Iterable[str]) -> None:
         """End requests now; their blocks are freed (and stay cached) before the next step.
@@ -128,16 +126,17 @@ class LLMEngine:
         )
 
     def _lora_stats(self) -> LoRAStats | None:
-        if self.core.runner.lora is None:
+        lora = self.core.lora
+        if lora is None:
             return None
         scheduler = self.core.scheduler
 
         def names(requests: Iterable[Any]) -> tuple[str, ...]:
             return tuple(sorted({r.lora_name for r in requests if r.lora_name is not None}))
 
-        host = self.core.runner.lora.host
+        host = lora.host
         return LoRAStats(
-            max_loras=self.core.runner.lora.config.max_loras,
+            max_loras=lora.config.max_loras,
             running=names(scheduler.running),
             waiting=names(scheduler.waiting),
             loads=host.loads,
@@ -168,10 +167,10 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         info.model_path,
         info.dtype,
         info.max_model_len,
-        core.runner.host.describe(),
+        core.runner_info.host_line,
     )
-    if core.runner.compile_report is not None:
-        logger.info("torch.compile: %s", core.runner.compile_report.describe())
+    if core.runner_info.compile_line is not None:
+        logger.info("torch.compile: %s", core.runner_info.compile_line)
     logger.info(
         "KV cache: %d blocks of %d tokens = %d tokens; prefix caching %s (%s)",
         info.num_blocks,
@@ -195,7 +194,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         max_n=config.scheduler.max_n,
         max_bytes_per_token=longest_token_bytes(core.tokenizer, info.vocab_size),
         max_logprobs=config.model.max_logprobs,
-        grammar=core.runner.grammar,
-        lora_names=core.runner.lora.paths if core.runner.lora is not None else None,
+        grammar=core.runner_info.grammar,
+        lora_names=core.lora.registry if core.lora is not None else None,
     )
     return LLMEngine(core, processor, defaults)

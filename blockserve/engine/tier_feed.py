@@ -22,7 +22,7 @@ from blockserve.kv_tiers.manifest import (
 from blockserve.kv_tiers.offload import KVTiers
 from blockserve.kv_tiers.remote import RemoteStore
 from blockserve.kv_tiers.store import BlockShape, FilledBlock, Tier
-from blockserve.runner.model_runner import ModelRunner
+from blockserve.runner.start import RunnerInfo
 from blockserve.sched.output import SchedulerOutput
 from blockserve.sched.request import Request
 
@@ -31,24 +31,23 @@ logger = logging.getLogger(__name__)
 
 def create_kv_tiers(
     cache: CacheConfig,
-    runner: ModelRunner,
+    runner: RunnerInfo,
     hasher: BlockHasher,
     events_hash_format: str | None,
 ) -> tuple[KVTiers | None, DiskDirectory | None]:
     """The tiers the config asks for (None when none), and the disk directory it holds."""
-    loaded = runner.loaded
-    arch = loaded.arch
+    arch = runner.arch
     shape = BlockShape(
         num_layers=arch.num_layers,
         block_size=cache.block_size,
         num_kv_heads=arch.num_kv_heads,
         head_dim=arch.head_dim,
-        dtype=loaded.dtype,
+        dtype=runner.dtype,
     )
     tiers = []
     if cache.kv_offloading_bytes:
-        pin = runner.device.type == "cuda"
-        tiers.append(Tier("host", "CPU", HostStore(shape, cache.kv_offloading_bytes, pin)))
+        host = HostStore(shape, cache.kv_offloading_bytes, runner.kv.pin_memory)
+        tiers.append(Tier("host", "CPU", host))
     directory = None
     fingerprint = None
     if cache.kv_remote_url or (cache.kv_cache_dir is not None and cache.kv_disk_bytes):
@@ -79,21 +78,21 @@ def create_kv_tiers(
         return None, directory
     kv_tiers = KVTiers(
         tiers=tiers,
-        kv_caches=runner.kv_caches,
+        kv_caches=runner.kv.kv_caches,
         block_size=cache.block_size,
         events_hash_format=events_hash_format,
-        on_write=runner.backend.forget_kv,
+        on_write=runner.kv.on_write,
     )
     return kv_tiers, directory
 
 
-def _fingerprint(runner: ModelRunner, cache: CacheConfig, hasher: BlockHasher) -> Fingerprint:
+def _fingerprint(runner: RunnerInfo, cache: CacheConfig, hasher: BlockHasher) -> Fingerprint:
     """What a stored block's bytes depend on (kv_tiers/manifest.py): the disk directory's
     manifest and the remote store's namespace."""
-    loaded, arch = runner.loaded, runner.loaded.arch
+    arch = runner.arch
     return Fingerprint(
-        model_hash=model_content_hash(loaded.model_dir),
-        dtype=str(loaded.dtype).removeprefix("torch."),
+        model_hash=model_content_hash(runner.model_dir),
+        dtype=str(runner.dtype).removeprefix("torch."),
         block_size=cache.block_size,
         hash_algo=hasher.algo,
         none_hash=hasher.none_hash.hex(),

@@ -79,8 +79,11 @@ class KernelLoader:
                             if self._exiting:
                                 return None
                             torch.ops.load_library(str(target))
-                        logger.info("CPU kernels ready in %.1f s (%s)",
-                                    time.perf_counter() - started, target)  # fmt: skip
+                        logger.info(
+                            "CPU kernels ready in %.1f s (%s)",
+                            time.perf_counter() - started,
+                            target,
+                        )
             except (OSError, subprocess.SubprocessError) as error:
                 detail = getattr(error, "stderr", "") or ""
                 logger.warning("CPU kernels not built, torch's are used: %s %s", error, detail)

@@ -109,9 +109,18 @@ class TritonLayerOps:
     ) -> None:
         rows, n = x.shape
         _rms_norm_kernel[(rows,)](
-            x, update, weight, out, x.stride(0), update.stride(0), out.stride(0), n, eps,
-            ADD=add, BLOCK=triton.next_power_of_2(n),
-        )  # fmt: skip
+            x,
+            update,
+            weight,
+            out,
+            x.stride(0),
+            update.stride(0),
+            out.stride(0),
+            n,
+            eps,
+            ADD=add,
+            BLOCK=triton.next_power_of_2(n),
+        )
 
     def rotary_(
         self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_heads: int, kv_heads: int
@@ -120,9 +129,14 @@ class TritonLayerOps:
         cos, sin: [tokens, head_dim / 2] in qkv's dtype."""
         tokens, half = cos.shape
         _rotary_kernel[(tokens, q_heads + kv_heads)](
-            qkv, cos, sin, qkv.stride(0), cos.stride(0), HALF=half,
+            qkv,
+            cos,
+            sin,
+            qkv.stride(0),
+            cos.stride(0),
+            HALF=half,
             BLOCK=triton.next_power_of_2(half),
-        )  # fmt: skip
+        )
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         rows, n = gate_up.shape[0], gate_up.shape[1] // 2

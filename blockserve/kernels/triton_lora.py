@@ -28,18 +28,21 @@ def _lora_kernel(  # type: ignore[no-untyped-def]
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(
             x_ptr + tokens[:, None] * stride_x + k[None, :],
-            mask=row_mask[:, None] & (k[None, :] < in_features), other=0.0,
-        )  # fmt: skip
+            mask=row_mask[:, None] & (k[None, :] < in_features),
+            other=0.0,
+        )
         a = tl.load(
             a_ptr + slot * stride_a_slot + k[:, None] * stride_a_in + rank[None, :],
-            mask=(k[:, None] < in_features) & (rank[None, :] < ranks), other=0.0,
-        )  # fmt: skip
+            mask=(k[:, None] < in_features) & (rank[None, :] < ranks),
+            other=0.0,
+        )
         shrunk += tl.dot(x.to(tl.float32), a.to(tl.float32))
     columns = column_block * BLOCK_N + tl.arange(0, BLOCK_N)
     b = tl.load(
         b_ptr + slot * stride_b_slot + rank[:, None] * stride_b_rank + columns[None, :],
-        mask=(rank[:, None] < ranks) & (columns[None, :] < out_features), other=0.0,
-    )  # fmt: skip
+        mask=(rank[:, None] < ranks) & (columns[None, :] < out_features),
+        other=0.0,
+    )
     update = tl.dot(shrunk, b.to(tl.float32))
     out_ptrs = out_ptr + tokens[:, None] * stride_out + columns[None, :]
     mask = row_mask[:, None] & (columns[None, :] < out_features)
@@ -64,9 +67,25 @@ def add_lora(
     block_t, block_n = 16, 64
     grid = (slots.shape[0], triton.cdiv(max_width, block_t), triton.cdiv(out_features, block_n))
     _lora_kernel[grid](
-        x, out, a, b, src, starts, slots, x.shape[1], out_features, ranks,
-        x.stride(0), out.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-        RANK=max(16, triton.next_power_of_2(ranks)), BLOCK_T=block_t, BLOCK_K=32,
+        x,
+        out,
+        a,
+        b,
+        src,
+        starts,
+        slots,
+        x.shape[1],
+        out_features,
+        ranks,
+        x.stride(0),
+        out.stride(0),
+        a.stride(0),
+        a.stride(1),
+        b.stride(0),
+        b.stride(1),
+        RANK=max(16, triton.next_power_of_2(ranks)),
+        BLOCK_T=block_t,
+        BLOCK_K=32,
         BLOCK_N=block_n,
-    )  # fmt: skip
+    )
     return out

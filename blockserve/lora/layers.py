@@ -122,8 +122,9 @@ class LoRALinear(nn.Module):
                 x, out, self.a, self.b, step.src, step.starts, step.slots, step.width
             )
         if step.cpu is not None and (lora_add := step.cpu.lora_add(x)) is not None:
-            lora_add(x, out, self.a, self.b, step.src, step.starts, step.slots, self.bounds,
-                     self.rank)  # fmt: skip
+            lora_add(
+                x, out, self.a, self.b, step.src, step.starts, step.slots, self.bounds, self.rank
+            )
             return out
         a = self.a if step.all_slots else self.a.index_select(0, step.slots)
         b = self.b if step.all_slots else self.b.index_select(0, step.slots)
@@ -153,10 +154,13 @@ def wrap_projections(
     layers: Any = model.model.layers  # type: ignore[union-attr]
     for index, layer in enumerate(layers):
         for owner, name in (
-            (layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
-            (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj"),
-        ):  # fmt: skip
-            wrapped = LoRALinear(base=getattr(owner, name), slots=slots, key=(index, name),
-                                 step=step)  # fmt: skip
+            (layer.self_attn, "qkv_proj"),
+            (layer.self_attn, "o_proj"),
+            (layer.mlp, "gate_up_proj"),
+            (layer.mlp, "down_proj"),
+        ):
+            wrapped = LoRALinear(
+                base=getattr(owner, name), slots=slots, key=(index, name), step=step
+            )
             setattr(owner, name, wrapped)
     return step

@@ -14,6 +14,7 @@ from blockserve.kernels import CpuKernels
 from blockserve.lora.adapter import LoRAAdapter, LoRAError, load_adapter, read_in_parts
 from blockserve.lora.host_set import HostAdapters
 from blockserve.lora.layers import LoRASlots, LoRAStep, wrap_projections
+from blockserve.lora.registry import AdapterRegistry
 from blockserve.model.arch import LlamaArchConfig
 from blockserve.sched.output import ScheduledRequest
 
@@ -29,7 +30,7 @@ class LoRAManager:
     ) -> None:
         self.config, self.arch, self.dtype = config, arch, dtype
         self.slots, self.step = slots, step
-        self.paths: dict[str, str] = {}
+        self.registry = AdapterRegistry()  # what is served: name -> path, read anywhere
         # Each (name, path) ever served here, with the content digests it has held in turn:
         # a name pointed again at a path whose files changed hashes its blocks apart.
         self._versions: dict[tuple[str, str], list[str]] = {}
@@ -66,7 +67,7 @@ class LoRAManager:
     def add(self, adapter: LoRAAdapter) -> None:
         """Serve an adapter already read (between steps: it may replace one in a slot)."""
         name = adapter.name
-        self.paths[name] = adapter.path
+        self.registry.add(name, adapter.path)
         versions = self._versions.setdefault((name, adapter.path), [])
         if adapter.digest not in versions:
             versions.append(adapter.digest)
@@ -81,7 +82,7 @@ class LoRAManager:
 
     def serves(self, name: str) -> bool:
         """Whether `name` is registered now (a request checked earlier may outlive it)."""
-        return name in self.paths
+        return name in self.registry
 
     def hash_path(self, name: str) -> str:
         """The path that enters the block hashes of `name`'s requests: the path it was loaded
@@ -95,7 +96,7 @@ class LoRAManager:
         return self._identities[name]
 
     def unregister(self, name: str) -> None:
-        self.paths.pop(name)
+        self.registry.remove(name)
         self._hash_paths.pop(name)
         self._identities.pop(name)
         self.host.drop(name)
@@ -107,7 +108,7 @@ class LoRAManager:
         read starts on the reading thread (the scheduler leaves its requests waiting)."""
         if name in self.slots.resident:
             return True
-        path = self.paths.get(name)  # None: unloaded (the engine refuses its new requests)
+        path = self.registry.get(name)  # None: unloaded (the engine refuses its new requests)
         return path is not None and self.host.request(name, path)
 
     def between_steps(self) -> dict[str, str]:
@@ -168,7 +169,7 @@ class LoRAManager:
     def _adapter(self, name: str) -> LoRAAdapter:
         adapter = self.host.get(name)
         if adapter is None:  # left host memory after the scheduler found it there
-            adapter = self.host.read_now(name, self.paths[name])
+            adapter = self.host.read_now(name, self.registry[name])
         return adapter
 
 

@@ -1,1 +1,25 @@
-"""Llama-family model definitions, weight loading (HF directories and GGUF), and the sampler."""
+"""Llama-family model definitions, weight loading (HF directories and GGUF), and the sampler.
+
+Modules:
+
+  arch.py          LlamaArchConfig from config.json (transformers 4 and 5 layouts)
+  rope.py          rotary embeddings: inverse frequencies (llama3 scaling), cos/sin tables
+  llama.py         Llama-family decoder over a flat batch (fused qkv / gate-up)
+  loader.py        HF directory, hub id or GGUF (dequantized once, cached as safetensors);
+                   TokenizerSources (--tokenizer, --chat-template)
+  hub.py           hub ids through huggingface_hub's cache, as vLLM resolves them; --tokenizer's
+                   directory
+  gguf_llama.py    a plain Llama GGUF file to config.json + safetensors in one pass
+  tokenizer.py     Tokenizer: tokenizers + jinja2 chat templates, loaded from a snapshot of what
+                   transformers built (no transformers import on a warm start);
+                   --chat-template's text
+  packed.py        PackedLinear: weights reordered once for oneDNN (blockserve::packed_linear),
+                   and in tile order for our few-row AMX products where the CPU has them
+  attention_op.py  blockserve::attention: attention as one opaque operator for a compiled graph,
+                   the step's backend and plan passed as an AttentionStep
+  compile.py       --compile: the whole forward as one torch.compile graph (token dimension
+                   dynamic), warmed at start-up, inductor's cache under the cache dir
+  sampler.py       batched greedy / temperature / top-k / top-p / min-p / penalties / seeds /
+                   logprobs; takes the LM head's logits in the model's dtype (a greedy-only
+                   batch: their argmax as they are; others widen them to float32)
+"""

@@ -68,3 +68,13 @@ def snapshot(
             f"{where} is not in the local cache and the hub cannot be reached: "
             f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
         ) from None
+
+
+def tokenizer_dir(name: str, download_dir: str | None = None) -> Path:
+    """--tokenizer's directory: a path, or a hub id's snapshot of its tokenizer files."""
+    if is_hub_id(name):
+        return snapshot(name, download_dir=download_dir, files=TOKENIZER_FILES)
+    path = Path(name).expanduser()
+    if not path.is_dir():
+        raise ModelNotFoundError(f"no tokenizer at {name!r}: expected a directory or a hub id")
+    return path

@@ -66,8 +66,13 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden)
         if ops is not None:  # q and k rotated in place, in one pass
             cos, sin = rope
-            ops.rotary_(qkv, cos.view(num_tokens, -1), sin.view(num_tokens, -1),
-                        self.num_heads, self.num_kv_heads)  # fmt: skip
+            ops.rotary_(
+                qkv,
+                cos.view(num_tokens, -1),
+                sin.view(num_tokens, -1),
+                self.num_heads,
+                self.num_kv_heads,
+            )
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -160,7 +165,12 @@ class LlamaForCausalLM(nn.Module):
     the same results up to a bf16 step here and there.
     """
 
-    def __init__(self, config: LlamaArchConfig, backend: AttentionBackend) -> None:
+    def __init__(
+        self,
+        config: LlamaArchConfig,
+        backend: AttentionBackend,
+        kernels: LayerOpsSource | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, backend)
@@ -171,8 +181,9 @@ class LlamaForCausalLM(nn.Module):
             scaling=config.rope_scaling,
         )
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        # Our fused operators, once the runner builder hands its kernels in; else torch's.
-        self.kernels: LayerOpsSource = CpuKernels()
+        # The fused layer operators: Triton's on CUDA, our CPU library's once it is loaded;
+        # torch's where none is given (an unloaded CpuKernels offers none).
+        self.kernels: LayerOpsSource = kernels if kernels is not None else CpuKernels()
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -23,12 +23,13 @@ from safetensors.torch import save_file
 from blockserve.attention.metadata import AttentionBackend
 from blockserve.config import default_cache_dir
 from blockserve.errors import InvalidConfigError, ModelNotFoundError
+from blockserve.kernels import LayerOpsSource
 from blockserve.model.arch import LlamaArchConfig
 from blockserve.model.gguf_llama import convert_llama
-from blockserve.model.hub import is_hub_id, snapshot
+from blockserve.model.hub import is_hub_id, snapshot, tokenizer_dir
 from blockserve.model.llama import LlamaForCausalLM
 from blockserve.model.packed import can_prepack, prepack_linears
-from blockserve.model.tokenizer import SNAPSHOT_FORMAT, Tokenizer
+from blockserve.model.tokenizer import SNAPSHOT_FORMAT, Tokenizer, chat_template_text
 from blockserve.platform import HostCapabilities, auto_dtype, probe_host
 
 # A GGUF file is dequantized once with transformers' GGUF support and cached as a Hugging Face
@@ -206,8 +207,11 @@ def load_tokenizer(model_dir: Path, cache_dir: Path | None = None) -> Tokenizer:
         with atomic_dir(snapshot_dir) as staging:
             tokenizer.save(staging)
     except OSError as exc:
-        logger.warning("no tokenizer snapshot in %s (%s): transformers loads it each start",
-                       snapshot_dir.parent, exc)  # fmt: skip
+        logger.warning(
+            "no tokenizer snapshot in %s (%s): transformers loads it each start",
+            snapshot_dir.parent,
+            exc,
+        )
     return tokenizer
 
 
@@ -241,6 +245,22 @@ def _transformers_tokenizer(model_dir: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
+@dataclass(frozen=True, slots=True)
+class TokenizerSources:
+    """Where the tokenizer and its chat template come from when not from the model: --tokenizer
+    (a directory or a hub id, fetched into `download_dir`) and --chat-template (a file or the
+    template itself)."""
+
+    tokenizer: str | None = None
+    download_dir: str | None = None
+    chat_template: str | None = None
+
+    def directory(self) -> Path | None:
+        if self.tokenizer is None:
+            return None
+        return tokenizer_dir(self.tokenizer, self.download_dir)
+
+
 def load_model(
     model: str | None,
     backend: AttentionBackend,
@@ -248,18 +268,22 @@ def load_model(
     device: str = "cpu",
     cache_dir: Path | None = None,
     model_dir: Path | None = None,
-    tokenizer_dir: Path | None = None,
+    kernels: LayerOpsSource | None = None,
+    sources: TokenizerSources = TokenizerSources(),
 ) -> LoadedModel:
     """Load weights, config and tokenizer; every parameter must be present in the files.
     `dtype` is a `--dtype` name or an already resolved torch dtype; `model_dir`, `model`'s
-    directory where the caller has resolved it already (`resolve_model_dir`);
-    `tokenizer_dir`, where the tokenizer comes from instead (--tokenizer). A hub id is
-    served under its whole name, as vLLM serves it; a path under its last part."""
+    directory where the caller has resolved it already (`resolve_model_dir`); `kernels`, the
+    layers' fused operators (torch's when None); `sources`, a tokenizer or chat template
+    other than the model's. A hub id is served under its whole name, as vLLM serves it; a
+    path under its last part."""
     model_dir = model_dir or resolve_model_dir(model, cache_dir)
     arch = read_arch(model_dir)
     torch_dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype)
-    llama = _load_weights(model_dir, arch, backend, torch_dtype, device)
-    tokenizer = load_tokenizer(tokenizer_dir or model_dir, cache_dir)
+    llama = _load_weights(model_dir, arch, backend, torch_dtype, device, kernels)
+    tokenizer = load_tokenizer(sources.directory() or model_dir, cache_dir)
+    if sources.chat_template is not None:
+        tokenizer.chat_template = chat_template_text(sources.chat_template)
     name = DEFAULT_MODEL_NAME if model is None else Path(model).name.removesuffix(".gguf")
     if model is not None and is_hub_id(model):
         name = model
@@ -279,9 +303,10 @@ def _load_weights(
     backend: AttentionBackend,
     dtype: torch.dtype,
     device: str,
+    kernels: LayerOpsSource | None,
 ) -> LlamaForCausalLM:
     with torch.device(device):
-        llama = LlamaForCausalLM(arch, backend)
+        llama = LlamaForCausalLM(arch, backend, kernels)
     loaded = llama.load_weights(iter_safetensors(model_dir))
     missing = {name for name, _ in llama.named_parameters()} - loaded
     if missing:

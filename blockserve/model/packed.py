@@ -199,7 +199,11 @@ def _to_copy(
     linears = [m for m in model.modules() if isinstance(m, PackedLinear) and takes(m)]
     size = sum(m.packed.numel() * m.packed.element_size() for m in linears)
     if size > MAX_COPY_BYTES:
-        logger.info("linear weights of %.1f GiB: no %s copies (at most %.1f GiB)",
-                    size / 2**30, kind, MAX_COPY_BYTES / 2**30)  # fmt: skip
+        logger.info(
+            "linear weights of %.1f GiB: no %s copies (at most %.1f GiB)",
+            size / 2**30,
+            kind,
+            MAX_COPY_BYTES / 2**30,
+        )
         return []
     return linears

@@ -290,3 +290,14 @@ def _compile(source: str) -> Any:
     environment.globals["raise_exception"] = raise_exception
     environment.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return environment.from_string(source)
+
+
+def chat_template_text(value: str) -> str:
+    """--chat-template's template: the file it names, or the value itself (as vLLM reads it)."""
+    path = Path(value).expanduser()
+    try:
+        if path.is_file():
+            return path.read_text()
+    except OSError:  # a template too long to be a file name
+        pass
+    return value

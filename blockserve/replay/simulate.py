@@ -9,6 +9,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from blockserve.core.eviction import EvictionConfig
 from blockserve.core.free_queue import KVCacheBlock
 from blockserve.core.hashing import BlockHash, BlockKeyInputs
 from blockserve.core.kv_cache_manager import KVCacheManager
@@ -146,7 +147,7 @@ def replay_policy(
         block_size=block_size,
         enable_caching=True,
         events=None,
-        eviction_policy=policy,
+        eviction=EvictionConfig(policy),
     )
     if curve is not None:
         manager.track_miss_ratio(curve)

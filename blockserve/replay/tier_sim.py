@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from blockserve.core.eviction import EvictionConfig
 from blockserve.core.hashing import BlockHash
 from blockserve.core.kv_cache_manager import KVCacheManager
 from blockserve.errors import InvalidConfigError
@@ -102,7 +103,7 @@ def replay_tiers(
         block_size=block_size,
         enable_caching=True,
         events=None,
-        eviction_policy=policy,
+        eviction=EvictionConfig(policy),
     )
     lower = {name: _LruTier(capacities[name]) for name in TIER_NAMES[1:]}
     hits = dict.fromkeys(TIER_NAMES, 0)

@@ -1,29 +1,27 @@
-"""Assembles a `ModelRunner` from the configs, in one place: the device and its probe, the
+"""Assembles a runner's parts from the configs, in one place: the device and its probe, the
 attention backend, the KV cache (sized, allocated, on a CPU its pages mapped in ahead), the
-weights, our CPU kernels' load and packing, the sampler, the grammar compiler, and the
-compiled forward under `--compile`. The runner it returns only runs steps."""
+weights and their fused operators, the sampler, the grammar compiler, and the compiled forward
+under `--compile`. runner/start.py readies them for an engine."""
 
 from __future__ import annotations
 
 import logging
 import os
 import weakref
-from pathlib import Path
+from functools import partial
 
 import torch
 
-from blockserve.attention.metadata import AttentionBackend
 from blockserve.attention.selector import get_attention_backend
 from blockserve.config import CacheConfig, LoRAConfig, ModelConfig, default_cache_dir
-from blockserve.errors import ModelNotFoundError
 from blockserve.grammar import GrammarCompiler
-from blockserve.kernels import CpuKernels, fits_model
+from blockserve.kernels import CpuKernels, LayerOpsSource, fits_model
 from blockserve.lora.manager import build_lora_manager
 from blockserve.model.arch import LlamaArchConfig
 from blockserve.model.compile import compile_forward
-from blockserve.model.hub import TOKENIZER_FILES, is_hub_id, snapshot
 from blockserve.model.loader import (
     LoadedModel,
+    TokenizerSources,
     load_model,
     read_arch,
     resolve_dtype,
@@ -32,16 +30,7 @@ from blockserve.model.loader import (
 from blockserve.model.packed import pack_once_loaded, use_kernels
 from blockserve.model.sampler import Sampler
 from blockserve.platform import probe_host, warn_if_slow
-from blockserve.runner.decode_graphs import (
-    CudaGraphCapture,
-    DecodeGraphs,
-    GraphCapture,
-    GraphPlanner,
-    GraphReport,
-    KernelWarmUp,
-    StaticDecodeInputs,
-    graph_batch_sizes,
-)
+from blockserve.runner.dummy_steps import warm_up
 from blockserve.runner.kv_budget import (
     LargestStep,
     cuda_memory,
@@ -64,6 +53,20 @@ def build_runner(
     largest_step: LargestStep | None = None,
     lora_config: LoRAConfig | None = None,
 ) -> ModelRunner:
+    """A runner over `runner_parts` (no warm-up on the device, no decode graphs: what the
+    tests and the model benchmarks run; an engine starts its runner with start_runner)."""
+    return ModelRunner(
+        runner_parts(model_config, cache_config, kv_blocks_per_step, largest_step, lora_config)
+    )
+
+
+def runner_parts(
+    model_config: ModelConfig,
+    cache_config: CacheConfig,
+    kv_blocks_per_step: int = 0,
+    largest_step: LargestStep | None = None,
+    lora_config: LoRAConfig | None = None,
+) -> RunnerParts:
     """`kv_blocks_per_step`: the most never-used blocks a step can take, their pages mapped
     in ahead on a CPU (page_mapping.py; 0: at first writes). `largest_step`: what the memory
     profile runs when memory sizes the cache. `lora_config`: the adapters (lora/)."""
@@ -88,35 +91,45 @@ def build_runner(
     kv_pages = None
     if num_blocks is not None and device.type == "cpu" and kv_blocks_per_step > 0:
         kv_pages = KVPagePopulator(kv_caches, ahead=2 * kv_blocks_per_step)  # while loading
-    loaded = _load_model(model_config, backend, dtype, name, model_dir)
+    ours = fits_model(device, dtype, arch.head_dim)  # our CPU kernels run this model
+    loaded = load_model(
+        model_config.model,
+        backend,
+        dtype,
+        name,
+        model_dir=model_dir,
+        kernels=_layer_ops(device, kernels if ours else None),
+        sources=TokenizerSources(
+            model_config.tokenizer, model_config.download_dir, model_config.chat_template
+        ),
+    )
     if kv_pages is not None:
         keep_freed_memory()  # for the steps' temporaries; the loading's are gone
         kv_pages.map_now(kv_blocks_per_step)  # the first step writes mapped memory
-    _start_cpu_kernels(kernels, device, dtype, arch, loaded)
-    runner = ModelRunner(
-        RunnerParts(
-            device=device,
-            host=host,
-            backend=backend,
-            arch=arch,
-            block_size=block_size,
-            num_blocks=kv_caches[0].shape[1],
-            kv_caches=kv_caches,
-            kv_pages=kv_pages,
-            loaded=loaded,
-            sampler=_seeded_sampler(model_config.seed, device, kernels),
-            kernels=kernels,
-            grammar=_grammar_compiler(model_config, loaded, arch),
-            lora=build_lora_manager(lora_config, loaded.model, arch, dtype, device, kernels),
-        )
+    if ours:
+        _start_cpu_kernels(kernels, dtype, loaded)
+    parts = RunnerParts(
+        device=device,
+        host=host,
+        backend=backend,
+        arch=arch,
+        block_size=block_size,
+        num_blocks=kv_caches[0].shape[1],
+        kv_caches=kv_caches,
+        kv_pages=kv_pages,
+        loaded=loaded,
+        sampler=_seeded_sampler(model_config.seed, device, kernels),
+        kernels=kernels,
+        grammar=_grammar_compiler(model_config, loaded, arch),
+        lora=build_lora_manager(lora_config, loaded.model, arch, dtype, device, kernels),
     )
     if num_blocks is None:
-        size_from_memory(runner, cache_config, profiled, before)
-    if model_config.compile:  # warmed on the runner: its inputs, its cache, its backend
-        runner.use_compiled(
-            *compile_forward(runner.model, backend, default_cache_dir(), runner.warm_up)
+        size_from_memory(parts, cache_config, profiled, before)
+    if model_config.compile:  # warmed on the parts: their inputs, their cache, their backend
+        parts.forward, parts.compile_report = compile_forward(
+            loaded.model, backend, default_cache_dir(), partial(warm_up, parts)
         )
-    return runner
+    return parts
 
 
 def _seeded_sampler(seed: int, device: torch.device, kernels: CpuKernels) -> Sampler:
@@ -143,103 +156,6 @@ def _fixed_num_blocks(
     return num_blocks_for(arch, block_size, dtype, None, nbytes)
 
 
-def warm_up_device(runner: ModelRunner, max_model_len: int) -> None:
-    """On CUDA, compile now what a step would otherwise compile mid-run: every attention
-    variant the backend can launch, and the layer operators and K/V write (a dummy prefill
-    and decode through the forward)."""
-    if runner.device.type != "cuda":
-        return
-    backend = runner.backend
-    with torch.inference_mode():
-        if isinstance(backend, KernelWarmUp):
-            backend.warm_up(runner.kv_caches[0], runner.arch.num_heads, max_model_len)
-        runner.warm_up(runner.forward)
-    torch.cuda.synchronize(runner.device)
-
-
-def capture_decode_graphs(
-    runner: ModelRunner,
-    model_config: ModelConfig,
-    max_num_seqs: int,
-    max_model_len: int,
-    capture: GraphCapture | None = None,
-) -> GraphReport | None:
-    """Unless --enforce-eager, on CUDA with a backend that plans decode graphs (triton):
-    capture the decode forward at each batch size of --cuda-graph-sizes (vLLM's by default)
-    and hand the graphs to the runner. With `capture` (tests), on any device."""
-    backend = runner.backend
-    if model_config.enforce_eager or runner.lora is not None:  # adapters vary by step
-        return None
-    if not isinstance(backend, GraphPlanner):
-        return None
-    if capture is None:
-        if runner.device.type != "cuda":
-            return None
-        capture = CudaGraphCapture(runner.device)
-    sizes = graph_batch_sizes(max_num_seqs, model_config.cuda_graph_sizes)
-    if not sizes:
-        return None
-    max_blocks = -(-max_model_len // runner.block_size)
-    inputs = StaticDecodeInputs(
-        max_batch=max(sizes), max_blocks=max_blocks, block_size=runner.block_size,
-        device=runner.device,
-    )  # fmt: skip
-    graphs = DecodeGraphs(inputs, sizes)
-    arch = runner.arch
-    try:
-        with torch.inference_mode():
-            report = graphs.capture_all(
-                runner.forward, runner.kv_caches, backend,
-                (arch.num_heads, arch.num_kv_heads, arch.head_dim), capture,
-            )  # fmt: skip
-    except Exception:  # the engine still serves, eagerly, as under --enforce-eager
-        logger.exception("capturing the decode graphs failed; decode steps run eagerly")
-        return None
-    runner.decode_graphs = graphs
-    return report
-
-
-def _load_model(
-    model_config: ModelConfig,
-    backend: AttentionBackend,
-    dtype: torch.dtype,
-    device: str,
-    model_dir: Path,
-) -> LoadedModel:
-    """The weights and the tokenizer (--tokenizer's, with --chat-template's template)."""
-    loaded = load_model(
-        model_config.model, backend, dtype, device, model_dir=model_dir,
-        tokenizer_dir=_tokenizer_dir(model_config),
-    )  # fmt: skip
-    if model_config.chat_template is not None:
-        loaded.tokenizer.chat_template = chat_template_text(model_config.chat_template)
-    return loaded
-
-
-def _tokenizer_dir(model_config: ModelConfig) -> Path | None:
-    """--tokenizer's directory (a path, or a hub id's snapshot of its tokenizer files)."""
-    name = model_config.tokenizer
-    if name is None:
-        return None
-    if is_hub_id(name):
-        return snapshot(name, download_dir=model_config.download_dir, files=TOKENIZER_FILES)
-    path = Path(name).expanduser()
-    if not path.is_dir():
-        raise ModelNotFoundError(f"no tokenizer at {name!r}: expected a directory or a hub id")
-    return path
-
-
-def chat_template_text(value: str) -> str:
-    """--chat-template's template: the file it names, or the value itself (as vLLM reads it)."""
-    path = Path(value).expanduser()
-    try:
-        if path.is_file():
-            return path.read_text()
-    except OSError:  # a template too long to be a file name
-        pass
-    return value
-
-
 def _device_name(configured: str) -> str:
     """`auto`: CUDA where torch sees a device, else the CPU."""
     if configured != "auto":
@@ -259,23 +175,19 @@ def _grammar_compiler(
     )
 
 
-def _start_cpu_kernels(
-    kernels: CpuKernels,
-    device: torch.device,
-    dtype: torch.dtype,
-    arch: LlamaArchConfig,
-    loaded: LoadedModel,
-) -> None:
-    """Hand the model our kernels: on CUDA Triton's layer operators; on a CPU our library's,
-    built or loaded on a thread (torch's serve meanwhile), the weights packed once it is in."""
-    if device.type == "cuda":  # Triton's fused layer operators (compiled on first use)
+def _layer_ops(device: torch.device, kernels: CpuKernels | None) -> LayerOpsSource | None:
+    """The layers' fused operators: Triton's on CUDA (compiled on first use), our CPU
+    library's where it runs the model (in use once loaded), else torch's (None)."""
+    if device.type == "cuda":
         from blockserve.kernels.triton_layer_ops import GpuKernels
 
-        loaded.model.kernels = GpuKernels()
-        return
-    if not fits_model(device, dtype, arch.head_dim):
-        return
-    loaded.model.kernels = kernels
+        return GpuKernels()
+    return kernels
+
+
+def _start_cpu_kernels(kernels: CpuKernels, dtype: torch.dtype, loaded: LoadedModel) -> None:
+    """Our CPU library, built or loaded on a thread (torch's operators serve meanwhile), the
+    weights packed for it once it is in."""
     use_kernels(loaded.model, kernels)
     kernels.loader.when_loaded(dtype, pack_once_loaded(weakref.ref(loaded.model), kernels, dtype))
     kernels.loader.start(default_cache_dir(), dtype)

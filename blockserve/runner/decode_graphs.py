@@ -187,8 +187,9 @@ class DecodeGraphs:
             plan = planner.prepare_decode_graph(self.inputs.metadata(bucket), *heads)
             ids, positions = self.inputs.input_ids[:bucket], self.inputs.positions[:bucket]
 
-            def run(ids: torch.Tensor = ids, positions: torch.Tensor = positions,
-                    plan: Any = plan) -> torch.Tensor:  # fmt: skip
+            def run(
+                ids: torch.Tensor = ids, positions: torch.Tensor = positions, plan: Any = plan
+            ) -> torch.Tensor:
                 return forward(ids, positions, kv_caches, plan)
 
             self.replays[bucket] = capture.capture(run)

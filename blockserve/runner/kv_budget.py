@@ -15,13 +15,14 @@ import torch
 
 from blockserve.config import CacheConfig
 from blockserve.errors import InvalidConfigError
+from blockserve.runner.dummy_steps import profile_run
 from blockserve.runner.kv_cache import (
     DEFAULT_CPU_KV_CACHE_BYTES,
     allocate_kv_caches,
     bytes_per_block,
     num_blocks_for,
 )
-from blockserve.runner.model_runner import ModelRunner
+from blockserve.runner.model_runner import RunnerParts
 
 GIB = 1 << 30
 
@@ -143,28 +144,32 @@ def scratch_blocks(lengths: list[int], block_size: int) -> int:
 
 
 def size_from_memory(
-    runner: ModelRunner, cache_config: CacheConfig, lengths: list[int], before: Memory | None
+    parts: RunnerParts, cache_config: CacheConfig, lengths: list[int], before: Memory | None
 ) -> None:
-    """Give `runner` (built over a scratch cache of `scratch_blocks`) the cache the memory
-    leaves: on CUDA after profiling `lengths` (`before`: the device before the weights), on a
-    CPU after the weights loaded."""
+    """Give `parts` (assembled over a scratch cache of `scratch_blocks`) the cache the memory
+    leaves, before a runner is built over them: on CUDA after profiling `lengths` (`before`:
+    the device before the weights), on a CPU after the weights loaded."""
     share = utilization(cache_config)
-    arch, dtype, device = runner.arch, runner.kv_caches[0].dtype, runner.device
+    arch, dtype, device = parts.arch, parts.kv_caches[0].dtype, parts.device
     if before is not None:
-        scratch = sum(cache.nbytes for cache in runner.kv_caches)
-        nbytes = cuda_kv_bytes(device, share, before, lambda: runner.profile_run(lengths), scratch)
+        scratch = sum(cache.nbytes for cache in parts.kv_caches)
+        nbytes = cuda_kv_bytes(device, share, before, lambda: profile_run(parts, lengths), scratch)
     else:
         nbytes = host_kv_bytes(share, host_memory(), resident_bytes())
-    runner.use_kv_caches([])  # the scratch cache goes before the cache is allocated
+    parts.kv_caches = []  # the scratch cache goes before the cache is allocated
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    num_blocks = num_blocks_for(arch, runner.block_size, dtype, None, nbytes)
-    runner.use_kv_caches(allocate_kv_caches(arch, num_blocks, runner.block_size, dtype, device))
-    per_block = bytes_per_block(arch, runner.block_size, dtype)
+    num_blocks = num_blocks_for(arch, parts.block_size, dtype, None, nbytes)
+    parts.kv_caches = allocate_kv_caches(arch, num_blocks, parts.block_size, dtype, device)
+    parts.num_blocks = num_blocks
+    per_block = bytes_per_block(arch, parts.block_size, dtype)
     logger.info(
         "KV cache: %.2f GiB (%d blocks) from --gpu-memory-utilization %g of %s",
-        num_blocks * per_block / GIB, num_blocks, share, device,
-    )  # fmt: skip
+        num_blocks * per_block / GIB,
+        num_blocks,
+        share,
+        device,
+    )
 
 
 def cuda_memory(device: torch.device) -> Memory:

@@ -14,7 +14,7 @@ from blockserve.grammar import GrammarCompiler, apply_token_masks
 from blockserve.kernels import CpuKernels
 from blockserve.lora.manager import LoRAManager
 from blockserve.model.arch import LlamaArchConfig
-from blockserve.model.compile import CompileReport, mark_token_dim_dynamic
+from blockserve.model.compile import CompileReport
 from blockserve.model.loader import LoadedModel
 from blockserve.model.sampler import Sampler, SamplingBatch, SamplingRow
 from blockserve.platform import HostCapabilities
@@ -26,7 +26,6 @@ from blockserve.runner.prompt_logprobs import gather_prompt_logprobs
 from blockserve.runner.request_states import RequestStates
 from blockserve.sched.output import (
     ModelRunnerOutput,
-    ScheduledRequest,
     SchedulerOutput,
     TokenLogprobs,
 )
@@ -36,7 +35,8 @@ from blockserve.sched.output import (
 class RunnerParts:
     """What runner/build.py assembles for a runner: the device and its probe, the attention
     backend, the model's shape, the KV cache (and its page mapper on a CPU), the loaded model,
-    the sampler and the grammar compiler."""
+    the sampler and the grammar compiler; the compiled forward and the decode graphs where
+    they were made."""
 
     device: torch.device
     host: HostCapabilities
@@ -51,12 +51,18 @@ class RunnerParts:
     grammar: GrammarCompiler
     kernels: CpuKernels  # ours on a CPU, once loaded
     lora: LoRAManager | None = None  # --enable-lora's adapters
+    # The forward each step runs: the model itself (None), or its compiled graphs (--compile).
+    forward: Callable[..., torch.Tensor] | None = None
+    compile_report: CompileReport | None = None
+    # Decode steps replayed from CUDA graphs (runner/decode_graphs.py) where captured.
+    decode_graphs: DecodeGraphs | None = None
 
 
 class ModelRunner:
-    """Runs steps over the parts it is given (`build_runner` makes them from the configs).
+    """Runs steps over the parts it is given (runner/build.py assembles them, runner/start.py
+    readies them for the engine).
 
-    Is handed the model, the KV cache tensors and the sampler (runner/build.py assembles them);
+    Is handed the model, the KV cache tensors, the forward to run and the sampler;
     owns each running request's sampling state (runner/request_states.py). Builds the flat
     batch and the attention metadata, runs the forward, computes logits only where a request
     samples, and samples. Makes no scheduling decision.
@@ -78,74 +84,11 @@ class ModelRunner:
         self.grammar = parts.grammar
         self.lora = parts.lora
         self.requests = RequestStates(parts.device, parts.grammar)
-        # The forward each step runs: the model itself, or its compiled graphs (--compile).
-        self.forward: Callable[..., torch.Tensor] = self.model
-        self.compile_report: CompileReport | None = None
-        # Decode steps replayed from CUDA graphs (runner/decode_graphs.py), once captured.
-        self.decode_graphs: DecodeGraphs | None = None
+        self.forward: Callable[..., torch.Tensor] = parts.forward or self.model
+        self.compile_report = parts.compile_report
+        self.decode_graphs = parts.decode_graphs
         # The last step launched and not yet finished (async scheduling).
         self._unfinished: LaunchedStep | None = None
-
-    def use_compiled(self, forward: Callable[..., torch.Tensor], report: CompileReport) -> None:
-        """Run steps through `forward`, the model's compiled graphs (warmed on this runner)."""
-        self.forward, self.compile_report = forward, report
-
-    def warm_up(self, forward: Callable[..., torch.Tensor]) -> None:
-        """Run `forward` on a dummy prefill of 16 tokens (its token dimension traced as
-        dynamic) and a dummy one-token decode after it (the same graph must serve it), in the
-        first blocks after the null block: they hold nothing yet (a request's blocks are
-        written before they are read)."""
-        prompt = (0,) * 16
-        blocks = tuple(range(1, 1 + -(-(len(prompt) + 1) // self.block_size)))
-        steps = (
-            ScheduledRequest(
-                request_id="warm-up",
-                token_ids=prompt,
-                num_computed_tokens=0,
-                block_ids=blocks,
-                sample=False,
-            ),
-            ScheduledRequest(
-                request_id="warm-up",
-                token_ids=(0,),
-                num_computed_tokens=len(prompt),
-                block_ids=blocks,
-                sample=False,
-            ),
-        )
-        for step in steps:
-            inputs = self.prepare_inputs(SchedulerOutput((step,)))
-            mark_token_dim_dynamic(inputs.input_ids, inputs.positions)
-            plan = self.backend.prepare(inputs.metadata)
-            forward(inputs.input_ids, inputs.positions, self.kv_caches, plan)
-
-    @torch.inference_mode()
-    def profile_run(self, lengths: list[int]) -> None:
-        """One step of prefills of `lengths` tokens from position 0, each in blocks of its own
-        after the null block, logits and probabilities for each: the memory a step can take."""
-        steps, first = [], 1
-        for index, length in enumerate(lengths):
-            count = -(-length // self.block_size)
-            blocks = tuple(range(first, first + count))
-            steps.append(
-                ScheduledRequest(
-                    request_id=f"profile-{index}",
-                    token_ids=(0,) * length,
-                    num_computed_tokens=0,
-                    block_ids=blocks,
-                    sample=True,
-                )
-            )
-            first += count
-        inputs = self.prepare_inputs(SchedulerOutput(tuple(steps)))
-        plan = self.backend.prepare(inputs.metadata)
-        hidden = self.forward(inputs.input_ids, inputs.positions, self.kv_caches, plan)
-        torch.softmax(self.model.compute_logits(hidden[inputs.sample_indices]).float(), dim=-1)
-
-    def use_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
-        """Run over `kv_caches` from now on (sized once the model's memory is known)."""
-        self.kv_caches = kv_caches
-        self.num_blocks = kv_caches[0].shape[1] if kv_caches else 0
 
     def close(self) -> None:
         """Stop mapping KV cache pages in ahead and reading adapters (the engine is shutting
@@ -203,9 +146,13 @@ class ModelRunner:
             return LaunchedStep(output=dataclasses.replace(alone, prompt_logprobs=prompt))
         host, copied = copy_to_host(result)
         self._unfinished = LaunchedStep(
-            sampled_ids=sampled_ids, token_ids=result.token_ids, host=host, failed=failed,
-            copied=copied, prompt_logprobs=prompt,
-        )  # fmt: skip
+            sampled_ids=sampled_ids,
+            token_ids=result.token_ids,
+            host=host,
+            failed=failed,
+            copied=copied,
+            prompt_logprobs=prompt,
+        )
         return self._unfinished
 
     def finish(self, step: LaunchedStep) -> ModelRunnerOutput:

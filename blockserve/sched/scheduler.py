@@ -255,9 +255,12 @@ class Scheduler:
         first_sent = new_ids | self._loaded
         self._loaded -= first_sent
         scheduled = batch_for_runner(
-            self.running, num_scheduled, first_sent, self.kv_cache_manager,
+            self.running,
+            num_scheduled,
+            first_sent,
+            self.kv_cache_manager,
             ahead=self.config.async_scheduling,
-        )  # fmt: skip
+        )
         output = SchedulerOutput(scheduled, frozenset(self.finished_request_ids))
         self.finished_request_ids = set()
         return output

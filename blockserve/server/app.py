@@ -65,10 +65,9 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
         default_sampling=info.default_sampling,
         tool_call_parser=config.tool_call_parser if config.enable_auto_tool_choice else None,
         limits=_request_limits(config),
-        lora_adapters=dict(info.lora_adapters),
         stream_write_timeout_s=config.stream_write_timeout,
     )
-    for name in ctx.lora_adapters:
+    for name in info.lora_adapters:
         if name in served_names:
             raise InvalidConfigError(f"--lora-modules: {name!r} is a served model's name")
 
@@ -144,10 +143,17 @@ def _add_openai_routes(app: FastAPI, ctx: ServingContext, info: ModelInfo) -> No
             for name in ctx.served_names
         ]
         cards += [
-            {"id": name, "object": "model", "created": created, "owned_by": "blockserve",
-             "root": path, "parent": ctx.model_name, "max_model_len": info.max_model_len}
-            for name, path in ctx.lora_adapters.items()
-        ]  # fmt: skip
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "blockserve",
+                "root": path,
+                "parent": ctx.model_name,
+                "max_model_len": info.max_model_len,
+            }
+            for name, path in info.lora_adapters.items()  # the engine's registry, now
+        ]
         return {"object": "list", "data": cards}
 
 

@@ -36,8 +36,6 @@ class ServingContext:
     # The model's generation-config defaults (--generation-config): field -> value.
     default_sampling: Mapping[str, float | int] = field(default_factory=dict)
     limits: RequestLimits = field(default_factory=RequestLimits)  # what one request may ask
-    # The adapters served (name -> path): --lora-modules', and those loaded at runtime.
-    lora_adapters: dict[str, str] = field(default_factory=dict)
     stream_write_timeout_s: float = 30.0  # --stream-write-timeout
 
     def check_limits(self, params: SamplingParams, prompts: Sequence[str | Sequence[int]]) -> None:
@@ -56,7 +54,7 @@ class ServingContext:
         (a 404) for a name nothing is served under."""
         if model is None or model == self.model_name or model in self.served_names:
             return None
-        if model in self.lora_adapters:
+        if model in self.engine.model_info().lora_adapters:  # the engine's registry, now
             return model
         raise ModelNotFoundError(f"The model `{model}` does not exist.")
 

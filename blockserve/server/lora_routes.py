@@ -26,12 +26,10 @@ def add_lora_routes(app: FastAPI, ctx: ServingContext) -> None:
         the reason (nothing changed) when it cannot be served."""
         ctx.check_adapter_name(body.lora_name)
         await ctx.engine.load_lora(body.lora_name, body.lora_path)
-        ctx.lora_adapters[body.lora_name] = body.lora_path
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> PlainTextResponse:
         """Refused (400) while running or waiting requests use the adapter; 404 if unknown."""
         await ctx.engine.unload_lora(body.lora_name)
-        ctx.lora_adapters.pop(body.lora_name, None)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")

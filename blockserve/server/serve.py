@@ -15,7 +15,7 @@ from types import FrameType
 import uvicorn
 
 from blockserve.config import EngineConfig, ServerConfig
-from blockserve.cpu_threads import place_front_end, plan_threads
+from blockserve.cpu_threads import host_thread_plan, place_front_end
 from blockserve.engine.async_engine import AsyncEngine
 from blockserve.errors import InvalidConfigError
 from blockserve.server.app import build_app
@@ -61,8 +61,11 @@ def _serve_on(
     listening: socket.socket, engine_config: EngineConfig, server_config: ServerConfig
 ) -> int:
     affinity = frozenset(os.sched_getaffinity(0))  # the event loop and the tokenizers' threads
-    plan = plan_threads(engine_config.model.cpu_threads, os.environ, affinity, len(affinity))
-    place_front_end(plan, affinity)
+    if engine_config.threads is None:  # planned once, for the front end and the engine
+        threads = host_thread_plan(engine_config.model.cpu_threads)
+        engine_config = dataclasses.replace(engine_config, threads=threads)
+    assert engine_config.threads is not None
+    place_front_end(engine_config.threads, affinity)
     engine = AsyncEngine.from_config(engine_config, server_config.tokenizer_workers)
     app = build_app(engine, server_config)
     kv_events_config = engine_config.kv_events

@@ -1,17 +1,11 @@
-"""Without a CUDA device, Triton kernels run under its interpreter (set before they are
-imported: `triton.jit` reads it when decorating). The csrc emulator is built once a session."""
+"""The csrc emulator, built once a session (Triton's interpreter is set by tests/conftest.py)."""
 
 from __future__ import annotations
 
 import ctypes
-import os
 from pathlib import Path
 
 import pytest
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -14,8 +14,8 @@ from blockserve.attention.common_blocks import PackedCommonBlocks
 from blockserve.attention.torch_backend import TorchAttentionBackend
 from blockserve.kernels import CpuKernels
 from tests.attention.cases import make_case, reference_attention
-from tests.attention.test_cpu_kernel import DTYPES
 from tests.attention.test_torch_backend import TOLERANCE
+from tests.kernels.test_cpu_kernel import DTYPES
 
 BLOCKS = (3, 5)
 IDS = torch.tensor(BLOCKS)
@@ -95,6 +95,7 @@ def test_packings_past_the_limit_are_made_for_each_call() -> None:
     assert (store.packs, store.reuses) == (3, 1)  # the second layer's never fits
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_attention_over_a_kept_packing_equals_packing_per_call(
     dtype: torch.dtype, kernels: CpuKernels

@@ -14,6 +14,7 @@ CSRC = Path(__file__).resolve().parents[2] / "csrc" / "cuda"
 NVCC = shutil.which("nvcc")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not installed on this machine")
 def test_kernels_compile_to_ptx_for_sm90(tmp_path: Path) -> None:
     """kernels.cu compiles to PTX for sm_90 and defines its three kernels for every dtype (the

@@ -15,7 +15,10 @@ from blockserve.attention.torch_backend import TorchAttentionBackend
 from tests.attention.cases import AttentionCase, make_case, reference_attention
 from tests.attention.cuda_emulation import EmulatedOps, missing_tools
 
-pytestmark = pytest.mark.skipif(missing_tools() is not None, reason=str(missing_tools()))
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(missing_tools() is not None, reason=str(missing_tools())),
+]
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 # Contexts of 1 (only warp 0 has work), 7 / 9 (a step cut short), 8, 37, 200 tokens.

@@ -14,7 +14,10 @@ from tests.attention.cases import make_case, reference_attention
 from tests.attention.cuda_emulation import EmulatedOps, missing_tools
 from tests.attention.test_csrc_emulated import TOLERANCE
 
-pytestmark = pytest.mark.skipif(missing_tools() is not None, reason=str(missing_tools()))
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(missing_tools() is not None, reason=str(missing_tools())),
+]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
 
@@ -22,6 +24,7 @@ def test_every_path_the_script_names_exists() -> None:
     assert sorted(p for p in paths if not (ROOT / p).exists()) == []
 
 
+@pytest.mark.slow
 def test_the_script_parses_and_the_benchmarks_import() -> None:
     """bash accepts the script; bench_attention.py and bench_gpu_engine.py import and answer
     --help."""

@@ -67,7 +67,7 @@ CHUNKS = {
 
 
 @pytest.mark.parametrize("chunks", CHUNKS)
-@pytest.mark.parametrize("kernels", ["ours", "torch's"])
+@pytest.mark.parametrize("kernels", [pytest.param("ours", marks=pytest.mark.slow), "torch's"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_chunks_on_a_shared_prefix_read_it_once(
     dtype: torch.dtype, kernels: str, chunks: str, request: pytest.FixtureRequest
@@ -76,7 +76,8 @@ def test_prefill_chunks_on_a_shared_prefix_read_it_once(
     the host has them (each chunk's own keys continue from the common blocks' softmax) and
     with torch's (the two softmaxes merged); chunks of one length that are one run of the
     batch are read and written in place, others gathered. Only our kernels' variants build
-    the CPU kernel libraries (the fixture), so torch's run on a GPU machine in seconds."""
+    the CPU kernel libraries (the fixture, hence slow), so torch's run on a GPU machine in
+    seconds."""
     specs, first_token = CHUNKS[chunks]
     ours = kernels == "ours" and can_build(dtype)
     table = CpuKernels()

@@ -44,6 +44,7 @@ def check_against_torch(case: AttentionCase, dtype: torch.dtype, num_splits: int
     assert torch.equal(case.kv_cache, torch_cache)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_splits", [1, 4])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(6, 2), (8, 2)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -56,6 +57,7 @@ def test_unified_attention_matches_torch_backend(
     check_against_torch(case.to(DEVICE), dtype, num_splits)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_splits", [1, 2, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_decode_batches_match_torch_backend(dtype: torch.dtype, num_splits: int) -> None:
@@ -87,6 +89,7 @@ def test_launch_shape_packs_grouped_heads() -> None:
         plan_launch(mixed, queries_per_kv=3, num_kv_heads=2, num_splits=3)
 
 
+@pytest.mark.slow
 def test_layers_of_one_step_share_the_plan_and_its_scratch() -> None:
     """Two layers (their own queries and caches, the step's one metadata) attended through one
     plan, split four ways: the second reuses the first's scratch and still equals the torch
@@ -120,6 +123,7 @@ def test_reshape_and_cache_writes_only_the_slots() -> None:
     assert torch.equal(flat[:, untouched], before.view(2, -1, 2, 64)[:, untouched])
 
 
+@pytest.mark.slow
 def test_greedy_generation_with_triton_equals_torch(tiny_llama_dir: object) -> None:
     """The tiny model (GQA 2:1, head_dim 16) generates the same greedy tokens through the
     engine with the triton backend (interpreted on the CPU) as with the torch backend, over
@@ -219,6 +223,7 @@ def test_a_decode_graph_plan_over_padded_rows_equals_the_step_plan() -> None:
     assert not torch.isnan(out[4:]).any()
 
 
+@pytest.mark.slow
 def test_warm_up_launches_every_variant_and_writes_nothing() -> None:
     """Decode and prefill tiles, times 1, 2 and 4 splits (a 512-token context's choices)."""
     case = make_case(DECODES, 8, 2, head_dim=64, seed=6).to(DEVICE)

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from blockserve.bench.harness import cpu_flags
 from tests.replay.test_report import write_hand_trace
 
@@ -17,6 +19,7 @@ def blockserve(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(command, capture_output=True, text=True, cwd=cwd, check=True)
 
 
+@pytest.mark.slow
 def test_bench_offline_measures_the_engine_with_caching_on_and_off(tmp_path: Path) -> None:
     """Two requests on one 1,024-token prefix (66 blocks each): with caching the second finds
     the first's 64 whole prefix blocks, 64 of the 132 looked up; without, none."""
@@ -33,6 +36,7 @@ def test_bench_offline_measures_the_engine_with_caching_on_and_off(tmp_path: Pat
     assert {"isa", "threads", "torch"} <= set(report)
 
 
+@pytest.mark.slow
 def test_bench_replay_is_blockserve_replay(tmp_path: Path) -> None:
     trace = write_hand_trace(tmp_path / "trace.jsonl")
     flags = ["--trace-block-size", "4", "--capacities", "4,8", "--no-progress"]
@@ -48,6 +52,7 @@ def test_bench_replay_is_blockserve_replay(tmp_path: Path) -> None:
     assert bench == plain and len(bench) == 2 * 9
 
 
+@pytest.mark.slow
 def test_bench_vs_vllm_runs_the_checkouts_race(tiny_llama_dir: Path, tmp_path: Path) -> None:
     """Its blockserve half on a tiny model (`--dry-run`: no vLLM), through the checkout's
     benchmarks/bench_vs_vllm.py."""
@@ -60,6 +65,7 @@ def test_bench_vs_vllm_runs_the_checkouts_race(tiny_llama_dir: Path, tmp_path: P
     assert report["workloads"]["no-sharing"]["blockserve"]["output_tokens"] == 2 * 32
 
 
+@pytest.mark.slow
 def test_bench_serve_drives_a_real_server(tiny_llama_dir: Path, tmp_path: Path) -> None:
     """Two system prompts of 32 tokens (two whole blocks), two questions each, one client at a
     time: each group's second request finds its system prompt cached, 2 × 32 tokens."""

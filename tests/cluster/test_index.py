@@ -50,6 +50,7 @@ def pool_hashes(manager: KVCacheManager) -> set[int]:
     return {block_hash_to_uint64(h) for h in cached}
 
 
+@pytest.mark.slow
 def test_index_equals_the_pool_after_random_traffic_with_lost_batches() -> None:
     """200 random prompts through an 11-block pool, one event batch each, published through a
     send queue of 1 so that most batches are not sent live: the subscriber fills every gap by
@@ -88,6 +89,7 @@ def test_index_equals_the_pool_after_random_traffic_with_lost_batches() -> None:
         assert index.overlap(hashes, now=0.0) == num_hits // BLOCK_SIZE
 
 
+@pytest.mark.slow
 def test_unrecoverable_gap_names_where_to_resume() -> None:
     """A subscriber joining after the replay buffer (4 batches) has moved past seq 0 gets a
     ReplayUnavailableError naming the live batch to resume from; the next poll goes on from

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from blockserve.core.block_pool import BlockPool
 from blockserve.core.events import KVEventRecorder
-from blockserve.core.eviction import TailLRUConfig
+from blockserve.core.eviction import EvictionConfig, TailLRUConfig
 from blockserve.core.hashing import BlockHasher, RequestBlockHasher
 from blockserve.core.kv_cache_manager import KVCacheManager
 from blockserve.sched.request import Request
@@ -34,7 +34,8 @@ def make_manager(
     tlru: TailLRUConfig | None = None,
 ) -> KVCacheManager:
     """A small manager with KV events on (hashes as uint64, as on the wire)."""
-    return KVCacheManager(num_blocks, block_size, caching, KVEventRecorder(), policy, tlru)
+    eviction = EvictionConfig(policy, tlru or TailLRUConfig())
+    return KVCacheManager(num_blocks, block_size, caching, KVEventRecorder(), eviction)
 
 
 def make_request(

@@ -35,6 +35,7 @@ def run_llm(model_dir: Path, params: list[SamplingParams], asynchronous: bool) -
     ]
 
 
+@pytest.mark.slow
 def test_greedy_and_seeded_samples_equal_the_synchronous_engine(tiny_llama_dir: Path) -> None:
     params = [
         SamplingParams(temperature=0.0, max_tokens=18 + i, ignore_eos=True)
@@ -46,6 +47,7 @@ def test_greedy_and_seeded_samples_equal_the_synchronous_engine(tiny_llama_dir: 
     assert run_llm(tiny_llama_dir, params, asynchronous=True) == expected
 
 
+@pytest.mark.slow
 def test_samples_that_need_the_token_in_flight_equal_the_synchronous_engine(
     tiny_llama_dir: Path,
 ) -> None:
@@ -63,6 +65,7 @@ def test_samples_that_need_the_token_in_flight_equal_the_synchronous_engine(
     assert run_llm(tiny_llama_dir, params, asynchronous=True) == expected
 
 
+@pytest.mark.slow
 def test_stops_equal_the_synchronous_engine(tiny_llama_dir: Path) -> None:
     """Stop tokens and stop strings taken from the synchronous run's own outputs, so that
     each stops mid-generation."""
@@ -80,6 +83,7 @@ def test_stops_equal_the_synchronous_engine(tiny_llama_dir: Path) -> None:
     assert run_llm(tiny_llama_dir, params, asynchronous=True) == expected
 
 
+@pytest.mark.slow
 def test_an_abort_and_a_failing_step_leave_the_others_as_they_were(
     tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -51,6 +51,7 @@ def assert_same_as_fresh(output: RequestOutput, fresh: RequestOutput) -> None:
     assert logprobs(output) == pytest.approx(logprobs(fresh), abs=1e-4)
 
 
+@pytest.mark.slow
 def test_an_evicted_prompt_comes_back_from_disk(disk_llm: LLM, fresh: RequestOutput) -> None:
     """Its 4 hittable blocks load from disk: cached_tokens 64, all of them from the disk, and
     the greedy tokens and their logprobs are a fresh compute's."""

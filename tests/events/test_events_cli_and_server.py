@@ -74,6 +74,7 @@ def test_server_publishes_and_events_cli_prints(tiny_llama_dir: Path, tmp_path: 
     assert (event["token_ids"], event["block_size"], event["medium"]) == (prompt[:32], 16, "GPU")
 
 
+@pytest.mark.slow
 def test_events_without_a_publisher_says_what_the_server_needs() -> None:
     """Nothing publishes on the port: after --hint-after seconds the CLI says, once, which
     flag makes a server publish (instead of waiting in silence), and keeps listening."""

@@ -8,6 +8,8 @@ import random
 import time
 from pathlib import Path
 
+import pytest
+
 from blockserve import LLM, SamplingParams
 from blockserve.core.events import AllBlocksCleared, BlockRemoved, KVEventBatch
 from blockserve.core.hashing import block_hash_to_uint64
@@ -17,6 +19,7 @@ from tests.core.test_events import STORED
 from tests.events.test_zmq_publisher import drain, events_config, subscribe
 
 
+@pytest.mark.slow
 def test_dropped_messages_are_replayed_without_duplicates() -> None:
     """Messages lost on the wire (a subscriber that skips some) come back through replay."""
     config = events_config()
@@ -48,6 +51,7 @@ def test_dropped_messages_are_replayed_without_duplicates() -> None:
     assert [b.events[0].block_hashes for _, b in got] == [[i] for i in range(10)]  # type: ignore[union-attr]
 
 
+@pytest.mark.slow
 def test_mirror_equals_pool_after_random_workload(tiny_llama_dir: Path) -> None:
     """After 300 random requests with shared openings, the mirror equals the pool exactly."""
     config = events_config()

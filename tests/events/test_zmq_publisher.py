@@ -70,6 +70,7 @@ def subscribe(config: KVEventsConfig) -> KVEventSubscriber:
     return subscriber
 
 
+@pytest.mark.slow
 def test_identical_requests_store_once(llm_with_events: tuple[LLM, KVEventsConfig]) -> None:
     """Two identical 33-token requests: one BlockStored with 2 hashes, nothing for the second."""
     llm, config = llm_with_events
@@ -102,6 +103,7 @@ def test_identical_requests_store_once(llm_with_events: tuple[LLM, KVEventsConfi
     )
 
 
+@pytest.mark.slow
 def test_eviction_and_reset_events(llm_with_events: tuple[LLM, KVEventsConfig]) -> None:
     """Pressure on an 11-block pool evicts: one BlockRemoved per evicted hash; reset clears."""
     llm, config = llm_with_events
@@ -135,6 +137,7 @@ def test_eviction_and_reset_events(llm_with_events: tuple[LLM, KVEventsConfig]) 
         subscriber.close()
 
 
+@pytest.mark.slow
 def test_late_joiner_recovers_through_replay(llm_with_events: tuple[LLM, KVEventsConfig]) -> None:
     """A subscriber that joins after 3 batches gets them by replay, in order, then live ones."""
     llm, config = llm_with_events

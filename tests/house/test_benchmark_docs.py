@@ -9,7 +9,7 @@ import json
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 CITED = re.compile(r"benchmarks/results/([\w./\-]+\.(?:json|png|txt))")

@@ -144,3 +144,17 @@ def test_a_circle_is_found() -> None:
     """The check itself: a -> b -> c -> a is one circle; d, outside it, is not in it."""
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert circles(graph) == [["a", "b", "c"]]
+
+
+def test_the_engine_enters_the_runner_through_start_alone() -> None:
+    """Outside runner/, blockserve imports runner/start.py alone: start_runner hands the engine
+    its runner and a RunnerInfo (no other entry, no reach into how the runner is built)."""
+    graph = import_graph()
+    entries = {
+        target
+        for module, targets in graph.items()
+        if layer(module) != "runner"
+        for target in targets
+        if layer(target) == "runner"
+    }
+    assert entries == {"blockserve.runner.start"}

@@ -17,7 +17,9 @@ import pytest
 from blockserve.bench.server_process import ServerProcess
 from tests.server.conftest import tiny_server
 
-README = (Path(__file__).parents[1] / "README.md").read_text()
+pytestmark = pytest.mark.slow  # a real server per module
+
+README = (Path(__file__).parents[2] / "README.md").read_text()
 
 
 def blocks(language: str) -> list[str]:

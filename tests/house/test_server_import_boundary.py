@@ -52,8 +52,9 @@ def test_server_uses_only_the_engine_surface() -> None:
     assert "blockserve.engine.client" in used
 
 
-def test_config_imports_nothing_from_core() -> None:
-    """config.py sits below every layer: it imports no core/, sched/ or engine/ module."""
+def test_config_imports_only_plain_data_below_it() -> None:
+    """config.py sits below the scheduler, the runner and the engine: of the layers below it
+    it imports the eviction choice (core/eviction) alone, nothing of sched/ or engine/."""
     imports = imported_modules(PACKAGE / "config.py")
-    assert not {m for m in imports if m.startswith(("blockserve.core", "blockserve.sched"))}
-    assert not {m for m in imports if m.startswith("blockserve.engine")}
+    assert {m for m in imports if m.startswith("blockserve.core")} == {"blockserve.core.eviction"}
+    assert not {m for m in imports if m.startswith(("blockserve.sched", "blockserve.engine"))}

@@ -687,6 +687,7 @@ def test_switched_off_torch_serves(
     assert kernels.layer_ops(hidden[:, :40], head_dim=64) is None
 
 
+@pytest.mark.slow
 def test_a_later_load_uses_the_built_library(
     kernel: Kernel, cache_dir: Path, dtype: torch.dtype, tmp_path: Path
 ) -> None:
@@ -724,6 +725,7 @@ def test_no_load_enters_torch_once_exit_began(
     assert called == [] and loader.ops(dtype) is None
 
 
+@pytest.mark.slow
 def test_a_process_that_exits_as_its_engine_starts_is_not_aborted() -> None:
     """The kernels load (and, on AMX, the weights are packed) on a thread while the engine
     starts; a script that fails right after must end with its own status, not SIGABRT."""

@@ -20,7 +20,7 @@ from blockserve.model.llama import RMSNorm
 from blockserve.model.rope import RotaryEmbedding, apply_rotary
 from blockserve.runner.build import build_runner
 from blockserve.runner.model_runner import ModelRunner
-from tests.attention.test_cpu_kernel import DTYPES, NEEDS
+from tests.kernels.test_cpu_kernel import DTYPES, NEEDS
 from tests.runner.test_model_runner import all_logits, greedy_generate, mixed_batch
 from tests.tiny_models import save_tiny_model
 
@@ -350,6 +350,7 @@ def runner(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     return runner
 
 
+@pytest.mark.slow
 def test_the_fused_forward_equals_the_unfused_one(
     runner: ModelRunner, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -18,9 +18,9 @@ from blockserve.kernels import CpuKernels
 from blockserve.model import packed
 from blockserve.model.packed import PackedLinear, pack_for_tiles, use_kernels
 from blockserve.runner.build import build_runner
-from tests.attention.test_cpu_kernel import AMX
-from tests.model import products
-from tests.model.products import exact
+from tests.kernels import products
+from tests.kernels.products import exact
+from tests.kernels.test_cpu_kernel import AMX
 from tests.tiny_models import save_tiny_model
 
 pytestmark = pytest.mark.skipif(

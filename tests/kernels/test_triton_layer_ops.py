@@ -83,6 +83,7 @@ class EveryDevice:
         return OPS
 
 
+@pytest.mark.slow
 def test_the_fused_forward_through_them_equals_the_unfused_one(tmp_path: Path) -> None:
     """A fresh prefill, a prefill on cached blocks and a decode in one step, float32."""
     model_dir = save_tiny_model(tmp_path, hidden_size=128, intermediate_size=256,

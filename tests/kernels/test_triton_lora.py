@@ -44,6 +44,7 @@ def test_the_kernel_equals_the_grouped_products(
     torch.testing.assert_close(got, expected, atol=1e-3, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_an_engine_through_the_kernel_gives_the_bmm_tokens(
     tiny_llama_dir: Path, tmp_path: Path
 ) -> None:

@@ -20,8 +20,8 @@ from blockserve.kernels import build as cpu_build
 from blockserve.model import packed
 from blockserve.model.packed import PackedLinear, pack_for_vectors, use_kernels
 from blockserve.runner.build import build_runner
-from tests.model import products
-from tests.model.products import exact
+from tests.kernels import products
+from tests.kernels.products import exact
 from tests.tiny_models import save_tiny_model
 
 BUILDS = [target.isa for target in cpu_build.runnable(torch.float32)]

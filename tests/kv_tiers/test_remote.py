@@ -82,6 +82,7 @@ def test_a_damaged_value_is_a_miss_and_is_deleted(
     assert (store.stats.corrupt, store.stats.misses) == (1, 1)
 
 
+@pytest.mark.slow
 def test_a_stopped_store_is_marked_down_and_comes_back(
     store: RemoteStore, redis_server: RedisServer
 ) -> None:

@@ -10,6 +10,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -222,3 +223,4 @@ TiersMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_tiers_state_machine = TiersMachine.TestCase
+test_tiers_state_machine.pytestmark = [pytest.mark.slow]  # ~20 s of real threads and files

@@ -160,7 +160,7 @@ def test_a_bad_adapter_is_refused_at_load_and_changes_nothing(
     with pytest.raises(LoRAError) as error:
         llm.engine.add_lora("bad", str(path))
     assert str(error.value) == f"LoRA adapter 'bad' ({path}): {reason}"
-    assert sorted(llm.engine.lora_manager().paths) == ["every"]
+    assert sorted(llm.engine.lora_manager().registry) == ["every"]
 
 
 def test_a_path_too_long_for_the_system_is_refused(llm: LLM) -> None:
@@ -187,7 +187,7 @@ def test_names_are_checked(llm: LLM, adapters: dict[str, Path], name: str, reaso
     with pytest.raises(LoRAError) as error:
         llm.engine.add_lora(name, str(adapters["qv"]))
     assert str(error.value) == reason
-    assert sorted(llm.engine.lora_manager().paths) == ["every"]
+    assert sorted(llm.engine.lora_manager().registry) == ["every"]
 
 
 def test_a_name_pointed_at_other_weights_reads_none_of_the_old_blocks(

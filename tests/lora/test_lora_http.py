@@ -15,6 +15,8 @@ from tests.lora.adapters import save_adapter
 from tests.lora.test_lora import PROMPTS, reference
 from tests.server.conftest import tiny_server
 
+pytestmark = pytest.mark.slow  # a real server per module
+
 
 @pytest.fixture(scope="module")
 def adapter(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -16,8 +16,8 @@ import torch
 from blockserve import LoRARequest
 from blockserve.kernels import CpuKernels
 from blockserve.kernels import build as cpu_build
+from tests.kernels.products import small_ints
 from tests.lora.test_lora import GREEDY, PROMPTS, make_llm, reference
-from tests.model.products import small_ints
 
 BUILDS = [
     (dtype, target.isa) for dtype in (torch.float32, torch.bfloat16)
@@ -125,6 +125,7 @@ def test_bad_arguments_are_refused_before_any_write(
     assert torch.equal(out, small_ints(5, BOUNDS[-1], seed=4, dtype=dtype))
 
 
+@pytest.mark.slow
 def test_an_engine_on_our_kernel_equals_peft(
     tiny_llama_dir: Path, adapters: dict[str, Path], kernels: CpuKernels
 ) -> None:

@@ -87,6 +87,7 @@ def evicted_engine(base: Path, adapters: dict[str, Path], every: Path) -> LLMEng
     return engine
 
 
+@pytest.mark.slow
 def test_a_request_waits_for_its_adapters_read_while_others_run(
     tiny_llama_dir: Path, adapters: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:

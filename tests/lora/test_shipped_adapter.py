@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from blockserve import LLM, LoRARequest, SamplingParams
 
 ADAPTER = Path(__file__).resolve().parents[2] / "adapters" / "capitals"
@@ -16,6 +18,7 @@ def upper_share(text: str) -> float:
     return sum(c.isupper() for c in letters) / len(letters)
 
 
+@pytest.mark.slow
 def test_the_shipped_adapter_answers_in_capitals() -> None:
     llm = LLM(enable_lora=True, max_lora_rank=8)
     conversation = [{"role": "user", "content": "What is the capital of France?"}]

@@ -49,6 +49,7 @@ def runners(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> R
     return Runners(eager, compiled, cache_dir)
 
 
+@pytest.mark.slow
 def test_a_compiled_start_builds_its_graphs_into_the_cache(runners: Runners) -> None:
     assert runners.eager.compile_report is None
     assert runners.eager.forward is runners.eager.model
@@ -60,6 +61,7 @@ def test_a_compiled_start_builds_its_graphs_into_the_cache(runners: Runners) -> 
     assert any(Path(report.cache_dir).iterdir())
 
 
+@pytest.mark.slow
 def test_compiled_mixed_batch_equals_eager_and_transformers(
     runners: Runners, tiny_llama_dir: Path
 ) -> None:
@@ -75,6 +77,7 @@ def test_compiled_mixed_batch_equals_eager_and_transformers(
     assert (compiled - batch.expected).abs().max().item() < FP32_ATOL
 
 
+@pytest.mark.slow
 def test_compiled_greedy_tokens_equal_eager(runners: Runners) -> None:
     """24 greedy tokens for 3 prompts (5, 17 and 40 tokens): one step prefilling all three,
     then 23 decode steps of 3 tokens, through the general graph; every token equal."""
@@ -87,6 +90,7 @@ def test_compiled_greedy_tokens_equal_eager(runners: Runners) -> None:
     assert [len(tokens) for tokens in compiled] == [24, 24, 24]
 
 
+@pytest.mark.slow
 def test_single_token_steps_equal_eager(runners: Runners) -> None:
     """One prompt alone: its decode steps are one-token batches (the same graph)."""
     prompt = torch.randint(0, 300, (9,), generator=torch.Generator().manual_seed(4)).tolist()
@@ -123,6 +127,7 @@ def start_compiled(model_dir: Path, cache_dir: Path) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_the_next_start_loads_the_graphs_from_the_cache(
     runners: Runners, tiny_llama_dir: Path
 ) -> None:

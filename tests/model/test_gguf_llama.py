@@ -17,6 +17,7 @@ from blockserve.model.gguf_llama import convert_llama, read_header
 from blockserve.model.loader import convert_gguf, default_model_path
 
 
+@pytest.mark.slow
 def test_the_default_model_converts_exactly_as_transformers_converts_it(tmp_path: Path) -> None:
     source = default_model_path()
     assert convert_llama(source, tmp_path)
@@ -48,6 +49,7 @@ def test_the_default_model_converts_exactly_as_transformers_converts_it(tmp_path
         assert config[field] == getattr(reference.config, field), field
 
 
+@pytest.mark.slow
 def test_the_default_models_tokenizer_files_are_what_autotokenizer_writes(tmp_path: Path) -> None:
     """The generic class built straight from the file writes AutoTokenizer's files, byte for
     byte (AutoTokenizer reads the model's config out of the file first, and then builds the

@@ -128,6 +128,7 @@ def test_the_tokenizer_flag_takes_a_hub_id(hub_cache: Path, offline: None) -> No
         greedy(REPO, download_dir=str(hub_cache), tokenizer="/nonexistent")
 
 
+@pytest.mark.slow
 def test_the_hub_environment_is_honoured(hub_cache: Path, tmp_path: Path) -> None:
     """HF_HUB_CACHE and HF_HUB_OFFLINE, read by huggingface_hub in a process of their own."""
     code = (

@@ -127,6 +127,7 @@ CONVERSATION = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["default", "tiny"])
 def test_the_served_tokenizer_equals_transformers(
     which: str, tiny_llama_dir: Path, tmp_path: Path
@@ -184,6 +185,7 @@ def load_in_a_fresh_interpreter(model_dir: Path, cache_dir: Path) -> list[str]:
     return result.stdout.rsplit(maxsplit=1)
 
 
+@pytest.mark.slow
 def test_a_snapshot_loads_without_transformers(tiny_llama_dir: Path, tmp_path: Path) -> None:
     """The first load imports transformers and takes the snapshot; in a fresh interpreter the
     next one loads it without importing transformers (over a second of every start)."""

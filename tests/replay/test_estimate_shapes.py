@@ -16,6 +16,7 @@ from tests.replay.trace_shapes import BLOCK, SHAPES
 CAPACITIES = (128, 512, 2048, 8192)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_the_estimate_is_within_two_points_of_replayed_lru(shape: str, seed: int) -> None:

@@ -9,6 +9,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
+
 from tests.replay.test_simulate import HAND_TRACE
 
 
@@ -23,6 +25,7 @@ def write_hand_trace(path: Path) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_replay_command_writes_table_json_and_plot(tmp_path: Path) -> None:
     """`blockserve replay` prints the table and writes replay.json and replay.png."""
     path = write_hand_trace(tmp_path / "trace.jsonl")
@@ -55,6 +58,7 @@ def test_replay_command_writes_table_json_and_plot(tmp_path: Path) -> None:
     assert (tmp_path / "out" / "replay.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow
 def test_replay_cli_errors_are_one_line_and_output_avoids_the_tree(tmp_path: Path) -> None:
     """A missing trace: exit 2 and one line on stderr. No --out-dir: the reports go to a new
     folder under the temporary directory, never into the working tree."""

@@ -145,6 +145,7 @@ def test_belady_bounds_every_policy_and_infinite_bounds_belady(
         assert manager.integrity_errors() == []
 
 
+@pytest.mark.slow
 def test_the_online_curve_tracks_lru_replay_on_the_sample_trace() -> None:
     """The synthetic Mooncake trace (512-token blocks): the miss-ratio curve's one-pass estimate
     (4,096 sampled hashes of 43,924) is within 2 points of replaying LRU at each capacity."""

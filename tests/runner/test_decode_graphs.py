@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from blockserve.config import ModelConfig
 from blockserve.runner.decode_graphs import (
     DecodeGraphs,
     EagerCapture,
@@ -75,19 +74,23 @@ def test_static_inputs_copy_the_rows_and_pad_the_bucket() -> None:
     assert metadata.seq_lens_cpu == (64, 64, 64, 64)  # planned for the longest context
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_prompts", [3, 8])
 def test_greedy_tokens_through_the_graphs_equal_the_eager_path(
-    tiny_llama_dir: Path, num_prompts: int
+    tiny_llama_dir: Path, num_prompts: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """3 prompts decode in the bucket of 4 (one padding row), 8 fill theirs; every decode
-    step after the prompts' is replayed."""
+    step after the prompts' is replayed. The engine captures them at start-up, as on CUDA,
+    with a capture that runs on any device."""
     from blockserve import LLM, SamplingParams
-    from blockserve.runner.build import capture_decode_graphs
+    from blockserve.runner import start
 
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     prompts = [list(range(5 + 7 * i, 5 + 7 * i + 9 + 5 * i)) for i in range(num_prompts)]
     outputs = {}
     for graphs in (False, True):
+        if graphs:
+            monkeypatch.setattr(start, "graph_capture", lambda device: EagerCapture())
         llm = LLM(
             str(tiny_llama_dir),
             dtype="float32",
@@ -95,13 +98,15 @@ def test_greedy_tokens_through_the_graphs_equal_the_eager_path(
             attention_backend="triton",
             num_gpu_blocks_override=64,
             max_num_seqs=8,
+            enforce_eager=not graphs,
         )
+        decode_graphs = llm.engine.core.runner.decode_graphs
+        assert (decode_graphs is not None) == graphs
         replayed: list[bool] = []
-        if graphs:
-            runner = llm.engine.core.runner
-            report = capture_decode_graphs(runner, ModelConfig(), 8, 128, capture=EagerCapture())
-            assert report is not None and report.sizes == (1, 2, 4, 8)
-            replayed = count_replays(runner.decode_graphs)
+        if decode_graphs is not None:
+            assert decode_graphs.sizes == (1, 2, 4, 8)
+            assert llm.engine.core.info.runtime["cuda_graphs"] == 4
+            replayed = count_replays(decode_graphs)
         results = llm.generate(prompts, params, use_tqdm=False)
         outputs[graphs] = [r.outputs[0].token_ids for r in results]
         # One prefill step (eager), then four decode steps (replayed).
@@ -136,19 +141,22 @@ class FailingCapture:
 
 
 def test_a_failed_capture_leaves_the_engine_eager(
-    tiny_llama_dir: Path, caplog: pytest.LogCaptureFixture
+    tiny_llama_dir: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from blockserve import LLM, SamplingParams
-    from blockserve.runner.build import capture_decode_graphs
+    from blockserve.runner import start
 
+    monkeypatch.setattr(start, "graph_capture", lambda device: FailingCapture())
     llm = LLM(
-        str(tiny_llama_dir), dtype="float32", device=DEVICE, attention_backend="triton",
-        num_gpu_blocks_override=64, max_num_seqs=8,
-    )  # fmt: skip
-    runner = llm.engine.core.runner
-    runner.decode_graphs = None
-    assert capture_decode_graphs(runner, ModelConfig(), 8, 128, capture=FailingCapture()) is None
-    assert runner.decode_graphs is None
+        str(tiny_llama_dir),
+        dtype="float32",
+        device=DEVICE,
+        attention_backend="triton",
+        num_gpu_blocks_override=64,
+        max_num_seqs=8,
+    )
+    assert llm.engine.core.runner.decode_graphs is None
+    assert llm.engine.core.info.runtime["cuda_graphs"] == 0
     assert "capturing the decode graphs failed; decode steps run eagerly" in caplog.text
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     (result,) = llm.generate([[5, 6, 7]], params, use_tqdm=False)

@@ -55,6 +55,7 @@ def test_a_step_takes_at_most_its_tokens_blocks_and_one_a_sequence() -> None:
     assert blocks_per_step(100, 3, 16) == 6 + 3
 
 
+@pytest.mark.slow
 def test_the_blocks_ahead_are_mapped_in_every_plane_and_no_further() -> None:
     """With 5 blocks ahead, blocks 0-4 of every layer's K and V are mapped in, the rest not;
     a write into block 9 moves the target to blocks 0-14."""
@@ -112,6 +113,7 @@ def test_map_now_returns_with_the_blocks_mapped() -> None:
         populator.close()
 
 
+@pytest.mark.slow
 def test_without_the_call_nothing_is_mapped_and_writes_still_work(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

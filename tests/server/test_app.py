@@ -26,6 +26,8 @@ from blockserve.platform import probe_host
 from blockserve.server.app import build_app
 from tests.server.conftest import tiny_server
 
+pytestmark = pytest.mark.slow  # a real server per module
+
 
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> openai.OpenAI:
@@ -172,8 +174,13 @@ def test_vllm_metric_names_types_and_labels(server: ServerProcess) -> None:
             for name in ("generation_tokens", "request_success", "prompt_tokens")
         }
         assert moved == {"generation_tokens": 3.0, "request_success": 1.0, "prompt_tokens": 20.0}
-    (success,) = [s for s in after["vllm:request_success"].samples if s.name.endswith("_total")]
-    assert (success.labels["engine"], success.labels["finished_reason"]) == ("0", "length")
+    # A series per vLLM finish reason, engine "0" (the 3 tokens above ended by length).
+    success = [
+        (s.labels["engine"], s.labels["finished_reason"])
+        for s in after["vllm:request_success"].samples
+        if s.name.endswith("_total")
+    ]
+    assert sorted(success) == [("0", r) for r in ("abort", "error", "length", "repetition", "stop")]
 
 
 def metric_families(server: ServerProcess) -> dict[str, Metric]:

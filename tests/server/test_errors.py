@@ -10,6 +10,8 @@ import pytest
 
 from blockserve.bench.server_process import ServerProcess
 
+pytestmark = pytest.mark.slow  # a real server per module
+
 CASES = [
     ("bad JSON", "/v1/completions", b"{not json", 400, "not valid JSON"),
     ("wrong type", "/v1/completions", {"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
 
 from blockserve.bench.server_process import ServerProcess
 
@@ -45,6 +46,7 @@ def run_schemathesis(
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_schemathesis_finds_no_5xx_and_no_schema_violation(
     server: ServerProcess, tmp_path: Path
 ) -> None:

@@ -13,6 +13,8 @@ import pytest
 from blockserve.bench.server_process import ServerProcess
 from tests.server.conftest import tiny_server
 
+pytestmark = pytest.mark.slow  # a real server per module
+
 CONFIG = {"temperature": 0, "max_new_tokens": 6}
 
 

@@ -18,6 +18,8 @@ from blockserve.bench.server_process import ServerProcess, metric_sum
 from tests.hostile_inputs import lark_chain, ref_chain
 from tests.server.conftest import tiny_server
 
+pytestmark = pytest.mark.slow  # a real server per module
+
 NUM_RACES = 24
 
 

@@ -14,6 +14,8 @@ import pytest
 from blockserve.bench.server_process import ServerProcess
 from tests.server.conftest import tiny_server
 
+pytestmark = pytest.mark.slow  # a real server per module
+
 
 @pytest.fixture(scope="module")
 def server_with_keys(

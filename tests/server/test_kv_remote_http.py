@@ -51,6 +51,7 @@ def wait_for_keys(server: RedisServer, count: int) -> None:
         time.sleep(0.01)
 
 
+@pytest.mark.slow
 def test_replica_b_serves_the_prefix_replica_a_computed(
     tiny_llama_dir: Path,
     tmp_path: Path,
@@ -76,6 +77,7 @@ def test_replica_b_serves_the_prefix_replica_a_computed(
         assert b.stop() == 0, b.log()
 
 
+@pytest.mark.slow
 def test_with_a_shared_secret_a_forged_store_changes_no_answer(
     tiny_llama_dir: Path,
     tmp_path: Path,
@@ -115,6 +117,7 @@ def forged(value: bytes) -> bytes:
     return pack_block(bytes(payload)) + value[-TAG_BYTES:]
 
 
+@pytest.mark.slow
 def test_a_store_paused_or_stopped_mid_load_changes_no_answer(
     tiny_llama_dir: Path,
     tmp_path: Path,

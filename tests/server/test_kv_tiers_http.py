@@ -50,6 +50,7 @@ def recomputed(llm: LLM, prompt: list[int]) -> list[float]:
     return [lp.logprob for lp in output.outputs[0].logprobs]
 
 
+@pytest.mark.slow
 def test_a_second_server_serves_the_first_ones_blocks(
     tiny_llama_dir: Path, tmp_path: Path, reference: LLM
 ) -> None:
@@ -72,6 +73,7 @@ def test_a_second_server_serves_the_first_ones_blocks(
         assert second.stop() == 0, second.log()
 
 
+@pytest.mark.slow
 def test_after_a_sigkill_mid_write_every_served_hit_is_right(
     tiny_llama_dir: Path, tmp_path: Path, reference: LLM
 ) -> None:

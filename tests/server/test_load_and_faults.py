@@ -116,6 +116,7 @@ def wait_for_holders(
         time.sleep(0.01)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fixture", ["server", "server_with_key"])
 def test_non_streaming_client_that_leaves_aborts_its_request(
     fixture: str, request: pytest.FixtureRequest

@@ -16,6 +16,8 @@ from blockserve.bench.server_process import ServerProcess
 from tests.runner.test_model_runner import reference_logits
 from tests.tiny_models import make_tokenizer
 
+pytestmark = pytest.mark.slow  # a real server per module
+
 PROMPT = [(5 * i + 11) % 250 + 1 for i in range(20)]
 ATOL = 1e-4
 

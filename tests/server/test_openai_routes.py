@@ -19,6 +19,7 @@ def client(server: ServerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
 
 
+@pytest.mark.slow
 def test_completion(client: openai.OpenAI) -> None:
     """A greedy completion returns max_tokens tokens with usage, cached tokens included."""
     out = client.completions.create(
@@ -252,6 +253,7 @@ def test_chat_cache_explanation(client: openai.OpenAI) -> None:
     assert explanation["first_missing_block"] == cached // 16 >= 1
 
 
+@pytest.mark.slow
 def test_metrics_count_finished_stopped_and_aborted_requests(server: ServerProcess) -> None:
     """request_success counts choices by finish reason, aborts included; TTFT and e2e count
     prompts (e2e only those served to the end). Hand-counted over: a probe (length), an n=2

@@ -11,6 +11,8 @@ import pytest
 from blockserve.bench.server_process import ServerProcess, read_metric
 from tests.server.conftest import tiny_server
 
+pytestmark = pytest.mark.slow  # a real server per module
+
 PROMPT_33 = list(range(100, 133))
 METRIC_NAMES = [
     "num_requests_running",

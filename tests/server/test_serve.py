@@ -15,6 +15,7 @@ from blockserve.bench.server_process import ServerProcess, read_metric
 from tests.server.conftest import TINY_ARGS
 
 
+@pytest.mark.slow
 def test_start_up_log_and_sigterm_exit(tiny_llama_dir: Path, tmp_path: Path) -> None:
     """The log names the model, the cache and the address; SIGTERM ends with code 0."""
     server = ServerProcess(["--model", str(tiny_llama_dir), *TINY_ARGS], tmp_path / "log")
@@ -47,6 +48,7 @@ def test_a_bad_engine_flag_exits_2_before_loading(
     assert capsys.readouterr().err == f"blockserve serve: {message}\n"
 
 
+@pytest.mark.slow
 def test_sigterm_drains_running_streams_and_refuses_new_work(
     tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
@@ -87,6 +89,7 @@ def test_sigterm_drains_running_streams_and_refuses_new_work(
         assert finished or last["error"]["code"] == 503
 
 
+@pytest.mark.slow
 def test_a_dead_engine_means_503s_and_exit_code_1(tiny_llama_dir: Path, tmp_path: Path) -> None:
     """The engine loop dies at its first step: that request gets a 503 naming only the
     error's type, /health and the next request answer 503, and after SIGTERM the process
@@ -112,6 +115,7 @@ def test_a_dead_engine_means_503s_and_exit_code_1(tiny_llama_dir: Path, tmp_path
     assert "stopped: the engine had died" in server.log()
 
 
+@pytest.mark.slow
 def test_a_taken_port_fails_before_the_model_loads(tiny_llama_dir: Path, tmp_path: Path) -> None:
     """The port is bound first: a taken one is exit 2 with one line, and nothing was loaded
     (no model line in the log, no 'listening')."""

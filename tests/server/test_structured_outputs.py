@@ -16,6 +16,8 @@ import pytest
 from blockserve.bench.server_process import ServerProcess
 from tests.server.conftest import tiny_server
 
+pytestmark = pytest.mark.slow  # a real server per module
+
 # Enums and booleans only: even the tiny random model finishes these in a few tokens.
 WEATHER = {
     "type": "object",
@@ -327,7 +329,6 @@ def default_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.
         assert server.stop() == 0, server.log()
 
 
-@pytest.mark.slow
 def test_default_model_json_schema_20_of_20_validate(default_client: openai.OpenAI) -> None:
     """A schema with a nested object, enums, bounds and an array: 20 samples, all valid."""
     out = default_client.chat.completions.create(
@@ -344,7 +345,6 @@ def test_default_model_json_schema_20_of_20_validate(default_client: openai.Open
         jsonschema.validate(json.loads(choice.message.content or ""), BOOK)
 
 
-@pytest.mark.slow
 def test_default_model_json_object_20_of_20_parse(default_client: openai.OpenAI) -> None:
     out = default_client.chat.completions.create(
         model="SmolLM2-135M-Instruct",
@@ -361,7 +361,6 @@ def test_default_model_json_object_20_of_20_parse(default_client: openai.OpenAI)
         assert isinstance(json.loads(choice.message.content or ""), dict)
 
 
-@pytest.mark.slow
 def test_default_model_named_tool_call_parses_into_its_arguments(
     default_client: openai.OpenAI,
 ) -> None:
@@ -389,7 +388,6 @@ def test_default_model_named_tool_call_parses_into_its_arguments(
     assert arguments == {"city": "Paris", "unit": "celsius"}
 
 
-@pytest.mark.slow
 def test_default_model_regex_and_grammar_on_completions(default_client: openai.OpenAI) -> None:
     phone = default_client.completions.create(
         model="SmolLM2-135M-Instruct",

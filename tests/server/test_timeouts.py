@@ -57,6 +57,7 @@ def closed_after(port: int, opening: bytes) -> tuple[bytes, float]:
         return read_until_closed(sock, 10)
 
 
+@pytest.mark.slow
 def test_a_silent_or_half_sent_head_is_closed_at_the_deadline(port: int) -> None:
     """Nothing, or half a request line: closed, nothing sent, at the 0.5 s deadline."""
     for opening in (b"", b"GET /hea"):

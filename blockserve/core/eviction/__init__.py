@@ -1,11 +1,19 @@
 """Eviction policies: which free cached block the pool hands out (and so evicts) next. A policy owns
 the free blocks' order. Every policy keeps the pool's invariants: only free blocks (ref_cnt 0)
 are ever handed out, unhashed free blocks go before any cached one, and among blocks freed
-together (a request's, tail-first) the deeper block goes first on ties."""
+together (a request's, tail-first) the deeper block goes first on ties.
+
+Modules:
+
+  base.py       the policy protocol and what the hit-aware policies share
+  keyed.py      lfu, priority, tlru: smallest key first
+  segmented.py  slru, ghost: a probationary and a protected segment
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from blockserve.core.eviction.base import FreeBlockPolicy, HitAwarePolicy, HitTracking
 from blockserve.core.eviction.keyed import (
@@ -33,6 +41,8 @@ EVICTION_POLICIES = ("lru", "lfu", "slru", "ghost", "priority", "tlru")
 
 __all__ = [
     "EVICTION_POLICIES",
+    "LRU",
+    "EvictionConfig",
     "FreeBlockPolicy",
     "GhostPolicy",
     "HitAwarePolicy",
@@ -45,6 +55,23 @@ __all__ = [
     "TailLRUPolicy",
     "create_free_block_policy",
 ]
+
+
+@dataclass(frozen=True, slots=True)
+class EvictionConfig:
+    """Which eviction policy a pool runs (one of EVICTION_POLICIES), with `tlru`'s numbers."""
+
+    policy: str = "lru"
+    tlru: TailLRUConfig = field(default_factory=TailLRUConfig)
+
+    def create(
+        self, blocks: Sequence[KVCacheBlock], num_blocks: int, block_size: int
+    ) -> FreeBlockQueue | HitAwarePolicy:
+        """The policy over the initially free `blocks` (ids < num_blocks)."""
+        return create_free_block_policy(self.policy, blocks, num_blocks, block_size, self.tlru)
+
+
+LRU = EvictionConfig()  # the default
 
 
 def create_free_block_policy(

@@ -1,0 +1,181 @@
+"""`start_runner`: the engine's one call into runner/. It sizes and assembles the parts, settles
+the context length, warms the device up, captures the decode graphs and builds the runner over
+all of it; the engine gets the runner (steps in, outputs out) and a `RunnerInfo`."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from blockserve.config import EngineConfig, ModelConfig
+from blockserve.grammar import GrammarCompiler
+from blockserve.lora.manager import LoRAManager
+from blockserve.model.arch import LlamaArchConfig
+from blockserve.model.tokenizer import Tokenizer
+from blockserve.runner.build import runner_parts
+from blockserve.runner.decode_graphs import (
+    CudaGraphCapture,
+    DecodeGraphs,
+    GraphCapture,
+    GraphPlanner,
+    KernelWarmUp,
+    StaticDecodeInputs,
+    graph_batch_sizes,
+)
+from blockserve.runner.dummy_steps import warm_up
+from blockserve.runner.kv_budget import LargestStep
+from blockserve.runner.kv_cache import context_length
+from blockserve.runner.launched import LaunchedStep
+from blockserve.runner.model_runner import ModelRunner, RunnerParts
+from blockserve.runner.page_mapping import blocks_per_step
+
+__all__ = ["KVView", "LaunchedStep", "ModelRunner", "RunnerInfo", "start_runner"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class KVView:
+    """The KV cache as the tiers below it see it: its tensors (one per layer), whether their
+    host copies are pinned (on CUDA), and what to tell the attention backend when a tier
+    writes blocks into it."""
+
+    kv_caches: list[torch.Tensor]
+    pin_memory: bool
+    on_write: Callable[[], None]
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerInfo:
+    """What the engine learns from the runner it started: the model and its tokenizer, the
+    cache's size, the context it fits, the runtime for the start-up log and /v1/models, and
+    the handles requests reach through (the grammar compiler, the adapters, the KV view)."""
+
+    model_name: str
+    model_dir: Path
+    dtype: torch.dtype
+    arch: LlamaArchConfig
+    block_size: int
+    num_blocks: int
+    max_model_len: int
+    tokenizer: Tokenizer
+    grammar: GrammarCompiler
+    lora: LoRAManager | None
+    kv: KVView
+    on_cpu: bool
+    # Device, CPU architecture and ISA level, native bf16, dtype, compiled, CUDA graphs.
+    runtime: Mapping[str, str | int | bool]
+    host_line: str  # the host, in one line
+    compile_line: str | None  # what --compile compiled, and how long it took
+
+
+def start_runner(config: EngineConfig) -> tuple[ModelRunner, RunnerInfo]:
+    """The runner, ready to run its first step with nothing left to compile."""
+    sched, cache = config.scheduler, config.cache
+    parts = runner_parts(
+        config.model,
+        cache,
+        blocks_per_step(sched.max_num_batched_tokens, sched.max_num_seqs, cache.block_size),
+        LargestStep(sched.max_num_batched_tokens, sched.max_num_seqs),
+        config.lora,
+    )
+    max_model_len = context_length(
+        config.model.max_model_len, parts.arch, parts.num_blocks, cache.block_size
+    )
+    warm_up_device(parts, max_model_len)
+    parts.decode_graphs = capture_decode_graphs(
+        parts, config.model, sched.max_num_seqs, max_model_len, graph_capture(parts.device)
+    )
+    runner = ModelRunner(parts)
+    loaded = parts.loaded
+    info = RunnerInfo(
+        model_name=loaded.name,
+        model_dir=loaded.model_dir,
+        dtype=loaded.dtype,
+        arch=parts.arch,
+        block_size=parts.block_size,
+        num_blocks=parts.num_blocks,
+        max_model_len=max_model_len,
+        tokenizer=loaded.tokenizer,
+        grammar=parts.grammar,
+        lora=parts.lora,
+        kv=KVView(
+            kv_caches=parts.kv_caches,
+            pin_memory=parts.device.type == "cuda",
+            on_write=parts.backend.forget_kv,
+        ),
+        on_cpu=parts.device.type == "cpu",
+        runtime={
+            **parts.host.report(loaded.dtype),
+            "compiled": parts.compile_report is not None,
+            "cuda_graphs": 0 if parts.decode_graphs is None else len(parts.decode_graphs.sizes),
+        },
+        host_line=parts.host.describe(),
+        compile_line=None if parts.compile_report is None else parts.compile_report.describe(),
+    )
+    return runner, info
+
+
+def graph_capture(device: torch.device) -> GraphCapture | None:
+    """How decode graphs are captured on `device`: CUDA's graphs, on CUDA alone."""
+    return CudaGraphCapture(device) if device.type == "cuda" else None
+
+
+def warm_up_device(parts: RunnerParts, max_model_len: int) -> None:
+    """On CUDA, compile now what a step would otherwise compile mid-run: every attention
+    variant the backend can launch, and the layer operators and K/V write (a dummy prefill
+    and decode through the forward)."""
+    if parts.device.type != "cuda":
+        return
+    backend = parts.backend
+    with torch.inference_mode():
+        if isinstance(backend, KernelWarmUp):
+            backend.warm_up(parts.kv_caches[0], parts.arch.num_heads, max_model_len)
+        warm_up(parts, parts.forward or parts.loaded.model)
+    torch.cuda.synchronize(parts.device)
+
+
+def capture_decode_graphs(
+    parts: RunnerParts,
+    model_config: ModelConfig,
+    max_num_seqs: int,
+    max_model_len: int,
+    capture: GraphCapture | None,
+) -> DecodeGraphs | None:
+    """Unless --enforce-eager or adapters are served (they vary by step), with a backend that
+    plans decode graphs (triton) and a `capture` (CUDA's, on CUDA): the decode forward
+    captured at each batch size of --cuda-graph-sizes (vLLM's by default)."""
+    backend = parts.backend
+    if model_config.enforce_eager or parts.lora is not None or capture is None:
+        return None
+    if not isinstance(backend, GraphPlanner):
+        return None
+    sizes = graph_batch_sizes(max_num_seqs, model_config.cuda_graph_sizes)
+    if not sizes:
+        return None
+    inputs = StaticDecodeInputs(
+        max_batch=max(sizes),
+        max_blocks=-(-max_model_len // parts.block_size),
+        block_size=parts.block_size,
+        device=parts.device,
+    )
+    graphs = DecodeGraphs(inputs, sizes)
+    arch = parts.arch
+    try:
+        with torch.inference_mode():
+            report = graphs.capture_all(
+                parts.forward or parts.loaded.model,
+                parts.kv_caches,
+                backend,
+                (arch.num_heads, arch.num_kv_heads, arch.head_dim),
+                capture,
+            )
+    except Exception:  # the engine still serves, eagerly, as under --enforce-eager
+        logger.exception("capturing the decode graphs failed; decode steps run eagerly")
+        return None
+    logger.info(report.line())
+    return graphs
