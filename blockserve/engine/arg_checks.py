@@ -9,6 +9,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from blockserve.events.config import KVEventsConfig
+from blockserve.kv_tiers.shared import SCHEMES
 from blockserve.lora.names import check_lora_name
 
 
@@ -103,11 +104,13 @@ def no_swap_space(value: float | None) -> str | None:
 
 
 def redis_url(value: str | None) -> str | None:
-    """A Redis-protocol URL: redis://, rediss:// or unix:// (what redis-py reads)."""
+    """A shared store's URL, of a scheme a store serves (kv_tiers/shared.py): redis://,
+    rediss:// or unix:// (what redis-py reads)."""
     if value is None:
         return None
-    if not isinstance(value, str) or value.split("://", 1)[0] not in ("redis", "rediss", "unix"):
-        return "must be a redis://, rediss:// or unix:// URL"
+    if not isinstance(value, str) or value.split("://", 1)[0] not in SCHEMES:
+        *first, last = (f"{scheme}://" for scheme in SCHEMES)
+        return f"must be a {', '.join(first)} or {last} URL"
     try:
         parts = urlsplit(value)
         parts.port  # noqa: B018 - parsed for its ValueError

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection, Mapping
+from typing import Any
 
 from blockserve.config import CacheConfig
 from blockserve.core.cache_types import RequestId
@@ -20,8 +21,15 @@ from blockserve.kv_tiers.manifest import (
     open_directory,
 )
 from blockserve.kv_tiers.offload import KVTiers
-from blockserve.kv_tiers.remote import RemoteStore
-from blockserve.kv_tiers.store import BlockShape, FilledBlock, Tier
+from blockserve.kv_tiers.shared import open_shared_store
+from blockserve.kv_tiers.store import (
+    BlockShape,
+    FilledBlock,
+    LocalStore,
+    SharedStore,
+    StoreStats,
+    Tier,
+)
 from blockserve.runner.start import RunnerInfo
 from blockserve.sched.output import SchedulerOutput
 from blockserve.sched.request import Request
@@ -44,7 +52,7 @@ def create_kv_tiers(
         head_dim=arch.head_dim,
         dtype=runner.dtype,
     )
-    tiers = []
+    tiers: list[Tier[LocalStore]] = []
     if cache.kv_offloading_bytes:
         host = HostStore(shape, cache.kv_offloading_bytes, runner.kv.pin_memory)
         tiers.append(Tier("host", "CPU", host))
@@ -58,23 +66,25 @@ def create_kv_tiers(
         )
         if directory.usable:
             store = DiskStore(directory.root, shape, cache.kv_disk_bytes)
-            tiers.append(Tier("disk", "DISK", store))
+            found = StoreStats(corrupt=store.damaged_on_open)
+            tiers.append(Tier(name="disk", medium="DISK", store=store, stats=found))
             logger.info("KV disk tier: %d blocks held in %s", len(store), directory.root)
+    shared: Tier[SharedStore] | None = None
     if cache.kv_remote_url and fingerprint is not None:
         if fingerprint.reusable:
             secret = cache.kv_remote_secret
             secret_bytes = None if secret is None else secret.encode()
-            remote = RemoteStore(
+            remote = open_shared_store(
                 cache.kv_remote_url, shape, fingerprint.namespace(), secret=secret_bytes
             )
-            tiers.append(Tier("remote", MEDIUM_REMOTE, remote))
+            shared = Tier("remote", MEDIUM_REMOTE, remote)
         else:
             logger.warning(
                 "KV remote tier OFF: %s hashes use a random per-process seed (PYTHONHASHSEED "
                 "is unset) and would match no other replica's; set PYTHONHASHSEED",
                 hasher.algo,
             )
-    if not tiers:
+    if not tiers and shared is None:
         return None, directory
     kv_tiers = KVTiers(
         tiers=tiers,
@@ -82,6 +92,7 @@ def create_kv_tiers(
         block_size=cache.block_size,
         events_hash_format=events_hash_format,
         on_write=runner.kv.on_write,
+        shared=shared,
     )
     return kv_tiers, directory
 
@@ -142,24 +153,30 @@ def filled_blocks(
 def tier_stats(kv_tiers: KVTiers | None) -> tuple[TierStats, ...]:
     if kv_tiers is None:
         return ()
+    # (tier, its capacity, its failures): the shared store is bounded by its server's own
+    # settings, and it is the one that can be down.
+    rows: list[tuple[Tier[Any], int, int]] = [
+        (tier, tier.store.capacity_bytes, 0) for tier in kv_tiers.local
+    ]
+    if kv_tiers.shared is not None:
+        rows.append((kv_tiers.shared, 0, kv_tiers.shared.store.failures))
     result = []
-    for tier in kv_tiers.tiers:
-        stats = tier.store.stats
+    for tier, capacity, failures in rows:
         loads, seconds = kv_tiers.load_totals(tier)
         result.append(
             TierStats(
                 name=tier.name,
-                hits=stats.hits,
-                stores=stats.stores,
-                evictions=stats.evictions,
-                corrupt=stats.corrupt,
+                hits=tier.stats.hits,
+                stores=tier.stats.stores,
+                evictions=tier.stats.evictions,
+                corrupt=tier.stats.corrupt,
                 used_bytes=tier.store.used_bytes,
-                capacity_bytes=tier.store.capacity_bytes,
+                capacity_bytes=capacity,
                 loads=loads,
                 load_seconds=seconds,
                 dropped_writes=kv_tiers.num_dropped_writes,
-                misses=stats.misses,
-                failures=getattr(tier.store, "failures", 0),
+                misses=tier.stats.misses,
+                failures=failures,
             )
         )
     return tuple(result)

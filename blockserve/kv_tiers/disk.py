@@ -15,7 +15,8 @@ import torch
 from blockserve.kv_tiers.store import (
     RECORD_HEADER,
     BlockShape,
-    StoreStats,
+    Read,
+    Write,
     capacity_in_blocks,
     check_block,
     pack_block,
@@ -47,7 +48,7 @@ class DiskStore:
         self.root = Path(root)
         self.shape = shape
         self.capacity_bytes = capacity_bytes
-        self.stats = StoreStats()
+        self.damaged_on_open = 0  # files of the wrong size, deleted
         self._file_bytes = RECORD_HEADER.size + shape.nbytes
         self._capacity_blocks = capacity_in_blocks(shape, capacity_bytes)
         self._index: OrderedDict[bytes, None] = OrderedDict()
@@ -77,6 +78,7 @@ class DiskStore:
                 continue
             if stat.st_size != self._file_bytes:
                 self._drop(path, "has the wrong size")
+                self.damaged_on_open += 1
                 continue
             found.append((stat.st_mtime_ns, key))
         for mtime, key in sorted(found):
@@ -97,15 +99,15 @@ class DiskStore:
     def used_bytes(self) -> int:
         return len(self) * self.shape.nbytes
 
-    def put(self, key: bytes, block: torch.Tensor) -> list[bytes]:
+    def put(self, key: bytes, block: torch.Tensor) -> Write:
         check_block(self.shape, block)
         payload = block.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
         with self._lock:
             if key in self._index:
                 self._index.move_to_end(key)
-                return []
+                return Write()
             if self._capacity_blocks == 0:
-                return []
+                return Write()
             evicted = []
             while len(self._index) >= self._capacity_blocks:
                 evicted.append(self._evict_oldest())
@@ -117,24 +119,20 @@ class DiskStore:
             os.replace(temp, path)
             self._touch(path)
             self._index[key] = None
-            self.stats.stores += 1
-            return evicted
+            return Write(stored=True, evicted=tuple(evicted))
 
-    def get(self, key: bytes) -> torch.Tensor | None:
+    def get(self, key: bytes) -> Read:
         with self._lock:
             if key not in self._index:
-                self.stats.misses += 1
-                return None
+                return Read()
             path = self._path(key)
             payload = self._read(path)
-            if payload is None:
+            if payload is None:  # damaged, or gone from under us: dropped
                 del self._index[key]
-                self.stats.misses += 1
-                return None
+                return Read(damaged=True)
             self._index.move_to_end(key)
             self._touch(path)
-            self.stats.hits += 1
-        return torch.frombuffer(payload, dtype=self.shape.dtype).view(self.shape.shape)
+        return Read(torch.frombuffer(payload, dtype=self.shape.dtype).view(self.shape.shape))
 
     def _read(self, path: Path) -> bytearray | None:
         """The payload of a sound file; a damaged or missing one is deleted and None."""
@@ -142,7 +140,6 @@ class DiskStore:
             with open(path, "rb") as file:
                 data = bytearray(file.read())
         except OSError:
-            self.stats.corrupt += 1
             return None
         payload, wrong = unpack_block(data, self.shape.nbytes)
         if payload is None:
@@ -158,12 +155,10 @@ class DiskStore:
     def _drop(self, path: Path, why: str) -> None:
         logger.warning("KV disk tier: %s %s; deleted, its tokens will be computed", path, why)
         path.unlink(missing_ok=True)
-        self.stats.corrupt += 1
 
     def _evict_oldest(self) -> bytes:
         key, _ = self._index.popitem(last=False)
         self._path(key).unlink(missing_ok=True)
-        self.stats.evictions += 1
         return key
 
     def remove(self, key: bytes) -> bool:

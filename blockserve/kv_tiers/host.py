@@ -7,7 +7,7 @@ from collections import OrderedDict
 
 import torch
 
-from blockserve.kv_tiers.store import BlockShape, StoreStats, capacity_in_blocks, check_block
+from blockserve.kv_tiers.store import BlockShape, Read, Write, capacity_in_blocks, check_block
 
 
 class HostStore:
@@ -21,7 +21,7 @@ class HostStore:
     def __init__(self, shape: BlockShape, capacity_bytes: int, pin_memory: bool = False) -> None:
         self.shape = shape
         self.capacity_bytes = capacity_bytes
-        self.stats = StoreStats()
+        self.damaged_on_open = 0  # memory starts empty
         self._capacity_blocks = capacity_in_blocks(shape, capacity_bytes)
         self._pin = pin_memory
         self._blocks: OrderedDict[bytes, torch.Tensor] = OrderedDict()
@@ -39,34 +39,29 @@ class HostStore:
     def used_bytes(self) -> int:
         return len(self) * self.shape.nbytes
 
-    def put(self, key: bytes, block: torch.Tensor) -> list[bytes]:
+    def put(self, key: bytes, block: torch.Tensor) -> Write:
         check_block(self.shape, block)
         with self._lock:
             if key in self._blocks:
                 self._blocks.move_to_end(key)
-                return []
+                return Write()
             if self._capacity_blocks == 0:
-                return []
+                return Write()
             evicted = []
             while len(self._blocks) >= self._capacity_blocks:
                 old, _ = self._blocks.popitem(last=False)
                 evicted.append(old)
-            self.stats.evictions += len(evicted)
             copy = torch.empty(self.shape.shape, dtype=self.shape.dtype, pin_memory=self._pin)
             copy.copy_(block)
             self._blocks[key] = copy
-            self.stats.stores += 1
-            return evicted
+            return Write(stored=True, evicted=tuple(evicted))
 
-    def get(self, key: bytes) -> torch.Tensor | None:
+    def get(self, key: bytes) -> Read:
         with self._lock:
             block = self._blocks.get(key)
-            if block is None:
-                self.stats.misses += 1
-                return None
-            self._blocks.move_to_end(key)
-            self.stats.hits += 1
-            return block
+            if block is not None:
+                self._blocks.move_to_end(key)
+            return Read(block)
 
     def remove(self, key: bytes) -> bool:
         with self._lock:

@@ -8,14 +8,14 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from blockserve.core.cache_types import RequestId
 from blockserve.core.events import KVEvent
 from blockserve.core.hashing import BlockHash
-from blockserve.kv_tiers.remote import RemoteStore
-from blockserve.kv_tiers.store import FilledBlock, Tier
+from blockserve.kv_tiers.store import FilledBlock, LocalStore, SharedStore, Tier
 from blockserve.kv_tiers.tier_events import TierEvents
 
 logger = logging.getLogger(__name__)
@@ -54,24 +54,26 @@ class KVTiers:
 
     def __init__(
         self,
-        tiers: Sequence[Tier],
+        tiers: Sequence[Tier[LocalStore]],
         kv_caches: Sequence[torch.Tensor],
         block_size: int,
         events_hash_format: str | None = None,
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
         on_write: Callable[[], None] = lambda: None,  # per block loaded (loader's thread)
+        shared: Tier[SharedStore] | None = None,
     ) -> None:
-        self.tiers = tuple(tiers)
+        self.local = tuple(tiers)
+        # The shared tier (last) is asked in batches, never block by block on a step; its
+        # events (medium "REMOTE") say what this replica wrote there.
+        self.shared = shared
+        self.tiers: tuple[Tier[Any], ...] = (*self.local, *([shared] if shared else []))
+        # Blocks read from a lower tier are kept in host memory too (promotion), if it is one.
+        self._host = next((t for t in self.local if t.medium == "CPU"), None)
         self.kv_caches = list(kv_caches)
         self.on_write = on_write
         self.block_size = block_size
         self.max_pending_bytes = max_pending_bytes
         self.num_dropped_writes = 0  # blocks not written because the queue was full
-        # The remote tier (shared, last) is asked in batches, never block by block on a step;
-        # its events (medium "REMOTE") say what this replica wrote there.
-        remote = self.tiers[-1].store if self.tiers else None
-        self._remote = remote if isinstance(remote, RemoteStore) else None
-        self._local = self.tiers[:-1] if self._remote is not None else self.tiers
         self._events = TierEvents(self.tiers, events_hash_format, block_size)
         self._lock = threading.Lock()  # pending writes, finished loads
         # Held around each store change and the events it records: the two threads' events
@@ -101,18 +103,18 @@ class KVTiers:
         store (asked once for the rest, within its lookup timeout)."""
         found = []
         for block_hash in block_hashes:
-            tier = next((t for t in self._local if block_hash in t.store), None)
+            tier = next((t for t in self.local if block_hash in t.store), None)
             if tier is None:
                 break
             found.append(tier.name)
-        if self._remote is None or len(found) == len(block_hashes):
+        if self.shared is None or len(found) == len(block_hashes):
             return found
         rest = block_hashes[len(found) :]
-        for block_hash, remote in zip(rest, self._remote.contains_many(rest), strict=True):
-            tier = next((t for t in self._local if block_hash in t.store), None)
-            if tier is None and not remote:
+        for block_hash, held in zip(rest, self.shared.store.contains_many(rest), strict=True):
+            tier = next((t for t in self.local if block_hash in t.store), None)
+            if tier is None and not held:
                 break
-            found.append(tier.name if tier is not None else self.tiers[-1].name)
+            found.append(tier.name if tier is not None else self.shared.name)
         return found
 
     def start_load(
@@ -159,38 +161,44 @@ class KVTiers:
 
     def _load(self, load: _Load) -> int:
         """Read the blocks into the device, in order; the count read before the first miss."""
-        host = self.tiers[0] if self.tiers[0].name == "host" and len(self.tiers) > 1 else None
         seconds: dict[str, float] = {}
         num_loaded = 0
         for block_hash, block_id in zip(load.block_hashes, load.block_ids, strict=True):
             if load.cancelled:
                 break
-            block, tier = None, None
-            for tier in self.tiers:
-                started = time.perf_counter()
-                with self._tier_locks[tier.name]:  # a drop and its event, before any put
-                    held = tier.store is self._remote or block_hash in tier.store
-                    damaged = tier.store.stats.corrupt
-                    block = tier.store.get(block_hash)
-                    if tier.store.stats.corrupt > damaged:  # found damaged, dropped
-                        self._events.removed(tier, [block_hash])
-                if held:  # the time the tier took to read it
-                    seconds[tier.name] = seconds.get(tier.name, 0.0) + time.perf_counter() - started
-                if block is not None:
-                    break
+            block, tier = self._read(block_hash, seconds)
             if block is None or tier is None:
                 break
             for layer, kv in enumerate(self.kv_caches):
                 kv[:, block_id].copy_(block[layer], non_blocking=False)
             self.on_write()
-            if host is not None and tier is not host:
-                self._put(host, block_hash, block, None)  # promoted: the next hit is in memory
+            if self._host is not None and tier is not self._host:
+                self._put(self._host, block_hash, block, None)  # the next hit is in memory
             num_loaded += 1
         with self._lock:
             for name, spent in seconds.items():
                 self._loads_done[name][0] += 1
                 self._loads_done[name][1] += spent
         return num_loaded
+
+    def _read(
+        self, block_hash: BlockHash, seconds: dict[str, float]
+    ) -> tuple[torch.Tensor | None, Tier[Any] | None]:
+        """The block from the first tier that has it sound, and that tier; each tier's time
+        reading a block it held added to `seconds` (the shared tier was looked up: it holds
+        the blocks asked of it)."""
+        for tier in self.tiers:
+            held = tier is self.shared or block_hash in tier.store
+            started = time.perf_counter()
+            with self._tier_locks[tier.name]:  # a drop and its event, before any put
+                read = tier.get(block_hash)
+                if read.damaged:  # found damaged, dropped
+                    self._events.removed(tier, [block_hash])
+            if held:
+                seconds[tier.name] = seconds.get(tier.name, 0.0) + time.perf_counter() - started
+            if read.block is not None:
+                return read.block, tier
+        return None, None
 
     # -- write path -----------------------------------------------------------------------
 
@@ -231,22 +239,21 @@ class KVTiers:
                     self._pending_bytes -= self.block_nbytes
 
     def _put(
-        self, tier: Tier, key: BlockHash, data: torch.Tensor, block: FilledBlock | None
+        self, tier: Tier[Any], key: BlockHash, data: torch.Tensor, block: FilledBlock | None
     ) -> None:
         """Put one block into one tier under `key` and record what it stored (under its block
         hash, when known) and evicted."""
         with self._tier_locks[tier.name]:  # events in the order the store changed
-            stores = tier.store.stats.stores
-            evicted = tier.store.put(key, data)
-            self._events.removed(tier, evicted)
-            if tier.store.stats.stores > stores:  # written now, not only refreshed
+            written = tier.put(key, data)
+            self._events.removed(tier, written.evicted)
+            if written.stored:  # written now, not only refreshed
                 self._events.stored(tier, key if block is None else block.block_hash, block)
 
-    def _holds(self, tier: Tier, block_hash: BlockHash) -> bool:
-        """Whether `tier` holds the block; the remote one as far as this process knows, or
+    def _holds(self, tier: Tier[Any], block_hash: BlockHash) -> bool:
+        """Whether `tier` holds the block; the shared one as far as this process knows, or
         while it is down (nothing is copied out for a store that would drop it)."""
-        if self._remote is not None and tier.store is self._remote:
-            return self._remote.is_down or self._remote.known(block_hash)
+        if tier is self.shared:
+            return self.shared.store.is_down or self.shared.store.known(block_hash)
         return block_hash in tier.store
 
     # -- state ----------------------------------------------------------------------------
@@ -254,7 +261,7 @@ class KVTiers:
     def take_events(self) -> list[KVEvent]:
         return self._events.take()
 
-    def load_totals(self, tier: Tier) -> tuple[int, float]:
+    def load_totals(self, tier: Tier[Any]) -> tuple[int, float]:
         """Loads that read from `tier`, and their total seconds reading from it."""
         with self._lock:
             count, seconds = self._loads_done[tier.name]
@@ -281,3 +288,5 @@ class KVTiers:
         self._writes.put(None)
         self._loader.join()
         self._writer.join()
+        if self.shared is not None:
+            self.shared.store.close()

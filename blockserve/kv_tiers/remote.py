@@ -19,7 +19,8 @@ import torch
 from blockserve.kv_tiers.store import (
     RECORD_HEADER,
     BlockShape,
-    StoreStats,
+    Read,
+    Write,
     check_block,
     pack_block,
     unpack_block,
@@ -35,9 +36,10 @@ TAG_BYTES = 32  # HMAC-SHA256 of a signed record, after it
 
 
 class RemoteStore:
-    """The remote tier's store: `contains_many` (one round trip, engine thread), `get` and
-    `put` (the tiers' loader and writer threads). No LRU of its own, no capacity: the store's
-    settings are the bound; `len` and `used_bytes` count what this process wrote.
+    """The shared tier's store (a `SharedStore`) on a Redis-protocol server: `contains_many`
+    (one round trip, engine thread), `get` and `put` (the tiers' loader and writer threads).
+    No LRU of its own, no capacity: the server's settings are the bound; `used_bytes` counts
+    what this process wrote.
 
     `secret`: records carry HMAC-SHA256(secret, key || record) after them, the key holding
     the namespace, so a record copied onto another key, or rewritten with a fresh checksum by
@@ -57,8 +59,6 @@ class RemoteStore:
 
         self.url = redacted(url)  # what the logs name: no password
         self.shape, self.namespace, self._clock = shape, namespace, clock
-        self.capacity_bytes = 0  # the store's own (maxmemory)
-        self.stats = StoreStats()
         self.failures = 0  # calls that found the store down, slow or refusing
         self._prefix = f"blockserve:{namespace}:".encode()
         self._lookups = redis.Redis.from_url(
@@ -102,18 +102,9 @@ class RemoteStore:
         with self._lock:
             return self._clock() < self._down_until
 
-    def __contains__(self, key: bytes) -> bool:
-        return self.contains_many([key])[0]
-
-    def __len__(self) -> int:
-        return self._written
-
     @property
     def used_bytes(self) -> int:
         return self._written * self.shape.nbytes
-
-    def keys(self) -> list[bytes]:
-        return []  # the engine never scans the store's keyspace
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether the store holds a record of a block's length at each key: one pipelined
@@ -132,10 +123,9 @@ class RemoteStore:
         self._answered()
         return found
 
-    def get(self, key: bytes) -> torch.Tensor | None:
+    def get(self, key: bytes) -> Read:
         if self.is_down:
-            self.stats.misses += 1
-            return None
+            return Read()
         try:  # the length, and at most a record's bytes: a huge value is never read whole
             pipe = self._io.pipeline(transaction=False)
             pipe.strlen(self.key(key))
@@ -143,43 +133,38 @@ class RemoteStore:
             length, data = pipe.execute()
         except Exception as exc:
             self._failed(exc)
-            self.stats.misses += 1
-            return None
+            return Read()
         self._answered()
         if not length:  # absent; the client decodes no responses
-            self.stats.misses += 1
-            return None
+            return Read()
         payload, reason = self._open(key, data, length)
         if payload is None:
             logger.warning("KV remote tier: a block %s; deleted, its tokens computed", reason)
-            self.stats.corrupt += 1
-            self.stats.misses += 1
             self._delete(key)
-            return None
-        self.stats.hits += 1
+            return Read(damaged=True)
         self._remember(key)
-        return torch.frombuffer(payload, dtype=self.shape.dtype).view(self.shape.shape)
+        return Read(torch.frombuffer(payload, dtype=self.shape.dtype).view(self.shape.shape))
 
-    def put(self, key: bytes, block: torch.Tensor) -> list[bytes]:
+    def put(self, key: bytes, block: torch.Tensor) -> Write:
         """Write `block` unless the store holds the key (another replica wrote it); nothing is
         evicted here (the store's policy evicts)."""
         check_block(self.shape, block)
         if self.is_down:
-            return []
+            return Write()
         payload = block.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
         record = pack_block(payload)
         if self._secret is not None:
             record += self._tag(key, record)
         try:
-            if self._io.set(self.key(key), record, nx=True):
-                self.stats.stores += 1
-                self._written += 1
+            stored = bool(self._io.set(self.key(key), record, nx=True))
         except Exception as exc:
             self._failed(exc)
-            return []
+            return Write()
         self._answered()
         self._remember(key)  # written now, or another replica had written it
-        return []
+        if stored:
+            self._written += 1
+        return Write(stored=stored)
 
     def _tag(self, key: bytes, record: bytes | bytearray) -> bytes:
         return hmac.new(self._secret or b"", self.key(key) + record, hashlib.sha256).digest()
@@ -194,9 +179,6 @@ class RemoteStore:
                 return None, "fails its signature (written without the shared secret)"
             data = data[:-TAG_BYTES]
         return unpack_block(data, self.shape.nbytes)
-
-    def remove(self, key: bytes) -> bool:
-        return self._delete(key)
 
     def close(self) -> None:
         self._lookups.close()

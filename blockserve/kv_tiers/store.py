@@ -1,11 +1,13 @@
-"""The tier-store interface: one block's K and V for every layer, keyed by its block hash."""
+"""The tier stores' interfaces (local and shared), the tier that counts what they do, and the
+record of one stored block: its K and V for every layer, keyed by its block hash."""
 
 from __future__ import annotations
 
 import math
 import struct
-from dataclasses import dataclass
-from typing import Any, Protocol
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 import xxhash
@@ -34,7 +36,8 @@ class BlockShape:
 
 @dataclass(slots=True)
 class StoreStats:
-    """Counters since the store was opened."""
+    """A tier's counters since its store was opened, kept by the tier from what each call
+    returned (the stores count nothing themselves)."""
 
     hits: int = 0
     misses: int = 0
@@ -43,21 +46,39 @@ class StoreStats:
     corrupt: int = 0  # blocks found damaged on read or open, and dropped
 
 
-class BlockStore(Protocol):
-    """A bounded, LRU-ordered map from block hash to one block's KV.
+@dataclass(frozen=True, slots=True)
+class Read:
+    """What a `get` found: the block (a hit), or none, because the key was absent or because
+    its record was damaged (then dropped from the store)."""
+
+    block: torch.Tensor | None = None
+    damaged: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Write:
+    """What a `put` did: whether it wrote the block (False: held already, or no room), and
+    the keys it evicted to make room, oldest first."""
+
+    stored: bool = False
+    evicted: tuple[bytes, ...] = ()
+
+
+class LocalStore(Protocol):
+    """A store of this process's own (host memory, a disk directory): a bounded, LRU-ordered
+    map from block hash to one block's KV, that can be scanned.
 
     A store below the device tier holds whole blocks — a [layers, 2, block_size, kv_heads,
     head_dim] tensor each — under the same hash bytes the device pool's hash map uses, so a key
-    means the same in memory, on disk, after a restart and in another process. Every store keeps
-    its own LRU order and a byte bound: `put` of a new key evicts least recently used blocks
-    until the new one fits, `put` of a key already held only refreshes it (the block is not
-    written again), `get` refreshes the key it returns. A store never raises for a missing or
-    damaged block: `get` answers None and the caller computes those tokens instead.
+    means the same in memory, on disk, after a restart and in another process. `put` of a new
+    key evicts least recently used blocks until the new one fits, `put` of a key already held
+    only refreshes it (the block is not written again), `get` refreshes the key it returns. A
+    store never raises for a missing or damaged block: the caller computes those tokens.
     """
 
     shape: BlockShape
     capacity_bytes: int
-    stats: StoreStats
+    damaged_on_open: int  # blocks found damaged, and dropped, when the store opened
 
     def __contains__(self, key: bytes) -> bool: ...
 
@@ -66,12 +87,10 @@ class BlockStore(Protocol):
     @property
     def used_bytes(self) -> int: ...
 
-    def put(self, key: bytes, block: torch.Tensor) -> list[bytes]:
-        """Hold `block` under `key`; returns the keys evicted to make room (oldest first)."""
-        ...
+    def put(self, key: bytes, block: torch.Tensor) -> Write: ...
 
-    def get(self, key: bytes) -> torch.Tensor | None:
-        """The block under `key` (a CPU tensor of `shape`), or None if absent or damaged."""
+    def get(self, key: bytes) -> Read:
+        """The block under `key` (a CPU tensor of `shape`), if held and sound."""
         ...
 
     def remove(self, key: bytes) -> bool:
@@ -83,11 +102,66 @@ class BlockStore(Protocol):
         ...
 
 
+class SharedStore(Protocol):
+    """A store every replica shares (remote.py: a Redis-protocol server): no bound of its own
+    (the server's settings are), asked in batches from the engine thread, and sometimes down.
+    A fault changes speed, never an answer: a store that is down answers misses and writes
+    nothing until it answers again."""
+
+    shape: BlockShape
+    failures: int  # calls that found the store down, slow or refusing
+
+    @property
+    def is_down(self) -> bool: ...
+
+    @property
+    def used_bytes(self) -> int:
+        """What this process wrote there."""
+        ...
+
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether the store holds each key: one round trip, bounded in time."""
+        ...
+
+    def known(self, key: bytes) -> bool:
+        """Whether this process wrote or read `key` lately (no round trip)."""
+        ...
+
+    def put(self, key: bytes, block: torch.Tensor) -> Write: ...
+
+    def get(self, key: bytes) -> Read: ...
+
+    def close(self) -> None: ...
+
+
+S = TypeVar("S", LocalStore, SharedStore)
+
+
 @dataclass(frozen=True, slots=True)
-class Tier:
+class Tier(Generic[S]):
+    """A store below the device and its counters: `put` and `get` go through here, which
+    counts what each call returned (`stats` starts from what the store found at open).
+    `medium` names the tier in KV events."""
+
     name: str  # "host", "disk" or "remote": the flag's and the response's name
     medium: str  # "CPU", "DISK" or "REMOTE": the KV events' name
-    store: BlockStore
+    store: S
+    stats: StoreStats = field(default_factory=StoreStats)
+
+    def put(self, key: bytes, block: torch.Tensor) -> Write:
+        written = self.store.put(key, block)
+        self.stats.stores += written.stored
+        self.stats.evictions += len(written.evicted)
+        return written
+
+    def get(self, key: bytes) -> Read:
+        read = self.store.get(key)
+        if read.block is not None:
+            self.stats.hits += 1
+        else:
+            self.stats.misses += 1
+            self.stats.corrupt += read.damaged
+        return read
 
 
 @dataclass(frozen=True, slots=True)

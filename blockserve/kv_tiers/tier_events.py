@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 from blockserve.core.events import KVEvent, KVEventRecorder
 from blockserve.core.hashing import BlockHash
@@ -13,7 +14,9 @@ from blockserve.kv_tiers.store import FilledBlock, Tier
 
 
 class TierEvents:
-    def __init__(self, tiers: Sequence[Tier], hash_format: str | None, block_size: int) -> None:
+    def __init__(
+        self, tiers: Sequence[Tier[Any]], hash_format: str | None, block_size: int
+    ) -> None:
         self.block_size = block_size
         self._lock = threading.Lock()
         self._recorders = {
@@ -22,7 +25,7 @@ class TierEvents:
             if hash_format is not None
         }
 
-    def stored(self, tier: Tier, block_hash: BlockHash, block: FilledBlock | None) -> None:
+    def stored(self, tier: Tier[Any], block_hash: BlockHash, block: FilledBlock | None) -> None:
         """A block promoted from disk to host has no FilledBlock: its event has no parent and
         no tokens (the hash is what a router indexes)."""
         recorder = self._recorders.get(tier.name)
@@ -35,7 +38,7 @@ class TierEvents:
         with self._lock:
             recorder.block_stored([block_hash], parent, tokens, self.block_size, lora, extra_keys)
 
-    def removed(self, tier: Tier, keys: Sequence[bytes]) -> None:
+    def removed(self, tier: Tier[Any], keys: Sequence[bytes]) -> None:
         recorder = self._recorders.get(tier.name)
         if recorder is not None and keys:
             with self._lock:

@@ -12,10 +12,11 @@ import torch
 from blockserve.bench.redis_server import RedisServer
 from blockserve.core.events import BlockRemoved, BlockStored
 from blockserve.core.hashing import BlockHash
-from blockserve.kv_tiers import BlockShape, DiskStore, HostStore
+from blockserve.kv_tiers.disk import DiskStore
+from blockserve.kv_tiers.host import HostStore
 from blockserve.kv_tiers.offload import KVTiers
 from blockserve.kv_tiers.remote import RemoteStore
-from blockserve.kv_tiers.store import FilledBlock, Tier
+from blockserve.kv_tiers.store import BlockShape, FilledBlock, Tier
 
 SHAPE = BlockShape(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
 NUM_BLOCKS = 8
@@ -83,7 +84,7 @@ def test_a_block_every_tier_holds_is_not_copied_again(tiers: KVTiers) -> None:
     assert tiers.flush(10.0)
     tiers.store([filled(3, 1), filled(4, 4)])
     assert tiers.flush(10.0)
-    assert [t.store.stats.stores for t in tiers.tiers] == [2, 2]
+    assert [t.stats.stores for t in tiers.tiers] == [2, 2]
 
 
 def test_the_disk_serves_what_the_host_evicted_and_promotes_it(tiers: KVTiers) -> None:
@@ -94,7 +95,7 @@ def test_the_disk_serves_what_the_host_evicted_and_promotes_it(tiers: KVTiers) -
     assert tiers.lookup([key(1), key(2), key(3)]) == ["disk", "host", "host"]
     assert load(tiers, [key(1)], [7]) == 1
     host, disk = tiers.tiers
-    assert (host.store.keys(), disk.store.stats.hits) == ([key(3), key(1)], 1)
+    assert (host.store.keys(), disk.stats.hits) == ([key(3), key(1)], 1)
 
 
 def test_a_damaged_block_ends_the_load_there(tiers: KVTiers, tmp_path: Path) -> None:
@@ -111,7 +112,7 @@ def test_a_damaged_block_ends_the_load_there(tiers: KVTiers, tmp_path: Path) -> 
     path.write_bytes(bytes(data))
     tiers.take_events()
     assert load(tiers, [key(1), key(2), key(3)], [5, 6, 7]) == 1
-    assert key(2) not in disk.store and disk.store.stats.corrupt == 1
+    assert key(2) not in disk.store and disk.stats.corrupt == 1
     removed = [e for e in tiers.take_events() if isinstance(e, BlockRemoved)]
     assert [(e.block_hashes, e.medium) for e in removed] == [([key(2)], "DISK")]
 
@@ -166,10 +167,11 @@ def test_a_shared_tier_is_fed_and_read_and_skipped_while_down(
     for the host alone and the store is not tried again."""
     remote = RemoteStore(redis_server.url, SHAPE, namespace="offload")
     host = Tier("host", "CPU", HostStore(SHAPE, 4 * SHAPE.nbytes))
-    made = KVTiers([host, Tier("remote", "REMOTE", remote)], kv_caches(0), SHAPE.block_size)
+    shared = Tier("remote", "REMOTE", remote)
+    made = KVTiers([host], kv_caches(0), SHAPE.block_size, shared=shared)
     try:
         made.store([filled(1, 1)])
-        assert made.flush(10.0) and remote.stats.stores == 1 and key(1) in host.store
+        assert made.flush(10.0) and shared.stats.stores == 1 and key(1) in host.store
         host.store.remove(key(1))
         assert made.lookup([key(1), key(2)]) == ["remote"]
         assert load(made, [key(1)], [5]) == 1 and key(1) in host.store
@@ -178,7 +180,7 @@ def test_a_shared_tier_is_fed_and_read_and_skipped_while_down(
         assert made.lookup([key(3)]) == [] and remote.is_down and remote.failures == 1
         made.store([filled(3, 3)])
         assert made.flush(10.0) and key(3) in host.store
-        assert (remote.stats.stores, remote.failures) == (1, 1)
+        assert (shared.stats.stores, remote.failures) == (1, 1)
     finally:
         made.close()
         remote.close()

@@ -1,6 +1,6 @@
-"""The remote tier's store against a real Redis server: blocks round-trip bit for bit, one
+"""The shared tier's store against a real Redis server: blocks round-trip bit for bit, one
 namespace never reads another's, a damaged or truncated value is a miss and is deleted, and a
-server that stops, pauses or restarts changes speed, never an answer."""
+server that stops, pauses or restarts changes speed, never an answer; its URL's scheme picks it."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from blockserve.kv_tiers.remote import (
     RemoteStore,
     redacted,
 )
-from blockserve.kv_tiers.store import RECORD_HEADER, BlockShape, pack_block
+from blockserve.kv_tiers.shared import open_shared_store
+from blockserve.kv_tiers.store import RECORD_HEADER, BlockShape, Read, Tier, Write, pack_block
 
 SHAPE = BlockShape(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
 
@@ -37,28 +38,39 @@ def store(redis_server: RedisServer) -> Iterator[RemoteStore]:
 
 
 def test_blocks_round_trip_bit_for_bit(store: RemoteStore) -> None:
+    """Through a tier, which counts what each call returned."""
+    tier = Tier("remote", "REMOTE", store)
     keys = [bytes([i]) * 32 for i in range(3)]
     for i, key in enumerate(keys):
-        assert store.put(key, block(i)) == []
+        assert tier.put(key, block(i)) == Write(stored=True)
     assert store.contains_many([*keys, b"x" * 32]) == [True, True, True, False]
     for i, key in enumerate(keys):
-        got = store.get(key)
+        got = tier.get(key).block
         assert got is not None and torch.equal(got, block(i))
-    assert store.get(b"x" * 32) is None
-    store.put(keys[0], block(9))  # held already (by any replica): not written again
-    assert torch.equal(store.get(keys[0]), block(0))  # type: ignore[arg-type]
-    stats = store.stats
-    assert (stats.stores, stats.hits, stats.misses, len(store)) == (3, 4, 1, 3)
+    assert tier.get(b"x" * 32) == Read()
+    # Held already (by any replica): not written again.
+    assert tier.put(keys[0], block(9)) == Write(stored=False)
+    assert torch.equal(tier.get(keys[0]).block, block(0))  # type: ignore[arg-type]
+    stats = tier.stats
+    assert (stats.stores, stats.hits, stats.misses, store.used_bytes) == (3, 4, 1, 3 * SHAPE.nbytes)
+
+
+def test_the_urls_scheme_picks_the_store(redis_server: RedisServer) -> None:
+    store = open_shared_store(redis_server.url, SHAPE, "ns-o")
+    assert isinstance(store, RemoteStore) and store.namespace == "ns-o"
+    store.close()
+    with pytest.raises(ValueError, match="no shared KV store serves memcached:// URLs"):
+        open_shared_store("memcached://host", SHAPE, "ns")
 
 
 def test_a_namespace_never_reads_another(store: RemoteStore, redis_server: RedisServer) -> None:
     other = RemoteStore(redis_server.url, SHAPE, namespace="ns-b")
     key = b"k" * 32
     store.put(key, block(1))
-    assert other.contains_many([key]) == [False] and other.get(key) is None
+    assert other.contains_many([key]) == [False] and other.get(key) == Read()
     other.put(key, block(2))
-    assert torch.equal(store.get(key), block(1))  # type: ignore[arg-type]
-    assert torch.equal(other.get(key), block(2))  # type: ignore[arg-type]
+    assert torch.equal(store.get(key).block, block(1))  # type: ignore[arg-type]
+    assert torch.equal(other.get(key).block, block(2))  # type: ignore[arg-type]
     other.close()
 
 
@@ -77,9 +89,8 @@ def test_a_damaged_value_is_a_miss_and_is_deleted(
     else:
         value[0:4] = b"XXXX"
     client.set(store.key(key), bytes(value))
-    assert store.get(key) is None
+    assert store.get(key) == Read(damaged=True)
     assert client.exists(store.key(key)) == 0
-    assert (store.stats.corrupt, store.stats.misses) == (1, 1)
 
 
 @pytest.mark.slow
@@ -91,14 +102,14 @@ def test_a_stopped_store_is_marked_down_and_comes_back(
     redis_server.stop()
     assert store.contains_many([key]) == [False]
     assert store.is_down and store.failures == 1
-    assert store.get(key) is None and store.put(b"t" * 32, block(5)) == []
+    assert store.get(key) == Read() and store.put(b"t" * 32, block(5)) == Write()
     assert store.failures == 1  # while down, nothing is tried
     redis_server.start()  # the same port, empty (no persistence)
     time.sleep(FIRST_BACKOFF_S + 0.1)
     assert not store.is_down
     assert store.contains_many([key]) == [False]  # the restart lost it: a miss, no error
     store.put(key, block(4))
-    assert torch.equal(store.get(key), block(4))  # type: ignore[arg-type]
+    assert torch.equal(store.get(key).block, block(4))  # type: ignore[arg-type]
 
 
 def test_a_paused_store_costs_a_lookup_its_timeout_only(
@@ -126,11 +137,11 @@ def test_a_refused_password_reads_as_a_down_store(tmp_path: Path) -> None:
         wrong = RemoteStore(server.url.replace(":secret@", ":wrong@"), SHAPE, namespace="ns")
         assert wrong.url == f"redis://:***@127.0.0.1:{server.port}/0"  # what the logs show
         assert wrong.contains_many([b"k" * 32]) == [False]
-        assert wrong.put(b"k" * 32, block(7)) == [] and wrong.get(b"k" * 32) is None
-        assert wrong.is_down and wrong.failures == 1 and wrong.stats.stores == 0
+        assert wrong.put(b"k" * 32, block(7)) == Write() and wrong.get(b"k" * 32) == Read()
+        assert wrong.is_down and wrong.failures == 1 and wrong.used_bytes == 0
         right = RemoteStore(server.url, SHAPE, namespace="ns")
         right.put(b"k" * 32, block(7))
-        assert torch.equal(right.get(b"k" * 32), block(7))  # type: ignore[arg-type]
+        assert torch.equal(right.get(b"k" * 32).block, block(7))  # type: ignore[arg-type]
         wrong.close()
         right.close()
     finally:
@@ -169,7 +180,7 @@ def test_unsigned_records_are_believed_and_the_log_says_so(
     store.put(key, block(1))
     client = redis_server.client()
     client.set(store.key(key), rewritten(client.get(store.key(key)), signed=False))  # type: ignore[arg-type]
-    got = store.get(key)
+    got = store.get(key).block
     assert got is not None and not torch.equal(got, block(1))
     store.close()
 
@@ -186,11 +197,10 @@ def test_a_signed_record_rewritten_or_moved_is_a_miss_and_is_deleted(
     client.set(signed.key(one), rewritten(client.get(signed.key(one)), signed=True))  # type: ignore[arg-type]
     client.set(signed.key(two), client.get(signed.key(one)))  # another key's record
     assert signed.contains_many([one, two]) == [True, True]  # a lookup reads lengths only
-    assert signed.get(one) is None and signed.get(two) is None
+    assert signed.get(one) == Read(damaged=True) and signed.get(two) == Read(damaged=True)
     assert client.exists(signed.key(one), signed.key(two)) == 0
-    assert (signed.stats.corrupt, signed.stats.hits) == (2, 0)
     signed.put(one, block(1))
-    assert torch.equal(signed.get(one), block(1))  # type: ignore[arg-type]
+    assert torch.equal(signed.get(one).block, block(1))  # type: ignore[arg-type]
 
 
 def test_a_value_of_another_size_is_never_read(
@@ -202,8 +212,8 @@ def test_a_value_of_another_size_is_never_read(
     client = redis_server.client()
     client.set(signed.key(key), b"\0" * (64 << 20))
     assert signed.contains_many([key]) == [False]
-    assert signed.get(key) is None
-    assert client.exists(signed.key(key)) == 0 and signed.stats.corrupt == 1
+    assert signed.get(key) == Read(damaged=True)
+    assert client.exists(signed.key(key)) == 0
 
 
 @pytest.mark.parametrize(

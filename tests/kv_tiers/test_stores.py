@@ -1,4 +1,5 @@
-"""Tier stores: put/get/evict in LRU order, byte bounds, and damaged disk blocks dropped."""
+"""Local tier stores: put/get/evict in LRU order, byte bounds, damaged disk blocks dropped; each
+call says what it did (Read, Write), and the tier counts it."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from blockserve.kv_tiers import BlockShape, BlockStore, DiskStore, HostStore
+from blockserve.kv_tiers.disk import DiskStore
+from blockserve.kv_tiers.host import HostStore
+from blockserve.kv_tiers.store import BlockShape, LocalStore, Read, Tier, Write
 
 SHAPE = BlockShape(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
 THREE_BLOCKS = 3 * SHAPE.nbytes
@@ -23,12 +26,12 @@ def key(i: int) -> bytes:
     return bytes([i]) * 32
 
 
-StoreFactory = Callable[[int], BlockStore]
+StoreFactory = Callable[[int], LocalStore]
 
 
 @pytest.fixture(params=["host", "disk"])
 def make_store(request: pytest.FixtureRequest, tmp_path: Path) -> StoreFactory:
-    def make(capacity_bytes: int) -> BlockStore:
+    def make(capacity_bytes: int) -> LocalStore:
         if request.param == "host":
             return HostStore(SHAPE, capacity_bytes)
         return DiskStore(tmp_path / "tier", SHAPE, capacity_bytes)
@@ -37,43 +40,46 @@ def make_store(request: pytest.FixtureRequest, tmp_path: Path) -> StoreFactory:
 
 
 def test_put_then_get_returns_the_same_block(make_store: StoreFactory) -> None:
-    store = make_store(THREE_BLOCKS)
-    assert store.put(key(1), block(1)) == []
-    got = store.get(key(1))
+    """The tier counts what the calls returned: a store, a hit, a miss."""
+    tier = Tier("t", "CPU", make_store(THREE_BLOCKS))
+    store = tier.store
+    assert tier.put(key(1), block(1)) == Write(stored=True)
+    got = tier.get(key(1)).block
     assert got is not None and torch.equal(got, block(1))
-    assert store.get(key(2)) is None
-    assert (store.stats.hits, store.stats.misses, store.stats.stores) == (1, 1, 1)
+    assert tier.get(key(2)) == Read()
+    assert (tier.stats.hits, tier.stats.misses, tier.stats.stores) == (1, 1, 1)
     assert key(1) in store and len(store) == 1 and store.used_bytes == SHAPE.nbytes
 
 
 def test_least_recently_used_goes_first_and_the_bound_holds(make_store: StoreFactory) -> None:
     """Capacity three blocks: a get refreshes its key, so the fourth put evicts key 2."""
     store = make_store(THREE_BLOCKS + SHAPE.nbytes - 1)  # a partial block's bytes buy nothing
+    tier = Tier("t", "CPU", store)
     for i in (1, 2, 3):
-        store.put(key(i), block(i))
-    assert store.get(key(1)) is not None
-    assert store.put(key(4), block(4)) == [key(2)]
+        tier.put(key(i), block(i))
+    assert store.get(key(1)).block is not None
+    assert tier.put(key(4), block(4)) == Write(stored=True, evicted=(key(2),))
     assert store.keys() == [key(3), key(1), key(4)]
-    assert store.used_bytes == THREE_BLOCKS and store.stats.evictions == 1
+    assert store.used_bytes == THREE_BLOCKS and tier.stats.evictions == 1
 
 
 def test_a_key_already_held_is_not_written_again(make_store: StoreFactory) -> None:
     store = make_store(THREE_BLOCKS)
     store.put(key(1), block(1))
     store.put(key(2), block(2))
-    assert store.put(key(1), block(9)) == []  # refreshed, not rewritten
-    got = store.get(key(1))
+    assert store.put(key(1), block(9)) == Write()  # refreshed, not rewritten
+    got = store.get(key(1)).block
     assert got is not None and torch.equal(got, block(1))
-    assert store.stats.stores == 2 and store.keys() == [key(2), key(1)]
+    assert store.keys() == [key(2), key(1)]
 
 
 def test_remove_and_a_zero_capacity(make_store: StoreFactory) -> None:
     store = make_store(THREE_BLOCKS)
     store.put(key(1), block(1))
     assert store.remove(key(1)) and not store.remove(key(1))
-    assert store.get(key(1)) is None and len(store) == 0
+    assert store.get(key(1)) == Read() and len(store) == 0
     empty = make_store(SHAPE.nbytes - 1)
-    assert empty.put(key(1), block(1)) == [] and len(empty) == 0
+    assert empty.put(key(1), block(1)) == Write() and len(empty) == 0
 
 
 def test_a_block_of_the_wrong_shape_or_dtype_is_refused(make_store: StoreFactory) -> None:
@@ -97,8 +103,8 @@ def test_a_flipped_byte_is_detected_and_dropped(tmp_path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[100] ^= 0x01
     path.write_bytes(bytes(data))
-    assert store.get(key(1)) is None
-    assert not path.exists() and key(1) not in store and store.stats.corrupt == 1
+    assert store.get(key(1)) == Read(damaged=True)
+    assert not path.exists() and key(1) not in store
 
 
 def test_a_truncated_file_is_detected_on_read_and_on_open(tmp_path: Path) -> None:
@@ -108,9 +114,9 @@ def test_a_truncated_file_is_detected_on_read_and_on_open(tmp_path: Path) -> Non
     for i in (1, 2):
         path = disk_file(store, i)
         path.write_bytes(path.read_bytes()[:-7])
-    assert store.get(key(1)) is None and store.stats.corrupt == 1
+    assert store.get(key(1)) == Read(damaged=True)
     reopened = DiskStore(tmp_path, SHAPE, THREE_BLOCKS)  # key 2 is caught before any read
-    assert len(reopened) == 0 and reopened.stats.corrupt == 1
+    assert len(reopened) == 0 and reopened.damaged_on_open == 1
 
 
 def test_reopening_keeps_the_blocks_and_their_order(tmp_path: Path) -> None:
@@ -126,7 +132,7 @@ def test_reopening_keeps_the_blocks_and_their_order(tmp_path: Path) -> None:
     assert reopened.keys() == [key(2), key(3), key(1)]
     assert not leftover.exists()
     for i in (1, 2, 3):
-        got = reopened.get(key(i))
+        got = reopened.get(key(i)).block
         assert got is not None and torch.equal(got, block(i))
 
 

@@ -22,10 +22,11 @@ from blockserve.core.events import BlockRemoved, BlockStored, KVEventRecorder
 from blockserve.core.hashing import BlockHash, BlockHasher, RequestBlockHasher
 from blockserve.core.kv_cache_manager import KVCacheManager
 from blockserve.engine.tier_feed import filled_blocks
-from blockserve.kv_tiers import BlockShape, DiskStore, HostStore
+from blockserve.kv_tiers.disk import DiskStore
+from blockserve.kv_tiers.host import HostStore
 from blockserve.kv_tiers.offload import KVTiers
 from blockserve.kv_tiers.remote import MAX_BACKOFF_S, RemoteStore
-from blockserve.kv_tiers.store import Tier
+from blockserve.kv_tiers.store import BlockShape, Tier
 from blockserve.sampling_params import SamplingParams
 from blockserve.sched.output import ModelRunnerOutput, SchedulerOutput
 from blockserve.sched.request import Request, RequestStatus
@@ -55,7 +56,9 @@ class TiersMachine(RuleBasedStateMachine):
         self.now = 0.0  # the remote store's clock: a restart moves it past any backoff
         self.remote = RemoteStore(self.server.url, SHAPE, "machine", clock=lambda: self.now)
         remote = Tier("remote", "REMOTE", self.remote)
-        self.tiers = KVTiers([host, disk, remote], self.kv, BLOCK, events_hash_format="bytes")
+        self.tiers = KVTiers(
+            [host, disk], self.kv, BLOCK, events_hash_format="bytes", shared=remote
+        )
         manager = KVCacheManager(NUM_BLOCKS, BLOCK, True, KVEventRecorder())
         config = SchedulerConfig(4, 16, max_model_len=(NUM_BLOCKS - 1) * BLOCK)
         self.scheduler = Scheduler(config, manager, (), self.tiers)
@@ -195,14 +198,14 @@ class TiersMachine(RuleBasedStateMachine):
                 self.mirror[event.medium] -= hashes
         # The shared store evicts and restarts unannounced: its events are what was written.
         assert self.mirror["REMOTE"] >= self.written_remote()
-        for tier in self.tiers.tiers[:2]:
+        for tier in self.tiers.local:
             assert self.mirror[tier.medium] == set(tier.store.keys()), tier.name
             held = tier.store.keys()
             for key in held:
                 if BlockHash(key) in self.prefixes and not (
                     tier.name == "disk" and key in self.damaged
                 ):
-                    block = tier.store.get(key)
+                    block = tier.store.get(key).block
                     assert block is not None
                     assert torch.equal(block[0, 0].flatten(), self._expected(key)), tier.name
         if self.server.process is not None:  # every sound block in the store is its prefix's
@@ -210,7 +213,7 @@ class TiersMachine(RuleBasedStateMachine):
             for key in self.server.client().keys(prefix + b"*"):
                 block_hash = key[len(prefix) :]
                 if BlockHash(block_hash) in self.prefixes and block_hash not in self.damaged:
-                    block = self.remote.get(block_hash)
+                    block = self.remote.get(block_hash).block
                     assert block is not None and torch.equal(
                         block[0, 0].flatten(), self._expected(block_hash)
                     ), "remote"
