@@ -62,7 +62,7 @@ class CacheConfig:
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """Which model to run, and how.
+    """Which model to run: its files, dtype, device, context, tokenizer and sampling limits.
 
     `model` is a Hugging Face directory or a .gguf file; None means the embedded default model.
     `max_model_len` None means the model's own context length. `device` "auto" is CUDA when
@@ -82,12 +82,6 @@ class ModelConfig:
     # Default sampling parameters: "auto" (the model's generation_config.json), "vllm" (none),
     # or a path to the file or its directory.
     generation_config: str = "auto"
-    # torch.compile the layers' math between attentions (model/compile.py); off: eager.
-    compile: bool = False
-    # On CUDA: decode batches eager (True) or replayed from graphs captured at these batch
-    # sizes (empty: 1, 2, 4, then every multiple of 8 up to max_num_seqs).
-    enforce_eager: bool = False
-    cuda_graph_sizes: tuple[int, ...] = ()
     # A hub id's revision, the cache to download into, a tokenizer other than the model's.
     revision: str | None = None
     download_dir: str | None = None
@@ -95,7 +89,22 @@ class ModelConfig:
     max_logprobs: int = 20  # the most logprobs a request may ask for
     # The chat template to use instead of the tokenizer's: a file, or the template itself.
     chat_template: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeConfig:
+    """How the model runs, not which: the compiled forward, the decode graphs, the threads."""
+
+    # torch.compile the layers' math between attentions (model/compile.py); off: eager.
+    compile: bool = False
+    # On CUDA: decode batches eager (True) or replayed from graphs captured at these batch
+    # sizes (empty: 1, 2, 4, then every multiple of 8 up to max_num_seqs).
+    enforce_eager: bool = False
+    cuda_graph_sizes: tuple[int, ...] = ()
     cpu_threads: int | None = None  # None: adapted to the host (cpu_threads.py)
+    # The compute threads on a CPU, planned once from cpu_threads and the host (None: the
+    # engine plans them when it starts).
+    threads: ThreadPlan | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,9 +160,7 @@ class EngineConfig:
     scheduler: SchedulerConfig
     kv_events: KVEventsConfig | None = None
     lora: LoRAConfig | None = None  # None: --enable-lora not given
-    # The compute threads on a CPU, planned once from --cpu-threads and the host (None: the
-    # engine plans them when it starts).
-    threads: ThreadPlan | None = None
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
 
 def _port(value: int) -> str | None:

@@ -288,4 +288,5 @@ def _thread_governor(config: EngineConfig, runner: RunnerInfo) -> ThreadGovernor
     """On a CPU, what sets the compute threads before each step (cpu_threads.py)."""
     if not runner.on_cpu:
         return None
-    return ThreadGovernor(config.threads or host_thread_plan(config.model.cpu_threads))
+    runtime = config.runtime
+    return ThreadGovernor(runtime.threads or host_thread_plan(runtime.cpu_threads))

@@ -11,6 +11,7 @@ from blockserve.config import (
     EngineConfig,
     LoRAConfig,
     ModelConfig,
+    RuntimeConfig,
     SchedulerConfig,
 )
 from blockserve.core.eviction import EvictionConfig, TailLRUConfig
@@ -66,7 +67,13 @@ def engine_config(args: EngineArgs) -> EngineConfig:
         ),
         kv_events=_kv_events_config(args),
         lora=_lora_config(args),
-        threads=host_thread_plan(args.cpu_threads),
+        runtime=RuntimeConfig(
+            compile=args.compile,
+            enforce_eager=args.enforce_eager,
+            cuda_graph_sizes=tuple(int(size) for size in args.cuda_graph_sizes),
+            cpu_threads=args.cpu_threads,
+            threads=host_thread_plan(args.cpu_threads),
+        ),
     )
 
 
@@ -114,15 +121,11 @@ def _model_config(args: EngineArgs) -> ModelConfig:
             compile_timeout_s=args.structured_outputs_compile_timeout,
         ),
         generation_config=args.generation_config,
-        compile=args.compile,
-        enforce_eager=args.enforce_eager,
-        cuda_graph_sizes=tuple(int(size) for size in args.cuda_graph_sizes),
         revision=args.revision,
         download_dir=args.download_dir,
         tokenizer=args.tokenizer,
         max_logprobs=args.max_logprobs,
         chat_template=args.chat_template,
-        cpu_threads=args.cpu_threads,
     )
 
 

@@ -13,7 +13,13 @@ from functools import partial
 import torch
 
 from blockserve.attention.selector import get_attention_backend
-from blockserve.config import CacheConfig, LoRAConfig, ModelConfig, default_cache_dir
+from blockserve.config import (
+    CacheConfig,
+    LoRAConfig,
+    ModelConfig,
+    RuntimeConfig,
+    default_cache_dir,
+)
 from blockserve.grammar import GrammarCompiler
 from blockserve.kernels import CpuKernels, LayerOpsSource, fits_model
 from blockserve.lora.manager import build_lora_manager
@@ -45,6 +51,8 @@ from blockserve.runner.page_mapping import KVPagePopulator, keep_freed_memory
 
 logger = logging.getLogger(__name__)
 
+EAGER = RuntimeConfig()  # the default: the model's own forward, no graphs
+
 
 def build_runner(
     model_config: ModelConfig,
@@ -52,11 +60,14 @@ def build_runner(
     kv_blocks_per_step: int = 0,
     largest_step: LargestStep | None = None,
     lora_config: LoRAConfig | None = None,
+    runtime: RuntimeConfig = EAGER,
 ) -> ModelRunner:
     """A runner over `runner_parts` (no warm-up on the device, no decode graphs: what the
     tests and the model benchmarks run; an engine starts its runner with start_runner)."""
     return ModelRunner(
-        runner_parts(model_config, cache_config, kv_blocks_per_step, largest_step, lora_config)
+        runner_parts(
+            model_config, cache_config, kv_blocks_per_step, largest_step, lora_config, runtime
+        )
     )
 
 
@@ -66,10 +77,12 @@ def runner_parts(
     kv_blocks_per_step: int = 0,
     largest_step: LargestStep | None = None,
     lora_config: LoRAConfig | None = None,
+    runtime: RuntimeConfig = EAGER,
 ) -> RunnerParts:
     """`kv_blocks_per_step`: the most never-used blocks a step can take, their pages mapped
     in ahead on a CPU (page_mapping.py; 0: at first writes). `largest_step`: what the memory
-    profile runs when memory sizes the cache. `lora_config`: the adapters (lora/)."""
+    profile runs when memory sizes the cache. `lora_config`: the adapters (lora/).
+    `runtime.compile`: the forward compiled."""
     name = _device_name(model_config.device)
     device = torch.device(name)
     kernels = CpuKernels()  # ours once loaded (a thread builds or loads them); torch's before
@@ -125,7 +138,7 @@ def runner_parts(
     )
     if num_blocks is None:
         size_from_memory(parts, cache_config, profiled, before)
-    if model_config.compile:  # warmed on the parts: their inputs, their cache, their backend
+    if runtime.compile:  # warmed on the parts: their inputs, their cache, their backend
         parts.forward, parts.compile_report = compile_forward(
             loaded.model, backend, default_cache_dir(), partial(warm_up, parts)
         )

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from blockserve.config import EngineConfig, ModelConfig
+from blockserve.config import EngineConfig, RuntimeConfig
 from blockserve.grammar import GrammarCompiler
 from blockserve.lora.manager import LoRAManager
 from blockserve.model.arch import LlamaArchConfig
@@ -82,13 +82,14 @@ def start_runner(config: EngineConfig) -> tuple[ModelRunner, RunnerInfo]:
         blocks_per_step(sched.max_num_batched_tokens, sched.max_num_seqs, cache.block_size),
         LargestStep(sched.max_num_batched_tokens, sched.max_num_seqs),
         config.lora,
+        config.runtime,
     )
     max_model_len = context_length(
         config.model.max_model_len, parts.arch, parts.num_blocks, cache.block_size
     )
     warm_up_device(parts, max_model_len)
     parts.decode_graphs = capture_decode_graphs(
-        parts, config.model, sched.max_num_seqs, max_model_len, graph_capture(parts.device)
+        parts, config.runtime, sched.max_num_seqs, max_model_len, graph_capture(parts.device)
     )
     runner = ModelRunner(parts)
     loaded = parts.loaded
@@ -141,7 +142,7 @@ def warm_up_device(parts: RunnerParts, max_model_len: int) -> None:
 
 def capture_decode_graphs(
     parts: RunnerParts,
-    model_config: ModelConfig,
+    runtime: RuntimeConfig,
     max_num_seqs: int,
     max_model_len: int,
     capture: GraphCapture | None,
@@ -150,11 +151,11 @@ def capture_decode_graphs(
     plans decode graphs (triton) and a `capture` (CUDA's, on CUDA): the decode forward
     captured at each batch size of --cuda-graph-sizes (vLLM's by default)."""
     backend = parts.backend
-    if model_config.enforce_eager or parts.lora is not None or capture is None:
+    if runtime.enforce_eager or parts.lora is not None or capture is None:
         return None
     if not isinstance(backend, GraphPlanner):
         return None
-    sizes = graph_batch_sizes(max_num_seqs, model_config.cuda_graph_sizes)
+    sizes = graph_batch_sizes(max_num_seqs, runtime.cuda_graph_sizes)
     if not sizes:
         return None
     inputs = StaticDecodeInputs(

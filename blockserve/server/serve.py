@@ -61,11 +61,12 @@ def _serve_on(
     listening: socket.socket, engine_config: EngineConfig, server_config: ServerConfig
 ) -> int:
     affinity = frozenset(os.sched_getaffinity(0))  # the event loop and the tokenizers' threads
-    if engine_config.threads is None:  # planned once, for the front end and the engine
-        threads = host_thread_plan(engine_config.model.cpu_threads)
-        engine_config = dataclasses.replace(engine_config, threads=threads)
-    assert engine_config.threads is not None
-    place_front_end(engine_config.threads, affinity)
+    runtime = engine_config.runtime
+    if runtime.threads is None:  # planned once, for the front end and the engine
+        runtime = dataclasses.replace(runtime, threads=host_thread_plan(runtime.cpu_threads))
+        engine_config = dataclasses.replace(engine_config, runtime=runtime)
+    assert runtime.threads is not None
+    place_front_end(runtime.threads, affinity)
     engine = AsyncEngine.from_config(engine_config, server_config.tokenizer_workers)
     app = build_app(engine, server_config)
     kv_events_config = engine_config.kv_events

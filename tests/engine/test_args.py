@@ -250,10 +250,11 @@ def test_defaults_are_vllms_and_the_configs_own() -> None:
     """Block size 16, prefix caching on, sha256, FCFS, 64 sequences, 2048 tokens a step; and
     the frozen configs' defaults (for code that builds them directly) say the same."""
     config = EngineArgs().create_configs()
-    assert dataclasses.replace(config, threads=None) == EngineConfig(
+    runtime = dataclasses.replace(config.runtime, threads=None)
+    assert dataclasses.replace(config, runtime=runtime) == EngineConfig(
         ModelConfig(), CacheConfig(), SchedulerConfig(), None
     )
-    assert config.threads == host_thread_plan(None)  # planned once, here
+    assert config.runtime.threads == host_thread_plan(None)  # planned once, here
     assert (config.cache.block_size, config.cache.enable_prefix_caching) == (16, True)
     assert config.cache.prefix_caching_hash_algo == "sha256"
     scheduler = config.scheduler

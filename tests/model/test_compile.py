@@ -13,7 +13,7 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from blockserve.config import CacheConfig, ModelConfig
+from blockserve.config import CacheConfig, ModelConfig, RuntimeConfig
 from blockserve.model.compile import CompileReport
 from blockserve.runner.build import build_runner
 from blockserve.runner.model_runner import ModelRunner
@@ -39,8 +39,9 @@ def runners(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> R
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("BLOCKSERVE_CACHE_DIR", str(cache_dir))
         compiled = build_runner(
-            ModelConfig(model=str(tiny_llama_dir), dtype="float32", compile=True),
+            ModelConfig(model=str(tiny_llama_dir), dtype="float32"),
             CacheConfig(num_gpu_blocks_override=NUM_BLOCKS),
+            runtime=RuntimeConfig(compile=True),
         )
     eager = build_runner(
         ModelConfig(model=str(tiny_llama_dir), dtype="float32"),
@@ -102,11 +103,12 @@ def test_single_token_steps_equal_eager(runners: Runners) -> None:
 
 START = f"""
 import dataclasses, json, sys
-from blockserve.config import CacheConfig, ModelConfig
+from blockserve.config import CacheConfig, ModelConfig, RuntimeConfig
 from blockserve.runner.build import build_runner
 runner = build_runner(
-    ModelConfig(model=sys.argv[1], dtype="float32", compile=True),
+    ModelConfig(model=sys.argv[1], dtype="float32"),
     CacheConfig(num_gpu_blocks_override={NUM_BLOCKS}),
+    runtime=RuntimeConfig(compile=True),
 )
 print(json.dumps(dataclasses.asdict(runner.compile_report)))
 """
