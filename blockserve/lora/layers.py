@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -38,9 +38,73 @@ class LoRAStep:
     width: int = 0
     all_slots: bool = False  # slots == every slot, in order: the stacks need no gather
     starts: torch.Tensor | None = None  # [G + 1]: where each group's rows begin in `src`
-    # On CUDA the fused Triton kernel (kernels/triton_lora.py) in place of the two bmm.
-    kernel: Callable[..., torch.Tensor] | None = None
-    cpu: CpuKernels | None = None  # on a CPU ours (csrc/cpu/lora.h), once loaded
+
+
+class LoRAProducts(Protocol):
+    """How a wrapped projection's grouped products run (each adapter token's
+    `x @ A[slot] @ B[slot]` added to its row of `out`), chosen once when the projections are
+    wrapped."""
+
+    def __call__(
+        self, layer: LoRALinear, x: torch.Tensor, out: torch.Tensor, step: LoRAStep
+    ) -> torch.Tensor: ...
+
+
+class TorchProducts:
+    """Two torch `bmm` over the step's adapter tokens laid out [adapters, width]."""
+
+    def __call__(
+        self, layer: LoRALinear, x: torch.Tensor, out: torch.Tensor, step: LoRAStep
+    ) -> torch.Tensor:
+        assert step.slots is not None and step.src is not None
+        a = layer.a if step.all_slots else layer.a.index_select(0, step.slots)
+        b = layer.b if step.all_slots else layer.b.index_select(0, step.slots)
+        groups, width = a.shape[0], step.width
+        picked = x.index_select(0, step.src)
+        if step.dest is None:
+            padded = picked.view(groups, width, -1)
+        else:
+            padded = x.new_zeros(groups * width, x.shape[1])
+            padded.index_copy_(0, step.dest, picked)
+            padded = padded.view(groups, width, -1)
+        delta = torch.bmm(torch.bmm(padded, a), b).view(groups * width, -1)
+        if step.dest is not None:
+            delta = delta.index_select(0, step.dest)
+        return out.index_add_(0, step.src, delta)
+
+
+TORCH_PRODUCTS = TorchProducts()
+
+
+@dataclass(frozen=True, slots=True)
+class TritonProducts:
+    """On CUDA: both products and the add in one Triton launch (kernels/triton_lora.py)."""
+
+    kernel: Callable[..., torch.Tensor]
+
+    def __call__(
+        self, layer: LoRALinear, x: torch.Tensor, out: torch.Tensor, step: LoRAStep
+    ) -> torch.Tensor:
+        return self.kernel(x, out, layer.a, layer.b, step.src, step.starts, step.slots, step.width)
+
+
+@dataclass(frozen=True, slots=True)
+class CpuProducts:
+    """On a CPU: our kernel (csrc/cpu/lora.h) once its library for the dtype is loaded (it
+    loads after start-up, on a thread); torch's products until then."""
+
+    kernels: CpuKernels
+
+    def __call__(
+        self, layer: LoRALinear, x: torch.Tensor, out: torch.Tensor, step: LoRAStep
+    ) -> torch.Tensor:
+        lora_add = self.kernels.lora_add(x)
+        if lora_add is None:
+            return TORCH_PRODUCTS(layer, x, out, step)
+        lora_add(
+            x, out, layer.a, layer.b, step.src, step.starts, step.slots, layer.bounds, layer.rank
+        )
+        return out
 
 
 class LoRASlots:
@@ -100,57 +164,34 @@ class LoRASlots:
 
 
 class LoRALinear(nn.Module):
-    """A fused projection plus, for each token under an adapter, its low-rank update: the
-    step's adapter tokens in a [G, width] layout, two batched products, added back."""
+    """A fused projection plus, for each token under an adapter, its low-rank update, run by
+    the products chosen when it was wrapped."""
 
     def __init__(
-        self, base: nn.Module, slots: LoRASlots, key: tuple[int, str], step: LoRAStep
+        self,
+        base: nn.Module,
+        slots: LoRASlots,
+        key: tuple[int, str],
+        step: LoRAStep,
+        products: LoRAProducts,
     ) -> None:
         super().__init__()
-        self.base, self.step = base, step
+        self.base, self.step, self.products = base, step, products
         self.a, self.b = slots.a[key], slots.b[key]
         self.bounds, self.rank = slots.bounds(key[1]), slots.max_rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
-        step = self.step
-        if step.src is None:
+        if self.step.src is None:  # no adapter token in this step
             return out
-        assert step.slots is not None and step.starts is not None
-        if step.kernel is not None:
-            return step.kernel(
-                x, out, self.a, self.b, step.src, step.starts, step.slots, step.width
-            )
-        if step.cpu is not None and (lora_add := step.cpu.lora_add(x)) is not None:
-            lora_add(
-                x, out, self.a, self.b, step.src, step.starts, step.slots, self.bounds, self.rank
-            )
-            return out
-        a = self.a if step.all_slots else self.a.index_select(0, step.slots)
-        b = self.b if step.all_slots else self.b.index_select(0, step.slots)
-        groups, width = a.shape[0], step.width
-        picked = x.index_select(0, step.src)
-        if step.dest is None:
-            padded = picked.view(groups, width, -1)
-        else:
-            padded = x.new_zeros(groups * width, x.shape[1])
-            padded.index_copy_(0, step.dest, picked)
-            padded = padded.view(groups, width, -1)
-        delta = torch.bmm(torch.bmm(padded, a), b).view(groups * width, -1)
-        if step.dest is not None:
-            delta = delta.index_select(0, step.dest)
-        return out.index_add_(0, step.src, delta)
+        return self.products(self, x, out, self.step)
 
 
 def wrap_projections(
-    model: nn.Module,
-    arch: LlamaArchConfig,
-    slots: LoRASlots,
-    kernel: Callable[..., torch.Tensor] | None = None,
-    cpu: CpuKernels | None = None,
+    model: nn.Module, arch: LlamaArchConfig, slots: LoRASlots, products: LoRAProducts
 ) -> LoRAStep:
     """Wrap every fused projection of `model`'s layers; the step object they all read."""
-    step = LoRAStep(kernel=kernel, cpu=cpu)
+    step = LoRAStep()
     layers: Any = model.model.layers  # type: ignore[union-attr]
     for index, layer in enumerate(layers):
         for owner, name in (
@@ -160,7 +201,11 @@ def wrap_projections(
             (layer.mlp, "down_proj"),
         ):
             wrapped = LoRALinear(
-                base=getattr(owner, name), slots=slots, key=(index, name), step=step
+                base=getattr(owner, name),
+                slots=slots,
+                key=(index, name),
+                step=step,
+                products=products,
             )
             setattr(owner, name, wrapped)
     return step

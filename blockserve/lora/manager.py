@@ -13,7 +13,15 @@ from blockserve.config import LoRAConfig
 from blockserve.kernels import CpuKernels
 from blockserve.lora.adapter import LoRAAdapter, LoRAError, load_adapter, read_in_parts
 from blockserve.lora.host_set import HostAdapters
-from blockserve.lora.layers import LoRASlots, LoRAStep, wrap_projections
+from blockserve.lora.layers import (
+    TORCH_PRODUCTS,
+    CpuProducts,
+    LoRAProducts,
+    LoRASlots,
+    LoRAStep,
+    TritonProducts,
+    wrap_projections,
+)
 from blockserve.lora.registry import AdapterRegistry
 from blockserve.model.arch import LlamaArchConfig
 from blockserve.sched.output import ScheduledRequest
@@ -192,13 +200,18 @@ def build_lora_manager(
         dtype=dtype,
         device=device,
     )
-    kernel = None
-    if device.type == "cuda":  # the grouped products in one Triton launch per projection
-        from blockserve.kernels.triton_lora import add_lora
-
-        kernel = add_lora
-    step = wrap_projections(model, arch, slots, kernel, kernels)
+    step = wrap_projections(model, arch, slots, lora_products(device, kernels))
     manager = LoRAManager(config=config, arch=arch, dtype=dtype, slots=slots, step=step)
     for name, path in config.modules:
         manager.register(name, path)
     return manager
+
+
+def lora_products(device: torch.device, kernels: CpuKernels | None) -> LoRAProducts:
+    """The grouped products for `device`, chosen once: one Triton launch a projection on CUDA;
+    on a CPU ours once loaded (`kernels`, the runner's), torch's before (and without them)."""
+    if device.type == "cuda":
+        from blockserve.kernels.triton_lora import add_lora
+
+        return TritonProducts(add_lora)
+    return TORCH_PRODUCTS if kernels is None else CpuProducts(kernels)

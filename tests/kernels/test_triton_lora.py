@@ -46,12 +46,15 @@ def test_the_kernel_equals_the_grouped_products(
 
 @pytest.mark.slow
 def test_an_engine_through_the_kernel_gives_the_bmm_tokens(
-    tiny_llama_dir: Path, tmp_path: Path
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Base, two adapters and the same prompt under each, as tests/lora runs them: the
-    kernel in place of the two bmm gives the same greedy tokens (float32)."""
+    kernel in place of the two bmm gives the same greedy tokens (float32). Each engine's
+    products are chosen when it is built, as on CUDA, on any device."""
     pytest.importorskip("peft", reason="the adapters are made with peft (a dev extra)")
     from blockserve import LLM, LoRARequest, SamplingParams
+    from blockserve.lora import manager
+    from blockserve.lora.layers import TORCH_PRODUCTS, TritonProducts
     from tests.lora.adapters import save_adapter
 
     base, root = tiny_llama_dir, tmp_path
@@ -62,12 +65,17 @@ def test_an_engine_through_the_kernel_gives_the_bmm_tokens(
     prompts = [{"prompt_token_ids": list(range(10, 40))}] * 3
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     outputs = []
-    for kernel in (None, add_lora):
-        llm = LLM(str(base), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8,
-                  num_gpu_blocks_override=64, device=DEVICE)  # fmt: skip
-        runner = llm.engine.core.runner
-        assert runner.lora is not None
-        runner.lora.step.kernel = kernel
+    for products in (TORCH_PRODUCTS, TritonProducts(add_lora)):
+        monkeypatch.setattr(manager, "lora_products", lambda device, kernels, p=products: p)
+        llm = LLM(
+            str(base),
+            dtype="float32",
+            enable_lora=True,
+            max_loras=2,
+            max_lora_rank=8,
+            num_gpu_blocks_override=64,
+            device=DEVICE,
+        )
         results = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
         outputs.append([list(r.outputs[0].token_ids) for r in results])
     assert outputs[0] == outputs[1]

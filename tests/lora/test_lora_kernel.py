@@ -16,6 +16,8 @@ import torch
 from blockserve import LoRARequest
 from blockserve.kernels import CpuKernels
 from blockserve.kernels import build as cpu_build
+from blockserve.lora import manager
+from blockserve.lora.layers import CpuProducts
 from tests.kernels.products import small_ints
 from tests.lora.test_lora import GREEDY, PROMPTS, make_llm, reference
 
@@ -127,14 +129,16 @@ def test_bad_arguments_are_refused_before_any_write(
 
 @pytest.mark.slow
 def test_an_engine_on_our_kernel_equals_peft(
-    tiny_llama_dir: Path, adapters: dict[str, Path], kernels: CpuKernels
+    tiny_llama_dir: Path,
+    adapters: dict[str, Path],
+    kernels: CpuKernels,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The mixed batch of test_lora.py through our float32 kernel (the tiny model's heads are
-    too small for the rest of our kernels, so the runner does not load them itself)."""
+    too small for the rest of our kernels, so the runner does not load them itself: the
+    engine's products are built over the session's loaded kernels instead)."""
+    monkeypatch.setattr(manager, "lora_products", lambda device, _: CpuProducts(kernels))
     llm = make_llm(tiny_llama_dir, max_loras=2)
-    manager = llm.engine.core.runner.lora
-    assert manager is not None
-    manager.step.cpu = kernels
     served: list[bool] = []  # whether each projection's call found the kernel loaded
     lora_add = kernels.lora_add
 
