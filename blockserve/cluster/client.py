@@ -106,7 +106,9 @@ class ClusterEngineClient(PoolTokenizing):
                         # The replica's call ends on its own: read to its end, never cancelled.
                         # A cancel racing the call's end can lose Ray Serve's completion
                         # callback, and with it the router's count of work queued there.
-                        self._drain(self._streams.pop(spec.request_id))
+                        finished = self._streams.pop(spec.request_id, None)
+                        if finished is not None:  # None: aborted while this output was queued
+                            self._drain(finished)
                     yield output
                 return
             except RayTaskError as exc:

@@ -55,20 +55,12 @@ EAGER = RuntimeConfig()  # the default: the model's own forward, no graphs
 
 
 def build_runner(
-    model_config: ModelConfig,
-    cache_config: CacheConfig,
-    kv_blocks_per_step: int = 0,
-    largest_step: LargestStep | None = None,
-    lora_config: LoRAConfig | None = None,
-    runtime: RuntimeConfig = EAGER,
+    model_config: ModelConfig, cache_config: CacheConfig, runtime: RuntimeConfig = EAGER
 ) -> ModelRunner:
-    """A runner over `runner_parts` (no warm-up on the device, no decode graphs: what the
-    tests and the model benchmarks run; an engine starts its runner with start_runner)."""
-    return ModelRunner(
-        runner_parts(
-            model_config, cache_config, kv_blocks_per_step, largest_step, lora_config, runtime
-        )
-    )
+    """A runner over `runner_parts` (no page mapping ahead, no warm-up on the device, no decode
+    graphs: what the tests and the model benchmarks run; an engine starts its runner with
+    start_runner)."""
+    return ModelRunner(runner_parts(model_config, cache_config, runtime=runtime))
 
 
 def runner_parts(

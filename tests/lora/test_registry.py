@@ -36,11 +36,11 @@ def test_items_read_while_another_thread_loads_and_unloads_are_whole() -> None:
     writer = threading.Thread(target=churn)
     writer.start()
     seen = 0
-    for _ in range(200_000):
-        if stop.is_set():
-            break
+    for reads in range(200_000):  # at least 1,000 reads, then until the writer is done
         for name, path in registry.items():
             assert path == f"/p/{name[1:]}"
             seen += 1
+        if reads >= 1_000 and stop.is_set():
+            break
     writer.join()
     assert seen > 0
