@@ -126,7 +126,7 @@ def scheduler_cost(policy: str, num_waiting: int, steps: int) -> dict:
     """Median ms per step with `num_waiting` queued, over `steps` steps after 5 warm-up."""
     manager = KVCacheManager(8192, BLOCK_SIZE, enable_caching=True)
     queue_policy = "fcfs" if policy == "fcfs+rescan" else policy
-    config = SchedulerConfig(64, 2048, max_model_len=4096, policy=queue_policy)
+    config = SchedulerConfig(64, 2048, max_model_len=4096, scheduling_policy=queue_policy)
     scheduler = Scheduler(config, manager)
     hasher = RequestBlockHasher(BlockHasher("sha256"), BLOCK_SIZE)
     params = SamplingParams(max_tokens=4, ignore_eos=True)
@@ -159,7 +159,9 @@ def aging(policy: str, aging_s: float) -> dict:
     4 running slots serve it (5 steps each); one cold request (no match) arrives at step 10.
     Returns the cold request's wait and the largest arrival gap by which anyone was overtaken."""
     manager = KVCacheManager(1024, BLOCK_SIZE, enable_caching=True)
-    config = SchedulerConfig(4, 2048, max_model_len=512, policy=policy, lpm_aging_s=aging_s)
+    config = SchedulerConfig(
+        4, 2048, max_model_len=512, scheduling_policy=policy, lpm_aging_s=aging_s
+    )
     scheduler = Scheduler(config, manager)
     hasher = RequestBlockHasher(BlockHasher("sha256"), BLOCK_SIZE)
     params = SamplingParams(max_tokens=5, ignore_eos=True)

@@ -16,11 +16,11 @@ from collections.abc import Sequence
 from blockserve import __version__
 from blockserve.bench.cli import add_bench_parser, run_bench
 from blockserve.cluster.config import ClusterConfig
-from blockserve.config import ServerConfig
 from blockserve.engine.args import EngineArgs
 from blockserve.errors import BlockserveError, InvalidConfigError
 from blockserve.options import add_arguments, from_namespace
 from blockserve.replay.command import add_replay_arguments, run_replay
+from blockserve.server.options import ServerConfig
 
 
 def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:

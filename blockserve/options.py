@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Callable
@@ -64,6 +65,34 @@ def at_least(minimum: int) -> Check:
     return check
 
 
+def finite_non_negative(value: float) -> str | None:
+    if math.isfinite(value) and value >= 0:
+        return None
+    return f"must be a finite number >= 0, got {value!r}"
+
+
+def share(value: float) -> str | None:
+    return None if 0 < value <= 1 else f"must be in (0, 1], got {value:g}"
+
+
+def non_empty_or_none(value: str | None) -> str | None:
+    return None if value is None or value else "must not be empty"
+
+
+def declared(cls: type, name: str) -> Any:
+    """The option `cls` declares as `name`, as a field of another dataclass: `EngineArgs`
+    takes each config's options this way, their default, help and check written once."""
+    source = cls.__dataclass_fields__[name]  # type: ignore[attr-defined]
+    return dataclasses.field(default=source.default, repr=source.repr, metadata=source.metadata)
+
+
+def options_of(cls: type, values: Any) -> dict[str, Any]:
+    """The values of `cls`'s options, read by name from `values` (an `EngineArgs`)."""
+    return {
+        f.name: getattr(values, f.name) for f in dataclasses.fields(cls) if "option" in f.metadata
+    }
+
+
 def flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -80,6 +109,13 @@ def _options(cls: type) -> list[tuple[dataclasses.Field, Option, Any]]:
 def _is_list(hint: Any) -> bool:
     """A `tuple[X, ...]` field: a flag that may be repeated."""
     return typing.get_origin(hint) is tuple
+
+
+def _item_type(hint: Any) -> type:
+    """The type of a `tuple[X, ...]` field's items (str unless X is int or float; the check
+    of a field of strings says what its strings must be)."""
+    item = typing.get_args(hint)[0]
+    return item if item in (int, float) else str
 
 
 def _scalar_type(hint: Any) -> type | None:
@@ -104,7 +140,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         default_text = "" if f.default is None else f" (default: {f.default})"
         kwargs: dict[str, Any] = {"dest": f.name, "default": f.default}
         if _is_list(hint):  # one or more values, the flag repeatable; argparse makes the list
-            kwargs.update(action="extend", nargs="+", default=None, type=str, help=opt.help)
+            item = _item_type(hint)
+            kwargs.update(action="extend", nargs="+", default=None, type=item, help=opt.help)
         elif kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
             kwargs["help"] = opt.help + default_text
@@ -152,6 +189,15 @@ def _problem(value: Any, opt: Option, hint: Any) -> str | None:
     kind = _scalar_type(hint)
     if kind is not None and not _is_instance(value, kind):
         return f"must be of type {kind.__name__}, got {value!r}"
+    if (
+        _is_list(hint)
+        and _item_type(hint) is not str
+        and not (
+            isinstance(value, (tuple, list))
+            and all(_is_instance(item, _item_type(hint)) for item in value)
+        )
+    ):
+        return f"must be a tuple of {_item_type(hint).__name__}, got {value!r}"
     if opt.choices is not None and value not in opt.choices:
         return f"must be one of {', '.join(opt.choices)}, got {value!r}"
     return opt.check(value) if opt.check is not None else None

@@ -14,12 +14,12 @@ from blockserve.cluster.client import ClusterEngineClient, fetch_front_end
 from blockserve.cluster.config import ClusterConfig
 from blockserve.cluster.registry import router_report
 from blockserve.cluster.replica import EngineReplica
-from blockserve.config import ServerConfig
 from blockserve.core.hashing import BlockHasher
 from blockserve.engine.arg_checks import lora_module
 from blockserve.engine.args import EngineArgs
 from blockserve.errors import InvalidConfigError
 from blockserve.server.app import build_app as build_http_app
+from blockserve.server.options import ServerConfig
 
 ROUTING_STATS_PERIOD_S = 1.0  # how soon a new replica's event endpoint reaches the router
 ROUTER_CLASSES = {

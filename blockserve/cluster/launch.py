@@ -11,8 +11,8 @@ import threading
 from types import FrameType
 
 from blockserve.cluster.config import ClusterConfig
-from blockserve.config import ServerConfig
 from blockserve.engine.args import EngineArgs
+from blockserve.server.options import ServerConfig
 
 logger = logging.getLogger("blockserve")
 APP_NAME = "blockserve"

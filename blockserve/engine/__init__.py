@@ -4,10 +4,8 @@
 Modules:
 
   args.py              EngineArgs: every engine option once; create_configs()
-  arg_checks.py        the checks of single options' values
-  lora_args.py         LoRAArgs: --enable-lora and the adapters' bounds (EngineArgs inherits)
-  kv_tier_args.py      KVTierArgs: host, disk and remote tier options (EngineArgs inherits)
-  engine_config.py     EngineArgs to the frozen configs: checks across options, each config
+  arg_checks.py        the checks of the options EngineArgs declares itself
+
   request.py           RequestSpec, ValidatedRequest, SampleId, EngineCoreRequest
   input_processor.py   InputProcessor: the one place a request is checked and tokenized
   chat.py              chat template → prompt ids; special-token text in messages stays text

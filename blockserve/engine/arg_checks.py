@@ -1,55 +1,19 @@
-"""The checks of single engine options' values (engine/args.py declares which option takes
-which): each returns None for a good value, else what is wrong with it."""
+"""The checks of the options `EngineArgs` declares itself (the configs' options carry theirs):
+each returns None for a good value, else what is wrong with it."""
 
 from __future__ import annotations
 
 import json
-import math
 from typing import Any
-from urllib.parse import urlsplit
 
 from blockserve.events.config import KVEventsConfig
-from blockserve.kv_tiers.shared import SCHEMES
 from blockserve.lora.names import check_lora_name
-
-
-def device(value: str) -> str | None:
-    name, _, index = value.partition(":")
-    if value in ("auto", "cpu", "cuda") or (name == "cuda" and index.isdigit()):
-        return None
-    return f"must be auto, cpu, cuda or cuda:N, got {value!r}"
-
-
-def finite_non_negative(value: float) -> str | None:
-    if math.isfinite(value) and value >= 0:
-        return None
-    return f"must be a finite number >= 0, got {value!r}"
-
-
-def non_empty(value: str) -> str | None:
-    return None if value else "must be auto, vllm or a path, got an empty string"
 
 
 def kv_events(value: Any) -> str | None:
     if value is None or isinstance(value, (str, dict, KVEventsConfig)):
         return None
     return f"must be a JSON string, a dict or a KVEventsConfig, got {type(value).__name__}"
-
-
-def graph_sizes(values: Any) -> str | None:
-    if not isinstance(values, (tuple, list)):
-        return f"must be a list of batch sizes, got {values!r}"
-    if all(str(v).isdigit() and int(v) > 0 and not isinstance(v, bool) for v in values):
-        return None
-    return f"must be positive batch sizes, got {' '.join(map(str, values))}"
-
-
-def share(value: float) -> str | None:
-    return None if 0 < value <= 1 else f"must be in (0, 1], got {value:g}"
-
-
-def non_empty_or_none(value: str | None) -> str | None:
-    return None if value is None or value else "must not be empty"
 
 
 def lora_module(value: str) -> tuple[str, str]:
@@ -101,21 +65,3 @@ def no_swap_space(value: float | None) -> str | None:
         "is not a flag of vLLM 0.32 either: preemption recomputes, and blocks leaving the "
         "device go to the host tier (--kv-offloading-size GiB)"
     )
-
-
-def redis_url(value: str | None) -> str | None:
-    """A shared store's URL, of a scheme a store serves (kv_tiers/shared.py): redis://,
-    rediss:// or unix:// (what redis-py reads)."""
-    if value is None:
-        return None
-    if not isinstance(value, str) or value.split("://", 1)[0] not in SCHEMES:
-        *first, last = (f"{scheme}://" for scheme in SCHEMES)
-        return f"must be a {', '.join(first)} or {last} URL"
-    try:
-        parts = urlsplit(value)
-        parts.port  # noqa: B018 - parsed for its ValueError
-    except ValueError as exc:  # an unclosed [ of an IPv6 host, a port out of range
-        return f"is not a URL that can be read ({exc})"
-    if parts.scheme != "unix" and not parts.hostname:
-        return "names no host"
-    return None

@@ -190,7 +190,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         tokenizer=core.tokenizer,
         vocab_size=info.vocab_size,
         max_model_len=info.max_model_len,
-        scheduling_policy=config.scheduler.policy,
+        scheduling_policy=config.scheduler.scheduling_policy,
         max_n=config.scheduler.max_n,
         max_bytes_per_token=longest_token_bytes(core.tokenizer, info.vocab_size),
         max_logprobs=config.model.max_logprobs,

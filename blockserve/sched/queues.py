@@ -101,12 +101,13 @@ class PriorityQueue:
 
 
 def create_request_queue(config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> RequestQueue:
-    """The waiting queue for `config.policy`; an lpm queue listens to the manager's pool."""
-    if config.policy == "fcfs":
+    """The waiting queue for `config.scheduling_policy`; an lpm queue listens to the
+    manager's pool."""
+    if config.scheduling_policy == "fcfs":
         return FcfsQueue()
-    if config.policy == "priority":
+    if config.scheduling_policy == "priority":
         return PriorityQueue()
-    if config.policy == "lpm":
+    if config.scheduling_policy == "lpm":
         pool = kv_cache_manager.block_pool
         queue = LpmQueue(
             is_cached=pool.cached_block_hash_to_block.__contains__,
@@ -116,4 +117,4 @@ def create_request_queue(config: SchedulerConfig, kv_cache_manager: KVCacheManag
         )
         pool.add_listener(queue)
         return queue
-    raise InvalidConfigError(f"unknown scheduling policy {config.policy!r}")
+    raise InvalidConfigError(f"unknown scheduling policy {config.scheduling_policy!r}")

@@ -235,7 +235,7 @@ class Scheduler:
             self.waiting.remove(request)
 
     def _pick_victim(self) -> Request:
-        if self.config.policy == "priority":
+        if self.config.scheduling_policy == "priority":
             return max(self.running, key=priority_key)
         return self.running[-1]
 

@@ -2,6 +2,7 @@
 
 Modules:
 
+  options.py         ServerConfig: the server's options (flags), declared once
   app.py             FastAPI factory: routes, lifespan
   auth.py            API keys: which routes need one, key files, per-key cache salts
   limits.py          request-body limits (413 before the body is read; 408 for a slow one)

@@ -17,7 +17,6 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from blockserve import __version__
-from blockserve.config import ServerConfig
 from blockserve.engine.client import EngineClient, ModelInfo
 from blockserve.errors import InvalidConfigError, InvalidRequestError
 from blockserve.server.auth import RequireApiKey
@@ -29,6 +28,7 @@ from blockserve.server.limits import BodySizeLimit
 from blockserve.server.lora_routes import add_lora_routes
 from blockserve.server.metrics import ServerMetrics, log_stats_periodically
 from blockserve.server.openai_routes import chat_prompt, create_chat_completion
+from blockserve.server.options import ServerConfig
 from blockserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,

@@ -13,9 +13,9 @@ from pathlib import Path
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from blockserve.config import ServerConfig
 from blockserve.errors import InvalidConfigError
 from blockserve.server.errors import error_response
+from blockserve.server.options import ServerConfig
 
 
 def read_api_keys(path: str) -> tuple[str, ...]:

@@ -14,12 +14,13 @@ from types import FrameType
 
 import uvicorn
 
-from blockserve.config import EngineConfig, ServerConfig
+from blockserve.config import EngineConfig
 from blockserve.cpu_threads import host_thread_plan, place_front_end
 from blockserve.engine.async_engine import AsyncEngine
 from blockserve.errors import InvalidConfigError
 from blockserve.server.app import build_app
 from blockserve.server.drain import Drain
+from blockserve.server.options import ServerConfig
 from blockserve.server.timeouts import with_header_deadline
 
 logger = logging.getLogger("blockserve")

@@ -8,7 +8,14 @@ import pytest
 
 from blockserve import LLM
 from blockserve.cli import build_parser
-from blockserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from blockserve.config import (
+    CacheConfig,
+    EngineConfig,
+    LoRAConfig,
+    ModelConfig,
+    RuntimeConfig,
+    SchedulerConfig,
+)
 from blockserve.cpu_threads import host_thread_plan
 from blockserve.engine.args import EngineArgs
 from blockserve.errors import InvalidConfigError
@@ -130,7 +137,8 @@ BAD: dict[str, list[tuple[object, list[str] | None]]] = {
     "compile": [("yes", None)],
     "enforce_eager": [("yes", None)],
     "cuda_graph_sizes": [
-        (("0",), ["--cuda-graph-sizes", "0"]),
+        ((0,), ["--cuda-graph-sizes", "0"]),
+        (("1",), None),
         (("8", "x"), ["--cuda-graph-sizes", "8", "x"]),
         ("16", None),
         ((True,), None),
@@ -225,6 +233,35 @@ def test_flag_and_keyword_refuse_the_same_value(
         pytest.fail(f"{flags} was accepted")
 
 
+CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig, LoRAConfig, RuntimeConfig)
+
+
+def test_each_config_option_is_declared_once() -> None:
+    """Every option a config declares is an EngineArgs field of the same name, annotation,
+    default and declaration (the same Option: help, choices and check written once, on the config);
+    EngineArgs declares the rest itself, and no two configs declare the same name."""
+    fields = {f.name: f for f in dataclasses.fields(EngineArgs)}
+    taken: list[str] = []
+    for config in CONFIGS:
+        for f in dataclasses.fields(config):
+            if "option" not in f.metadata:
+                continue
+            taken.append(f.name)
+            mirror = fields[f.name]
+            assert mirror.metadata["option"] is f.metadata["option"], f.name
+            assert (mirror.default, mirror.type) == (f.default, f.type), f.name
+    assert len(taken) == len(set(taken))
+    own = set(fields) - set(taken)
+    assert own == {
+        "structured_outputs_max_bytes", "structured_outputs_max_rules",
+        "structured_outputs_max_choices", "structured_outputs_max_nesting",
+        "structured_outputs_compile_timeout", "eviction_policy", "tlru_threshold_tokens",
+        "tlru_next_prompt_tokens", "enable_lora", "lora_modules", "kv_events_config",
+        "tensor_parallel_size", "enable_chunked_prefill", "swap_space", "trust_remote_code",
+        "load_format",
+    }  # fmt: skip
+
+
 def test_refusal_names_field_and_flag() -> None:
     """The message says which field and which flag, and what was wrong."""
     with pytest.raises(InvalidConfigError) as refused:
@@ -259,7 +296,7 @@ def test_defaults_are_vllms_and_the_configs_own() -> None:
     assert config.cache.prefix_caching_hash_algo == "sha256"
     scheduler = config.scheduler
     assert (scheduler.max_num_seqs, scheduler.max_num_batched_tokens) == (64, 2048)
-    assert (scheduler.policy, scheduler.max_n) == ("fcfs", 128)
+    assert (scheduler.scheduling_policy, scheduler.max_n) == ("fcfs", 128)
 
 
 def test_kv_events_config_accepts_json_dict_or_config() -> None:
@@ -311,7 +348,7 @@ def test_load_format_gguf_fits_a_gguf_model() -> None:
 
 def test_secrets_stay_out_of_the_reprs() -> None:
     """The shared store's secret and the API keys never appear in a printed config."""
-    from blockserve.config import ServerConfig
+    from blockserve.server.options import ServerConfig
 
     args = EngineArgs(kv_remote_secret="s3cret-value", enable_prefix_caching=True)
     assert "s3cret-value" not in repr(args)

@@ -53,8 +53,9 @@ def test_server_uses_only_the_engine_surface() -> None:
 
 
 def test_config_imports_only_plain_data_below_it() -> None:
-    """config.py sits below the scheduler, the runner and the engine: of the layers below it
-    it imports the eviction choice (core/eviction) alone, nothing of sched/ or engine/."""
+    """config.py sits below the scheduler, the runner and the engine: of core/ it imports the
+    eviction choice and the hash functions' names alone, nothing of sched/ or engine/."""
     imports = imported_modules(PACKAGE / "config.py")
-    assert {m for m in imports if m.startswith("blockserve.core")} == {"blockserve.core.eviction"}
+    core = {m for m in imports if m.startswith("blockserve.core")}
+    assert core == {"blockserve.core.eviction", "blockserve.core.hashing"}
     assert not {m for m in imports if m.startswith(("blockserve.sched", "blockserve.engine"))}

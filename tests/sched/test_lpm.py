@@ -19,7 +19,9 @@ MAX_MODEL_LEN = 64  # 16 blocks: one cached block moves a request 1/16 of aging_
 
 
 def make_queue(manager: KVCacheManager, aging_s: float = 16.0) -> LpmQueue:
-    config = SchedulerConfig(max_model_len=MAX_MODEL_LEN, policy="lpm", lpm_aging_s=aging_s)
+    config = SchedulerConfig(
+        max_model_len=MAX_MODEL_LEN, scheduling_policy="lpm", lpm_aging_s=aging_s
+    )
     queue = create_request_queue(config, manager)
     assert isinstance(queue, LpmQueue)
     return queue

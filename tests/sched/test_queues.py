@@ -62,7 +62,10 @@ def test_a_preempted_request_keeps_its_priority_place() -> None:
 def test_unknown_policy_is_a_config_error() -> None:
     """Only fcfs, priority and lpm exist."""
     manager = make_manager()
-    queues = [create_request_queue(SchedulerConfig(policy=p), manager) for p in SCHEDULING_POLICIES]
+    queues = [
+        create_request_queue(SchedulerConfig(scheduling_policy=p), manager)
+        for p in SCHEDULING_POLICIES
+    ]
     assert [type(q) for q in queues] == [FcfsQueue, PriorityQueue, LpmQueue]
     with pytest.raises(InvalidConfigError, match="unknown scheduling policy 'lifo'"):
-        create_request_queue(SchedulerConfig(policy="lifo"), manager)
+        create_request_queue(SchedulerConfig(scheduling_policy="lifo"), manager)

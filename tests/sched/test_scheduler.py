@@ -26,7 +26,7 @@ def make_scheduler(
     caching: bool = True,
 ) -> Scheduler:
     manager = KVCacheManager(num_blocks, 16, caching, KVEventRecorder())
-    config = SchedulerConfig(max_num_seqs, budget, max_model_len=1024, policy=policy)
+    config = SchedulerConfig(max_num_seqs, budget, max_model_len=1024, scheduling_policy=policy)
     return Scheduler(config, manager, eos_token_ids=(EOS,))
 
 

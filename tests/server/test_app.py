@@ -19,11 +19,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import blockserve
 from blockserve.bench.server_process import ServerProcess
-from blockserve.config import ServerConfig
 from blockserve.engine.client import ModelInfo
 from blockserve.engine.outputs import EngineStats
 from blockserve.platform import probe_host
 from blockserve.server.app import build_app
+from blockserve.server.options import ServerConfig
 from tests.server.conftest import tiny_server
 
 pytestmark = pytest.mark.slow  # a real server per module

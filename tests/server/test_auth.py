@@ -8,7 +8,6 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 
-from blockserve.config import ServerConfig
 from blockserve.errors import InvalidConfigError
 from blockserve.server.auth import (
     RequireApiKey,
@@ -16,6 +15,7 @@ from blockserve.server.auth import (
     resolve_api_keys,
     salt_for_key,
 )
+from blockserve.server.options import ServerConfig
 
 
 def test_keys_come_from_flags_and_file_and_else_the_environment(tmp_path: Path) -> None:

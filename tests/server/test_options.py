@@ -1,11 +1,11 @@
-"""ServerConfig validates its options on construction; the engine's configs are plain data."""
+"""ServerConfig validates its options on construction."""
 
 from __future__ import annotations
 
 import pytest
 
-from blockserve.config import ServerConfig
 from blockserve.errors import InvalidConfigError
+from blockserve.server.options import ServerConfig
 
 
 def test_server_defaults() -> None:
