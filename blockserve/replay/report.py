@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -123,12 +124,19 @@ def plot(results: Sequence[ReplayResult], path: Path, title: str) -> None:
     plt.close(figure)
 
 
+PLOTS_NEED = "the plot needs matplotlib: .venv/bin/pip install 'blockserve[plots]'"
+
+
 def write_reports(
     results: Sequence[ReplayResult], out_dir: Path, trace_path: str, block_size: int
-) -> tuple[Path, Path]:
+) -> tuple[Path, Path | None]:
+    """replay.json, and replay.png where matplotlib is installed (the `plots` extra; `make
+    serve` installs the runtime alone): the paths written, None for a plot not drawn."""
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path = out_dir / "replay.json"
     json_path.write_text(json.dumps(to_json(results, trace_path, block_size), indent=2) + "\n")
+    if importlib.util.find_spec("matplotlib") is None:
+        return json_path, None
     png_path = out_dir / "replay.png"
     plot(results, png_path, f"Prefix-cache hit rate on {Path(trace_path).name}")
     return json_path, png_path
