@@ -20,7 +20,8 @@ from blockserve.engine.args import EngineArgs
 from blockserve.errors import BlockserveError, InvalidConfigError
 from blockserve.options import add_arguments, from_namespace
 from blockserve.replay.command import add_replay_arguments, run_replay
-from blockserve.server.options import ServerConfig
+from blockserve.server.options import ServerConfig, with_vllm_environment
+from blockserve.server.vllm_surface import unsupported_flag
 
 
 def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -96,7 +97,10 @@ def events_hint(endpoint: str, waited_s: float) -> str:
     config = f'{{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:{port}"}}'
     return (
         f"blockserve events: no KV events from {endpoint} in {waited_s:g} s; a server "
-        f"publishes them only when started with --kv-events-config '{config}'"
+        f"publishes them only when started with --kv-events-config '{config}'. The * makes "
+        "the server bind and listen for subscribers; an endpoint naming a host instead makes "
+        "its publisher connect to that address (vLLM's rule), where nothing listens unless "
+        "a subscriber binds it"
     )
 
 
@@ -125,9 +129,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    (subparsers,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return subparsers.choices[name]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)  # `bench vs-vllm` hands its flags on
+    if extra and args.command == "serve":
+        for token in extra:  # one of vLLM's flags is named as such, with serve's usage
+            if (message := unsupported_flag(token)) is not None:
+                _subparser(parser, "serve").error(message)
     if extra and getattr(args, "bench", None) != "vs-vllm":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.race_args = extra
@@ -163,7 +176,9 @@ def run_serve(args: argparse.Namespace) -> int:
         args.model = args.model_tag
 
     engine_args = EngineArgs.from_cli_args(args)
-    server_config = resolve_api_keys(from_namespace(ServerConfig, args), os.environ)
+    server_config = with_vllm_environment(
+        resolve_api_keys(from_namespace(ServerConfig, args), os.environ), os.environ
+    )
     cluster = from_namespace(ClusterConfig, args)
     if cluster.replicas > 0:
         from blockserve.cluster.launch import serve_cluster

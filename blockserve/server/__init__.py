@@ -21,7 +21,9 @@ Modules:
                      vLLM fields refused with a 400 rather than ignored
   tools.py           tools and tool_choice: the call grammar, tool_calls replies, stream deltas
   responses.py       response bodies, SSE chunks, usage, logprobs
-  errors.py          OpenAI-shaped errors (400 for validation, never 422)
+  errors.py          OpenAI-shaped errors (400 for validation, never 422); a missing route's
+                     404 names the routes served
+  vllm_surface.py    vLLM's flags and routes blockserve lacks, named as such when asked for
   metrics.py         Prometheus collector and histograms, periodic stats line
   serve.py           run uvicorn; the first SIGTERM drains before it shuts down
 """

@@ -14,9 +14,11 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from blockserve.errors import BlockserveError, InvalidRequestError
+from blockserve.server.vllm_surface import is_vllm_route
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +88,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404 and "route" not in request.scope:  # no route matched
+            return error_response(404, no_route_message(app, request.method, request.url.path))
         # Starlette's own headers ride along: `Allow` on a 405, for one.
         return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
 
@@ -93,6 +97,19 @@ def install_error_handlers(app: FastAPI) -> None:
     async def unexpected_error(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s", request.url.path)
         return error_response(500, f"internal error: {type(exc).__name__}")
+
+
+def no_route_message(app: FastAPI, method: str, path: str) -> str:
+    """What a request for a route that does not exist is told: whether it is one of vLLM's,
+    and the routes this server has."""
+    served = sorted(
+        f"{verb} {route.path}"
+        for route in app.routes
+        if isinstance(route, APIRoute)
+        for verb in sorted(route.methods or ())
+    )
+    what = "is a vLLM route blockserve does not serve" if is_vllm_route(path) else "is no route"
+    return f"{method} {path} {what}; this server serves {', '.join(served)}"
 
 
 ERROR_SCHEMA = {

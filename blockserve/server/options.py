@@ -3,6 +3,8 @@ CLI builds its parser from them, so this module imports no torch and no FastAPI.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from blockserve.errors import InvalidConfigError
@@ -57,7 +59,8 @@ class ServerConfig:
     allow_runtime_lora_updating: bool = option(
         False,
         "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's routes; off "
-        "by default: a request names a path the server then reads)",
+        "by default: a request names a path the server then reads; vLLM's switch, "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, turns them on too)",
     )
     enable_debug_endpoints: bool = option(
         False, "serve /debug/kv_cache (pool occupancy, which shows other tenants' activity)"
@@ -157,3 +160,12 @@ class ServerConfig:
             raise InvalidConfigError(
                 "enable_auto_tool_choice (--enable-auto-tool-choice) needs --tool-call-parser"
             )
+
+
+def with_vllm_environment(config: ServerConfig, environ: Mapping[str, str]) -> ServerConfig:
+    """The config with vLLM's environment switches read as vLLM reads them:
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING (1 or true, any case) serves the adapter routes."""
+    value = environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower()
+    if value in ("1", "true"):
+        return dataclasses.replace(config, allow_runtime_lora_updating=True)
+    return config

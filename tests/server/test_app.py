@@ -72,6 +72,12 @@ def test_health_version_and_unknown_route(server: ServerProcess) -> None:
     assert isinstance(threads, int) and threads >= 1
     missing = httpx.get(f"{server.url}/v1/nothing")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == 404
+    embeddings = httpx.post(f"{server.url}/v1/embeddings", json={"input": "hi"}).json()
+    message = embeddings["error"]["message"]
+    assert message.startswith(
+        "POST /v1/embeddings is a vLLM route blockserve does not serve; this server serves "
+    )
+    assert "POST /v1/chat/completions" in message and "GET /metrics" in message
 
 
 def test_debug_kv_cache_reports_a_sound_idle_pool(server: ServerProcess) -> None:

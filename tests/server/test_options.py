@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from blockserve.errors import InvalidConfigError
-from blockserve.server.options import ServerConfig
+from blockserve.server.options import ServerConfig, with_vllm_environment
 
 
 def test_server_defaults() -> None:
@@ -42,3 +42,17 @@ def test_bad_server_options_raise(kwargs: dict[str, object], message: str) -> No
     with pytest.raises(InvalidConfigError) as refused:
         ServerConfig(**kwargs)  # type: ignore[arg-type]
     assert str(refused.value) == message
+
+
+@pytest.mark.parametrize(
+    ("value", "routes"),
+    [("1", True), ("True", True), (" true ", True), ("0", False), ("yes", False), (None, False)],
+)
+def test_vllms_switch_serves_the_adapter_routes_as_vllm_reads_it(
+    value: str | None, routes: bool
+) -> None:
+    """VLLM_ALLOW_RUNTIME_LORA_UPDATING: 1 or true, any case, around spaces (vLLM's envs.py)."""
+    environ = {} if value is None else {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": value}
+    assert with_vllm_environment(ServerConfig(), environ).allow_runtime_lora_updating is routes
+    flagged = ServerConfig(allow_runtime_lora_updating=True)
+    assert with_vllm_environment(flagged, environ) == flagged
