@@ -56,6 +56,7 @@ def create_kv_tiers(
     if cache.kv_offloading_bytes:
         host = HostStore(shape, cache.kv_offloading_bytes, runner.kv.pin_memory)
         tiers.append(Tier("host", "CPU", host))
+        logger.info("KV host tier: %.2f GiB of host memory", cache.kv_offloading_size)
     directory = None
     fingerprint = None
     if cache.kv_remote_url or (cache.kv_cache_dir is not None and cache.kv_disk_bytes):
@@ -78,6 +79,7 @@ def create_kv_tiers(
                 cache.kv_remote_url, shape, fingerprint.namespace(), secret=secret_bytes
             )
             shared = Tier("remote", MEDIUM_REMOTE, remote)
+            _log_shared_store(remote)
         else:
             logger.warning(
                 "KV remote tier OFF: %s hashes use a random per-process seed (PYTHONHASHSEED "
@@ -95,6 +97,21 @@ def create_kv_tiers(
         shared=shared,
     )
     return kv_tiers, directory
+
+
+def _log_shared_store(store: SharedStore) -> None:
+    """Whether the shared store answers at start: a store that does not is a miss on every
+    lookup until it does, which the start says rather than the first slow request."""
+    problem = store.check()
+    if problem is None:
+        logger.info("KV remote tier: %s answers", store.url)
+    else:
+        logger.warning(
+            "KV remote tier: %s does not answer (%s); every lookup misses until it does "
+            "(docs/kv-tiers.md: starting a store)",
+            store.url,
+            problem,
+        )
 
 
 def _fingerprint(runner: RunnerInfo, cache: CacheConfig, hasher: BlockHasher) -> Fingerprint:

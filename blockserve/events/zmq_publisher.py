@@ -5,8 +5,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import queue
+import socket
 import threading
 from collections import deque
+from urllib.parse import urlsplit
 
 import zmq
 
@@ -23,6 +25,36 @@ _STOP = None
 def binds(endpoint: str) -> bool:
     """vLLM's rule: wildcard, IPv6-any, ipc and inproc endpoints are bound, others connected."""
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def nobody_listens(endpoint: str) -> bool:
+    """A tcp:// endpoint where nothing accepts a connection now: a publisher that connects
+    there sends every event to nowhere until a subscriber binds it."""
+    parts = urlsplit(endpoint)
+    if parts.scheme != "tcp" or parts.hostname is None or parts.port is None:
+        return False
+    try:
+        socket.create_connection((parts.hostname, parts.port), timeout=1.0).close()
+    except OSError:
+        return True
+    return False
+
+
+def log_endpoint(endpoint: str) -> None:
+    """Say at start where the events go; loudly when they would go nowhere."""
+    if binds(endpoint):
+        logger.info("KV events: the publisher binds %s; subscribers connect to it", endpoint)
+    elif nobody_listens(endpoint):
+        port = endpoint.rsplit(":", 1)[-1]
+        logger.warning(
+            "KV events: %s names a host, so the publisher connects to it (vLLM's rule) and "
+            "nothing listens there: events are dropped until a subscriber binds it. For "
+            "subscribers to connect to this server, use tcp://*:%s",
+            endpoint,
+            port,
+        )
+    else:
+        logger.info("KV events: the publisher connects to the subscriber bound at %s", endpoint)
 
 
 class ZmqEventPublisher:
@@ -48,6 +80,9 @@ class ZmqEventPublisher:
                 self._pub.bind(config.endpoint)
             else:
                 self._pub.connect(config.endpoint)
+            log_endpoint(config.endpoint)
+            if config.replay_endpoint is not None:
+                logger.info("KV events: missed batches replayed on %s", config.replay_endpoint)
             if config.replay_endpoint is not None:
                 self._replay = self._context.socket(zmq.ROUTER)
                 # A ROUTER silently drops what exceeds its high-water mark: a replay of the

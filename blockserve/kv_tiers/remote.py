@@ -97,6 +97,14 @@ class RemoteStore:
     def key(self, block_hash: bytes) -> bytes:
         return self._prefix + block_hash
 
+    def check(self) -> str | None:
+        """A PING, bounded by `IO_TIMEOUT_S`: None when the store answers, else the error."""
+        try:
+            self._io.ping()
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
     @property
     def is_down(self) -> bool:
         with self._lock:

@@ -109,6 +109,7 @@ class SharedStore(Protocol):
     nothing until it answers again."""
 
     shape: BlockShape
+    url: str  # where it is, as a log may show it (no password)
     failures: int  # calls that found the store down, slow or refusing
 
     @property
@@ -125,6 +126,10 @@ class SharedStore(Protocol):
 
     def known(self, key: bytes) -> bool:
         """Whether this process wrote or read `key` lately (no round trip)."""
+        ...
+
+    def check(self) -> str | None:
+        """None when the store answers now, else why not (what the start-up log says)."""
         ...
 
     def put(self, key: bytes, block: torch.Tensor) -> Write: ...

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -19,7 +20,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from blockserve import __version__
 from blockserve.engine.client import EngineClient, ModelInfo
 from blockserve.errors import InvalidConfigError, InvalidRequestError
-from blockserve.server.auth import RequireApiKey
+from blockserve.server.auth import RequireApiKey, describe_access
 from blockserve.server.completions import create_completion
 from blockserve.server.context import ServingContext
 from blockserve.server.drain import Drain, RefuseWhileDraining
@@ -36,6 +37,8 @@ from blockserve.server.protocol import (
     TokenizeRequest,
 )
 from blockserve.server.request_limits import RequestLimits
+
+logger = logging.getLogger("blockserve")
 
 # A completion answers JSON, or with "stream": true an event stream.
 GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -99,6 +102,7 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
             {"/health"} | ({"/metrics"} if config.metrics_without_auth else set())
         )
         app.add_middleware(RequireApiKey, keys=config.api_key, open_paths=open_paths)
+    logger.info(describe_access(config))
     _add_openai_routes(app, ctx, info)
     _add_token_routes(app, ctx, info)
     _add_status_routes(app, ctx)

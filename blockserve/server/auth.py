@@ -46,6 +46,19 @@ def resolve_api_keys(config: ServerConfig, environ: Mapping[str, str]) -> Server
     return dataclasses.replace(config, api_key=keys)
 
 
+def describe_access(config: ServerConfig) -> str:
+    """Which routes need a key, for the start-up log: a scrape that gets 401s, or an open
+    server someone believed closed, is said at start."""
+    if not config.api_key:
+        return "API keys: none, every route is open (--api-key or BLOCKSERVE_API_KEY requires one)"
+    if config.metrics_without_auth:
+        return "API keys: required on every route but /health and /metrics (--metrics-without-auth)"
+    return (
+        "API keys: required on every route but /health; /metrics too (a Prometheus scrape sets "
+        "`authorization: {credentials: KEY}`; --metrics-without-auth opens it, as vLLM leaves it)"
+    )
+
+
 class RequireApiKey:
     """ASGI middleware: outside `open_paths` a request needs one of `keys` (else 401); the key
     it showed is left in its state (`request.state.api_key`). Pure ASGI, not Starlette's

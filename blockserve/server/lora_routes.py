@@ -3,6 +3,8 @@ a path the server reads): POST /v1/load_lora_adapter and /v1/unload_lora_adapter
 
 from __future__ import annotations
 
+import logging
+
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
 
@@ -19,7 +21,16 @@ class UnloadLoRAAdapterRequest(Body):
     lora_name: str
 
 
+logger = logging.getLogger("blockserve")
+
+
 def add_lora_routes(app: FastAPI, ctx: ServingContext) -> None:
+    logger.warning(
+        "LoRA adapters may be loaded and unloaded at run time (POST /v1/load_lora_adapter, "
+        "/v1/unload_lora_adapter): a request names a path the server reads. As vLLM says, "
+        "for local development only"
+    )
+
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> PlainTextResponse:
         """Read and check the adapter off the engine's thread, then serve it; a 400 naming

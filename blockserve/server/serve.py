@@ -70,13 +70,6 @@ def _serve_on(
     place_front_end(runtime.threads, affinity)
     engine = AsyncEngine.from_config(engine_config, server_config.tokenizer_workers)
     app = build_app(engine, server_config)
-    kv_events_config = engine_config.kv_events
-    if kv_events_config is not None and kv_events_config.enabled:
-        logger.info(
-            "publishing KV events on %s (replay: %s)",
-            kv_events_config.endpoint,
-            kv_events_config.replay_endpoint,
-        )
     server = DrainingServer(
         app.state.drain,
         uvicorn.Config(

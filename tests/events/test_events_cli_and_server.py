@@ -103,5 +103,8 @@ def test_events_without_a_publisher_says_what_the_server_needs() -> None:
     config = f'{{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:{port}"}}'
     assert line == (
         f"blockserve events: no KV events from tcp://127.0.0.1:{port} in 0.5 s; a server "
-        f"publishes them only when started with --kv-events-config '{config}'\n"
+        f"publishes them only when started with --kv-events-config '{config}'. The * makes "
+        "the server bind and listen for subscribers; an endpoint naming a host instead makes "
+        "its publisher connect to that address (vLLM's rule), where nothing listens unless "
+        "a subscriber binds it\n"
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -228,3 +229,37 @@ def test_full_queue_and_absent_subscriber_never_block() -> None:
         subscriber.close()
         publisher.shutdown()
     assert [seq for seq, _ in replayed] == list(range(5000))
+
+
+def test_a_connecting_endpoint_with_no_listener_is_logged_with_the_bind_form(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A host in the endpoint makes the publisher connect (vLLM's rule): with nothing bound
+    there, the start says so and names the * form; with a subscriber bound there, it says
+    where the events go."""
+    port = free_port()
+    endpoint = f"tcp://127.0.0.1:{port}"
+    with caplog.at_level(logging.INFO, logger="blockserve.events.zmq_publisher"):
+        ZmqEventPublisher(KVEventsConfig(enable_kv_cache_events=True, endpoint=endpoint)).shutdown()
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        (
+            "WARNING",
+            f"KV events: {endpoint} names a host, so the publisher connects to it (vLLM's rule) "
+            "and nothing listens there: events are dropped until a subscriber binds it. For "
+            f"subscribers to connect to this server, use tcp://*:{port}",
+        )
+    ]
+    caplog.clear()
+    context = zmq.Context()
+    subscriber = context.socket(zmq.SUB)
+    subscriber.bind(endpoint)
+    try:
+        with caplog.at_level(logging.INFO, logger="blockserve.events.zmq_publisher"):
+            config = KVEventsConfig(enable_kv_cache_events=True, endpoint=endpoint)
+            ZmqEventPublisher(config).shutdown()
+    finally:
+        subscriber.close(linger=0)
+        context.term()
+    assert [r.getMessage() for r in caplog.records] == [
+        f"KV events: the publisher connects to the subscriber bound at {endpoint}"
+    ]

@@ -112,6 +112,18 @@ def test_a_stopped_store_is_marked_down_and_comes_back(
     assert torch.equal(store.get(key).block, block(4))  # type: ignore[arg-type]
 
 
+def test_the_start_check_says_whether_the_store_answers(
+    store: RemoteStore, redis_server: RedisServer
+) -> None:
+    """check() PINGs: None while the server runs, the client's error once it stopped (and a
+    failed check marks nothing down: it is the start's question, not a lookup)."""
+    assert store.check() is None
+    redis_server.stop()
+    problem = store.check()
+    assert problem is not None and problem.startswith("ConnectionError: ")
+    assert not store.is_down and store.failures == 0
+
+
 def test_a_paused_store_costs_a_lookup_its_timeout_only(
     store: RemoteStore, redis_server: RedisServer
 ) -> None:

@@ -11,6 +11,7 @@ from fastapi.testclient import TestClient
 from blockserve.errors import InvalidConfigError
 from blockserve.server.auth import (
     RequireApiKey,
+    describe_access,
     read_api_keys,
     resolve_api_keys,
     salt_for_key,
@@ -80,3 +81,18 @@ def test_only_open_paths_answer_without_a_key() -> None:
     assert client.get("/whoami", headers={"Authorization": "Bearer k2"}).json() == {"key": "k2"}
     opened = app_with_keys(frozenset({"/health", "/metrics"}))
     assert opened.get("/metrics").status_code == 200
+
+
+def test_the_start_says_which_routes_need_a_key() -> None:
+    """The log line says, for each setting, whether /metrics needs the key and which flag
+    opens it."""
+    assert describe_access(ServerConfig()) == (
+        "API keys: none, every route is open (--api-key or BLOCKSERVE_API_KEY requires one)"
+    )
+    assert describe_access(ServerConfig(api_key=("k",))) == (
+        "API keys: required on every route but /health; /metrics too (a Prometheus scrape sets "
+        "`authorization: {credentials: KEY}`; --metrics-without-auth opens it, as vLLM leaves it)"
+    )
+    assert describe_access(ServerConfig(api_key=("k",), metrics_without_auth=True)) == (
+        "API keys: required on every route but /health and /metrics (--metrics-without-auth)"
+    )
