@@ -41,6 +41,7 @@ from blockserve.runner.kv_budget import (
     LargestStep,
     cuda_memory,
     fixed_kv_bytes,
+    full_house_blocks,
     profile_lengths,
     scratch_blocks,
     size_from_memory,
@@ -88,7 +89,8 @@ def runner_parts(
     arch = read_arch(model_dir)
     block_size = cache_config.block_size
     num_blocks = _fixed_num_blocks(cache_config, arch, block_size, dtype, device)
-    profiled = profile_lengths(largest_step or LargestStep(), arch.max_position_embeddings)
+    largest = largest_step or LargestStep()
+    profiled = profile_lengths(largest, arch.max_position_embeddings)
     before = cuda_memory(device) if num_blocks is None and device.type == "cuda" else None
     kv_caches = allocate_kv_caches(
         arch, num_blocks or scratch_blocks(profiled, block_size), block_size, dtype, device
@@ -129,7 +131,9 @@ def runner_parts(
         lora=build_lora_manager(lora_config, loaded.model, arch, dtype, device, kernels),
     )
     if num_blocks is None:
-        size_from_memory(parts, cache_config, profiled, before)
+        context = model_config.max_model_len or arch.max_position_embeddings
+        full_house = full_house_blocks(largest, context, block_size)
+        size_from_memory(parts, cache_config, profiled, before, full_house)
     if runtime.compile:  # warmed on the parts: their inputs, their cache, their backend
         parts.forward, parts.compile_report = compile_forward(
             loaded.model, backend, default_cache_dir(), partial(warm_up, parts)

@@ -143,12 +143,25 @@ def scratch_blocks(lengths: list[int], block_size: int) -> int:
     return 1 + sum(-(-length // block_size) for length in lengths)
 
 
+def full_house_blocks(largest: LargestStep, context: int, block_size: int) -> int:
+    """The most blocks the engine can ever hold at once: --max-num-seqs sequences of the whole
+    context each, and the null block."""
+    return largest.seqs * -(-context // block_size) + 1
+
+
 def size_from_memory(
-    parts: RunnerParts, cache_config: CacheConfig, lengths: list[int], before: Memory | None
+    parts: RunnerParts,
+    cache_config: CacheConfig,
+    lengths: list[int],
+    before: Memory | None,
+    full_house: int,
 ) -> None:
     """Give `parts` (assembled over a scratch cache of `scratch_blocks`) the cache the memory
     leaves, before a runner is built over them: on CUDA after profiling `lengths` (`before`:
-    the device before the weights), on a CPU after the weights loaded."""
+    the device before the weights), as vLLM sizes it; on a CPU after the weights loaded, and
+    no more than `full_house` blocks (a share of the host's memory is the host's, not the
+    device's: vLLM-CPU's reading of the flag would take gigabytes a small context never
+    uses)."""
     share = utilization(cache_config)
     arch, dtype, device = parts.arch, parts.kv_caches[0].dtype, parts.device
     if before is not None:
@@ -159,16 +172,20 @@ def size_from_memory(
     parts.kv_caches = []  # the scratch cache goes before the cache is allocated
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    num_blocks = num_blocks_for(arch, parts.block_size, dtype, None, nbytes)
+    allowed = num_blocks_for(arch, parts.block_size, dtype, None, nbytes)
+    num_blocks = allowed if before is not None else min(allowed, full_house)
     parts.kv_caches = allocate_kv_caches(arch, num_blocks, parts.block_size, dtype, device)
     parts.num_blocks = num_blocks
     per_block = bytes_per_block(arch, parts.block_size, dtype)
+    where = "the host" if before is None else str(device)
     logger.info(
-        "KV cache: %.2f GiB (%d blocks) from --gpu-memory-utilization %g of %s",
+        "KV cache: %.2f GiB (%d blocks) of the %.2f GiB --gpu-memory-utilization %g allows on %s%s",
         num_blocks * per_block / GIB,
         num_blocks,
+        nbytes / GIB,
         share,
-        device,
+        where,
+        ": all that the running sequences can hold" if num_blocks < allowed else "",
     )
 
 

@@ -4,6 +4,7 @@ its model loaded, whose tokens stay those of a runner sized by a block count."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from blockserve.runner.kv_budget import (
     LargestStep,
     Memory,
     fixed_kv_bytes,
+    full_house_blocks,
     host_kv_bytes,
     host_memory,
     profile_lengths,
@@ -100,15 +102,33 @@ def test_scratch_blocks_hold_each_sequence_and_the_null_block() -> None:
 
 
 def test_a_runner_sized_by_the_host_share(
-    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """Half the host's memory less the resident GiB, but never more blocks than 64 sequences
+    of the model's 512 positions hold (2,049 with the null block): the log says both."""
     monkeypatch.setattr(kv_budget, "host_memory", lambda: Memory(free=4 * GIB, total=4 * GIB))
     monkeypatch.setattr(kv_budget, "resident_bytes", lambda: GIB)
     model = ModelConfig(model=str(tiny_llama_dir), dtype="float32", device="cpu")
-    sized = build_runner(model, CacheConfig(gpu_memory_utilization=0.5))
+    with caplog.at_level(logging.INFO, logger="blockserve.runner.kv_budget"):
+        sized = build_runner(model, CacheConfig(gpu_memory_utilization=0.5))
     per_block = bytes_per_block(sized.arch, 16, sized.kv_caches[0].dtype)
-    assert sized.num_blocks == GIB // per_block
+    assert (per_block, GIB // per_block) == (8192, 131072)  # what the share alone allows
+    assert sized.num_blocks == full_house_blocks(LargestStep(), 512, 16) == 64 * 32 + 1
     assert sized.kv_caches[0].shape[1] == sized.num_blocks
+    assert caplog.messages[-1] == (
+        "KV cache: 0.02 GiB (2049 blocks) of the 1.00 GiB --gpu-memory-utilization 0.5 allows "
+        "on the host: all that the running sequences can hold"
+    )
     fixed = build_runner(model, CacheConfig(num_gpu_blocks_override=64))
     prompts = [list(range(3, 40)), list(range(7, 12))]
     assert greedy_generate(sized, prompts, 8) == greedy_generate(fixed, prompts, 8)
+
+
+def test_a_share_smaller_than_the_full_house_is_what_the_cache_gets(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    total = 2 * (GIB + 1000 * 8192)  # half of it: the resident GiB and 1,000 blocks
+    monkeypatch.setattr(kv_budget, "host_memory", lambda: Memory(free=total, total=total))
+    monkeypatch.setattr(kv_budget, "resident_bytes", lambda: GIB)
+    model = ModelConfig(model=str(tiny_llama_dir), dtype="float32", device="cpu")
+    assert build_runner(model, CacheConfig(gpu_memory_utilization=0.5)).num_blocks == 1000
