@@ -30,13 +30,28 @@ def host_stamp() -> dict[str, Any]:
     }
 
 
-def emit(results: dict[str, Any], out: Path | None) -> None:
-    """Print `results` as JSON with the host stamp, and write it to `out` too if given."""
+def emit(results: dict[str, Any], out: Path | None, to_stdout: bool = True) -> None:
+    """`results` as JSON with the host stamp: written to `out` if given, and printed unless
+    `to_stdout` is False (the commands that print a table instead)."""
     text = json.dumps({**results, **host_stamp()}, indent=2)
-    print(text)
+    if to_stdout:
+        print(text)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text + "\n")
+
+
+def table(headers: list[str], rows: list[list[Any]]) -> str:
+    """A plain text table: a header line, a rule, then the rows, each column right-aligned
+    to its widest cell."""
+    cells = [headers, *[["-" if v is None else str(v) for v in row] for row in rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = [
+        "  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True))
+        for row in cells
+    ]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    return "\n".join(lines)
 
 
 def percentile(values: list[float], q: float) -> float:

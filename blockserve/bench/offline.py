@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from blockserve.bench.harness import table
+
 PREFIX_LEN = 1024
 SUFFIX_LEN = 32
 OUTPUT_LEN = 32
@@ -204,25 +206,91 @@ def top_operators(profiler: Any, count: int) -> list[dict[str, Any]]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workload", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
-    parser.add_argument("--caching", nargs="+", choices=("on", "off"), default=["on", "off"])
-    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument(
+        "--workload",
+        nargs="+",
+        choices=WORKLOADS,
+        default=list(WORKLOADS),
+        help="shared-prefix: one 1,024-token prefix and a distinct 32-token suffix per request; "
+        "random: 1,056 random tokens each, nothing shared (default: both)",
+    )
+    parser.add_argument(
+        "--caching",
+        nargs="+",
+        choices=("on", "off"),
+        default=["on", "off"],
+        help="prefix caching on, off, or both (default), one engine each",
+    )
+    parser.add_argument("--requests", type=int, default=64, help="requests per run (default 64)")
     parser.add_argument("--dtype", default="auto", help="auto (the host's native dtype) or float32")
-    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    parser.add_argument("--out", type=Path, default=None, help="write the full JSON here")
+    parser.add_argument("--json", action="store_true", help="print the full JSON, not a table")
     parser.add_argument("--compile", action="store_true", help="the compiled forward")
     parser.add_argument(
         "--profile", type=int, default=0, metavar="N", help="torch.profiler's top N operators"
     )
-    parser.add_argument("--max-tokens", type=int, default=OUTPUT_LEN)
-    parser.add_argument("--paged-decode", choices=("on", "off"), default="on")
-    parser.add_argument("--precached", type=int, default=0, metavar="N")
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=OUTPUT_LEN,
+        help=f"tokens each request generates (default {OUTPUT_LEN}, ignoring EOS)",
+    )
+    parser.add_argument(
+        "--paged-decode",
+        choices=("on", "off"),
+        default="on",
+        help="off: our paged-decode kernel left out, torch's decode path serving",
+    )
+    parser.add_argument(
+        "--precached",
+        type=int,
+        default=0,
+        metavar="N",
+        help="cache the first N tokens of the first prompt before the timed run",
+    )
     parser.add_argument(
         "--kv-written", action="store_true", help="write every KV cache page before the run"
     )
 
 
+OFFLINE_COLUMNS = [
+    "workload",
+    "caching",
+    "requests",
+    "wall s",
+    "output tok/s",
+    "TTFT p50 s",
+    "hit rate",
+    "preemptions",
+]
+
+
+def summary(results: dict[str, Any]) -> str:
+    """The runs as a table, then each workload's speed-up from caching."""
+    rows = [
+        [
+            run["workload"],
+            "on" if run["prefix_caching"] else "off",
+            run["requests"],
+            run["wall_s"],
+            run["output_tokens_per_s"],
+            run["ttft_p50_s"],
+            run["hit_rate"],
+            run["preemptions"],
+        ]
+        for run in results["runs"]
+    ]
+    lines = [table(OFFLINE_COLUMNS, rows)]
+    for key, value in results.items():
+        if key.endswith("_speedup_from_caching"):
+            workload = key.removesuffix("_speedup_from_caching")
+            lines.append(f"{workload}: {value}x faster with prefix caching")
+    return "\n".join(lines)
+
+
 def run_command(args: argparse.Namespace, notes: dict[str, Any] | None = None) -> int:
-    """Every run `args` asks for, emitted as one JSON document (with `notes` added)."""
+    """Every run `args` asks for: one JSON document (with `notes` added) to --out and, with
+    --json, to stdout; else a table."""
     from blockserve.bench.harness import emit
 
     runs = [
@@ -256,5 +324,8 @@ def run_command(args: argparse.Namespace, notes: dict[str, Any] | None = None) -
         if True in by_caching and False in by_caching:
             speedup = by_caching[False] / by_caching[True]
             results[f"{workload}_speedup_from_caching"] = round(speedup, 2)
-    emit(results, args.out)
+    emit(results, args.out, to_stdout=args.json)
+    if not args.json:
+        print(summary(results))
+        print(f"full JSON: {args.out}" if args.out else "full JSON: --out PATH or --json")
     return 0

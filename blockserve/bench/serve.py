@@ -9,6 +9,7 @@ import json
 import re
 from pathlib import Path
 
+from blockserve.bench.harness import table
 from blockserve.bench.load import VOCAB_HIGH
 
 # Datasets (token-id prompts, so lengths are exact; `ignore_eos` makes outputs exact too):
@@ -35,12 +36,13 @@ def server_hit_rate(url: str) -> float | None:
     return round(values["prefix_cache_hits_total"] / queries, 4) if queries else None
 
 
-def plot_ttft(runs: dict[str, dict], path: Path, title: str) -> None:
-    """Each run's TTFT distribution, where matplotlib is installed (the dev extra)."""
+def plot_ttft(runs: dict[str, dict], path: Path, title: str) -> Path | None:
+    """Each run's TTFT distribution, where matplotlib is installed (the `plots` extra): the
+    plot's path, or None."""
     try:
         import matplotlib
     except ImportError:
-        return
+        return None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -58,26 +60,47 @@ def plot_ttft(runs: dict[str, dict], path: Path, title: str) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
+    return path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--dataset", choices=["random", "shared-prefix", "multi-turn"], default="shared-prefix"
+        "--dataset",
+        choices=["random", "shared-prefix", "multi-turn"],
+        default="shared-prefix",
+        help="shared-prefix: groups of questions behind one system prompt; random: nothing "
+        "shared; multi-turn: conversations whose every turn extends the last (default: "
+        "shared-prefix)",
     )
-    parser.add_argument("--num-groups", type=int, default=4)
-    parser.add_argument("--prompts-per-group", type=int, default=16)
+    parser.add_argument(
+        "--num-groups", type=int, default=4, help="shared-prefix: system prompts (default 4)"
+    )
+    parser.add_argument(
+        "--prompts-per-group",
+        type=int,
+        default=16,
+        help="shared-prefix: questions behind each system prompt (default 16)",
+    )
     parser.add_argument(
         "--num-prompts", type=int, default=64, help="random: prompts; multi-turn: conversations"
     )
-    parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--system-len", type=int, default=1024)
-    parser.add_argument("--question-len", type=int, default=64)
-    parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation")
+    parser.add_argument(
+        "--system-len", type=int, default=1024, help="tokens of each system prompt (default 1024)"
+    )
+    parser.add_argument(
+        "--question-len", type=int, default=64, help="tokens of each question (default 64)"
+    )
+    parser.add_argument(
+        "--output-len", type=int, default=64, help="tokens each request generates (default 64)"
+    )
+    parser.add_argument(
+        "--concurrency", type=int, default=16, help="clients sending at once (default 16)"
+    )
     parser.add_argument(
         "--request-rate", type=float, default=0.0, help="Poisson arrivals per s (0: --concurrency)"
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="the datasets' random seed")
     parser.add_argument(
         "--max-token-id",
         type=int,
@@ -97,7 +120,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--compare-caching", action="store_true", help="run with caching on and off"
     )
     parser.add_argument("--server-args", default="", help="extra flags for the started server")
-    parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results/serving"))
+    parser.add_argument(
+        "--out-dir",
+        type=Path,
+        default=Path("benchmarks/results/serving"),
+        help="where the JSON, the TTFT plot and the server's log go "
+        "(default: benchmarks/results/serving)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the JSON, not a table")
+
+
+SERVE_COLUMNS = [
+    "setting",
+    "requests",
+    "wall s",
+    "req/s",
+    "output tok/s",
+    "TTFT p50 ms",
+    "TTFT p90 ms",
+    "TPOT p50 ms",
+    "cached tokens",
+    "server hit rate",
+]
+
+
+def summary(runs: dict[str, dict]) -> str:
+    rows = [
+        [
+            label,
+            run["requests"],
+            run["wall_s"],
+            run["request_throughput_per_s"],
+            run["output_tokens_per_s"],
+            run["ttft"].get("p50_ms"),
+            run["ttft"].get("p90_ms"),
+            run["tpot"].get("p50_ms"),
+            run["cached_tokens_reported"],
+            run["server_prefix_cache_hit_rate"],
+        ]
+        for label, run in runs.items()
+    ]
+    return table(SERVE_COLUMNS, rows)
 
 
 def measure(args: argparse.Namespace) -> dict[str, dict]:
@@ -130,6 +193,7 @@ def run_command(args: argparse.Namespace) -> int:
     """Run the load, write `serving-<dataset>[-rate<r>].json` and its TTFT plot to --out-dir
     and print the report (without the TTFT samples)."""
     from blockserve.bench.harness import host_stamp
+    from blockserve.replay.report import PLOTS_NEED
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
     runs = measure(args)
@@ -148,11 +212,18 @@ def run_command(args: argparse.Namespace) -> int:
     if args.request_rate:
         stem += f"-rate{args.request_rate:g}"
         load = f"Poisson arrivals, {args.request_rate:g} req/s"
-    (args.out_dir / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
-    plot_ttft(runs, args.out_dir / f"{stem}-ttft.png", f"TTFT, {args.dataset}, {load}")
-    printable = {
-        label: {k: v for k, v in run.items() if k != "ttft_samples_s"}
-        for label, run in runs.items()
-    }
-    print(json.dumps({**report, "runs": printable}, indent=2))
+    json_path = args.out_dir / f"{stem}.json"
+    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    plotted = plot_ttft(runs, args.out_dir / f"{stem}-ttft.png", f"TTFT, {args.dataset}, {load}")
+    if args.json:
+        printable = {
+            label: {k: v for k, v in run.items() if k != "ttft_samples_s"}
+            for label, run in runs.items()
+        }
+        print(json.dumps({**report, "runs": printable}, indent=2))
+        return 0
+    print(summary(runs))
+    if "p50_ttft_ratio_on_over_off" in report:
+        print(f"TTFT p50 with caching / without: {report['p50_ttft_ratio_on_over_off']}")
+    print(f"wrote {json_path}" + (f" and {plotted}" if plotted else f" ({PLOTS_NEED})"))
     return 0
