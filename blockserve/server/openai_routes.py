@@ -41,7 +41,7 @@ def _chat_choice(
     choice: CompletionOutput, token_text: TokenText, want_logprobs: bool, plan: ToolPlan, role: str
 ) -> dict:
     logprobs = chat_logprobs(choice.logprobs or (), token_text) if want_logprobs else None
-    message, called = reply_message(plan, choice.text, role)
+    message, called = reply_message(plan, choice.text, role, choice.finish_reason)
     return {
         "index": choice.index,
         "message": message,

@@ -119,17 +119,20 @@ def _call(name: str, arguments: str, index: int | None = None) -> dict[str, Any]
 
 
 def reply_message(
-    plan: ToolPlan, text: str, role: str = "assistant"
+    plan: ToolPlan, text: str, role: str = "assistant", reason: str | None = "stop"
 ) -> tuple[dict[str, Any], bool]:
     """A finished output's message (in `role`), and whether it calls tools. An output cut
-    short by max_tokens keeps what the stream would have sent: a named function's partial
-    arguments, or the calls that completed."""
+    short by max_tokens (`reason` "length"): a named function's call carries its partial
+    arguments (OpenAI's answer), and "required"'s array, never closed, is no list of calls:
+    no call at all, as vLLM parses it (a stream has sent the calls that completed)."""
     if plan.mode == "none":
         return {"role": role, "content": text}, False
     if plan.mode == "named":
         assert plan.function is not None
         calls = [_call(plan.function, text)]
         return {"role": role, "content": None, "tool_calls": calls}, True
+    if plan.mode == "required" and reason == "length":
+        return {"role": role, "content": None}, False
     stream = ToolCallStream(plan)
     delta = stream.delta(text, finished=True)
     calls = [

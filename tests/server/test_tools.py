@@ -99,6 +99,18 @@ def test_required_stream_reassembles_to_the_reply(size: int) -> None:
     assert finish_reason(REQUIRED, "stop", called) == "tool_calls"
 
 
+def test_required_calls_cut_by_max_tokens_are_no_calls() -> None:
+    """The array never closed: no call is reported with "length" (vLLM parses the whole
+    output as a list of calls, and a cut one is none); the same text finished is two calls."""
+    complete = '[{"name": "get_time", "parameters": {"zone": "utc"}}'
+    cut = complete + ', {"name": "get_weather", "parameters": {"ci'
+    message, called = reply_message(REQUIRED, cut, reason="length")
+    assert (message, called) == ({"role": "assistant", "content": None}, False)
+    assert finish_reason(REQUIRED, "length", called) == "length"
+    message, called = reply_message(REQUIRED, complete + "]", reason="stop")
+    assert called and functions(message) == [("get_time", '{"zone": "utc"}')]
+
+
 def test_named_function_streams_its_arguments_as_generated() -> None:
     plan = ToolPlan("named", "get_weather")
     message, called = reply_message(plan, '{"city": "Paris"}')
