@@ -88,7 +88,7 @@ def test_no_module_imports_itself_through_others() -> None:
 LAYERS = (
     ("errors",),
     ("options", "sampling_params"),
-    ("grammar_limits", "platform", "cpu_threads"),
+    ("grammar_limits", "platform", "cpu_threads", "multimodal"),
     ("core",),
     ("events", "kv_tiers"),
     ("config",),

@@ -1,0 +1,7 @@
+"""Images as the prefix cache keys them (no engine path serves them yet).
+
+Modules:
+
+  hasher.py   an item's identifier, byte for byte vLLM 0.32's (MultiModalHasher): what is
+              hashed for a decoded image, for the bytes it arrived as, for a client's uuid
+"""
