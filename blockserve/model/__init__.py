@@ -5,6 +5,8 @@ Modules:
   arch.py          LlamaArchConfig from config.json (transformers 4 and 5 layouts)
   rope.py          rotary embeddings: inverse frequencies (llama3 scaling), cos/sin tables
   llama.py         Llama-family decoder over a flat batch (fused qkv / gate-up)
+  vision.py        SmolVLM / Idefics3's vision half: a SigLIP transformer over whole tiles
+                   and the pixel-shuffle connector (not yet on an engine path)
   loader.py        HF directory, hub id or GGUF (dequantized once, cached as safetensors);
                    TokenizerSources (--tokenizer, --chat-template)
   hub.py           hub ids through huggingface_hub's cache, as vLLM resolves them; --tokenizer's
