@@ -2,13 +2,15 @@
 
 Modules:
 
-  arch.py          LlamaArchConfig from config.json (transformers 4 and 5 layouts)
+  arch.py          LlamaArchConfig from config.json (transformers 4 and 5 layouts; a SmolVLM /
+                   Idefics3 checkpoint's text half)
   rope.py          rotary embeddings: inverse frequencies (llama3 scaling), cos/sin tables
   llama.py         Llama-family decoder over a flat batch (fused qkv / gate-up)
   vision.py        SmolVLM / Idefics3's vision half: a SigLIP transformer over whole tiles
                    and the pixel-shuffle connector (not yet on an engine path)
   loader.py        HF directory, hub id or GGUF (dequantized once, cached as safetensors);
-                   TokenizerSources (--tokenizer, --chat-template)
+                   TokenizerSources (--tokenizer, --chat-template); a vision-language
+                   checkpoint's text half as the decoder
   hub.py           hub ids through huggingface_hub's cache, as vLLM resolves them; --tokenizer's
                    directory
   gguf_llama.py    a plain Llama GGUF file to config.json + safetensors in one pass

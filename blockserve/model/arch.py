@@ -12,6 +12,8 @@ from typing import Any
 from blockserve.errors import UnsupportedModelError
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+# Vision-language models whose text half is one of those: its `text_config` is read.
+VISION_LANGUAGE_TYPES = frozenset({"smolvlm", "idefics3"})
 SUPPORTED_ROPE_TYPES = frozenset({"default", "llama3"})
 
 
@@ -46,6 +48,8 @@ class LlamaArchConfig:
 
     @classmethod
     def from_hf(cls, config: Mapping[str, Any]) -> LlamaArchConfig:
+        if config.get("model_type") in VISION_LANGUAGE_TYPES:  # the text half's shape
+            return cls.from_hf(config["text_config"])
         model_type = config.get("model_type", "")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(

@@ -186,7 +186,21 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 # tokenizer_config.json names of transformers' generic fast tokenizer (v5 and v4).
 GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
 # Files of a model directory that never shape its tokenizer (and are too big to hash per start).
+def text_weights(
+    weights: Iterator[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A vision-language checkpoint's text half under a Llama checkpoint's names
+    (`model.text_model.*` as `model.*`); its vision tower and connector are not the decoder's.
+    A Llama checkpoint passes as it is."""
+    for name, tensor in weights:
+        if name.startswith(("model.vision_model.", "model.connector.")):
+            continue
+        yield name.replace("model.text_model.", "model.", 1), tensor
+
+
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth", ".h5", ".msgpack")
 
 
@@ -307,7 +321,7 @@ def _load_weights(
 ) -> LlamaForCausalLM:
     with torch.device(device):
         llama = LlamaForCausalLM(arch, backend, kernels)
-    loaded = llama.load_weights(iter_safetensors(model_dir))
+    loaded = llama.load_weights(text_weights(iter_safetensors(model_dir)))
     missing = {name for name, _ in llama.named_parameters()} - loaded
     if missing:
         raise ModelNotFoundError(f"{model_dir} lacks weights for {sorted(missing)[:5]}")
