@@ -31,7 +31,7 @@ def route_request(
     """The request as a policy sees it: its full prompt blocks hashed exactly as the engines
     hash them (same algorithm, seed, block size, cache salt, and the adapter's name and path
     from `lora_paths`, the replicas' --lora-modules), in event form."""
-    assert not isinstance(spec.prompt, str), "the ingress sends token ids"
+    assert isinstance(spec.prompt, tuple), "the ingress sends token ids"
     lora = None
     if spec.lora_name is not None:
         lora = (spec.lora_name, (lora_paths or {}).get(spec.lora_name, ""))

@@ -9,7 +9,12 @@ from dataclasses import dataclass, field, replace
 
 from blockserve.config import CacheConfig, EngineConfig
 from blockserve.core.events import KVEventBatch, KVEventRecorder
-from blockserve.core.hashing import BlockHasher, BlockKeyInputs, RequestBlockHasher
+from blockserve.core.hashing import (
+    BlockHasher,
+    BlockKeyInputs,
+    MultiModalFeature,
+    RequestBlockHasher,
+)
 from blockserve.core.kv_cache_manager import KVCacheManager
 from blockserve.core.miss_ratio import MissRatioCurve
 from blockserve.cpu_threads import ThreadGovernor, host_thread_plan
@@ -135,7 +140,13 @@ class EngineCore:
             assert self.lora is not None, "a LoRA request reaches only a LoRA engine"
             lora_path = self.lora.hash_path(request.lora_name)
         keys = BlockKeyInputs(
-            cache_salt=request.cache_salt, lora_name=request.lora_name, lora_path=lora_path
+            cache_salt=request.cache_salt,
+            lora_name=request.lora_name,
+            lora_path=lora_path,
+            mm_features=tuple(
+                MultiModalFeature(image.identifier, image.offset, image.length)
+                for image in request.images
+            ),
         )
         sample = Request(
             request_id=request.request_id,
@@ -149,6 +160,8 @@ class EngineCore:
         if request.lora_name is not None and self.lora is not None:
             sample.tier_identity = self.lora.identity(request.lora_name)
         sample.group_id = request.group_id or request.request_id.request_id
+        if request.images:
+            self.runner.add_images(request.request_id, request.images, sample.all_token_ids)
         self.scheduler.add_request(sample)
 
     def abort_requests(self, request_ids: Iterable[SampleId]) -> None:

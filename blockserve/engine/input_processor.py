@@ -6,11 +6,15 @@ from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from PIL import Image
+
 from blockserve.engine.chat import Message, chat_prompt_ids
-from blockserve.engine.request import RequestSpec, ValidatedRequest
+from blockserve.engine.request import ImagesPrompt, RequestSpec, ValidatedRequest
 from blockserve.errors import InvalidRequestError, ModelNotFoundError
 from blockserve.grammar import GrammarCompiler
 from blockserve.model.tokenizer import Tokenizer
+from blockserve.multimodal.inputs import ImageInput
+from blockserve.multimodal.prompts import ImagePrompts
 
 
 @dataclass(frozen=True)
@@ -39,13 +43,19 @@ class InputProcessor:
     grammar: GrammarCompiler | None = None
     # The adapters a request may name (--enable-lora's registered ones); None: LoRA is off.
     lora_names: Container[str] | None = None
+    # How a prompt's images become tokens (a vision-language model's); None: text only.
+    images: ImagePrompts | None = None
 
     def process(self, spec: RequestSpec, live_request_ids: Container[str]) -> ValidatedRequest:
         """The spec, checked and tokenized; InvalidRequestError for the first field at fault."""
         self.check_request_id(spec.request_id, live_request_ids)
         self._check_options(spec)
         self._check_vocabulary_bounds(spec)
-        token_ids = self._token_ids(spec.prompt)
+        images: tuple[ImageInput, ...] = ()
+        if isinstance(spec.prompt, ImagesPrompt):
+            token_ids, images = self._with_images(spec.prompt)
+        else:
+            token_ids = self._token_ids(spec.prompt)
         if len(token_ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"the prompt has {len(token_ids)} tokens, but the context is "
@@ -61,7 +71,7 @@ class InputProcessor:
                 "shorten the prompt or lower max_tokens",
                 "max_tokens",
             )
-        return ValidatedRequest(spec, token_ids)
+        return ValidatedRequest(spec, token_ids, images)
 
     def check_request_id(self, request_id: str, live_request_ids: Container[str]) -> None:
         if request_id in live_request_ids:
@@ -162,6 +172,21 @@ class InputProcessor:
                 f"{self.vocab_size}",
                 "logit_bias",
             )
+
+    def _with_images(self, prompt: ImagesPrompt) -> tuple[tuple[int, ...], tuple[ImageInput, ...]]:
+        """A prompt's token ids with its images' in place of each `<image>`, and the images
+        as the engine takes them; a model without a vision half, or an image that is not
+        one, is refused."""
+        if self.images is None:
+            raise InvalidRequestError("this model takes no images", "multi_modal_data")
+        if not all(isinstance(image, Image.Image) for image in prompt.images):
+            raise InvalidRequestError("an image is a PIL image", "multi_modal_data")
+        self._check_bytes(prompt.text)
+
+        def encode(text: str, add_special_tokens: bool) -> list[int]:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+        return self.images.expand(prompt.text, prompt.images, encode)
 
     def _token_ids(self, prompt: str | tuple[int, ...]) -> tuple[int, ...]:
         """Token ids of a prompt; token-id prompts are checked against the vocabulary, text

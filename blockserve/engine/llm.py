@@ -11,7 +11,7 @@ from blockserve.engine.args import EngineArgs
 from blockserve.engine.chat import Message
 from blockserve.engine.llm_engine import LLMEngine, build_engine
 from blockserve.engine.outputs import EngineStats, RequestOutput
-from blockserve.engine.request import PromptInput, RequestSpec, as_prompt_list
+from blockserve.engine.request import PromptInput, RequestSpec, as_prompts
 from blockserve.lora.adapter import LoRARequest
 from blockserve.model.tokenizer import Tokenizer
 from blockserve.sampling_params import SamplingParams
@@ -60,7 +60,7 @@ class LLM:
         `lora_request` (an adapter, read on first use) are one value for all prompts or one
         per prompt.
         """
-        prompt_list = as_prompt_list(prompts)
+        prompt_list = as_prompts(prompts)
         count = len(prompt_list)
         params = _per_prompt(
             sampling_params or self.get_default_sampling_params(), count, "sampling_params"

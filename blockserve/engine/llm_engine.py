@@ -196,5 +196,6 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         max_logprobs=config.model.max_logprobs,
         grammar=core.runner_info.grammar,
         lora_names=core.lora.registry if core.lora is not None else None,
+        images=core.runner_info.images,
     )
     return LLMEngine(core, processor, defaults)

@@ -128,6 +128,7 @@ class OutputProcessor:
                 lora_name=spec.lora_name,
                 explain_cache=spec.explain_cache,
                 group_id=spec.group_id or spec.request_id,
+                images=request.images,
             )
             for index in range(params.n)
         ]

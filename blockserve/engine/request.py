@@ -8,9 +8,21 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, cast
 
 from blockserve.errors import InvalidRequestError
+from blockserve.multimodal.inputs import ImageInput
 from blockserve.sampling_params import SamplingParams
 
-Prompt = str | tuple[int, ...]
+
+@dataclass(frozen=True, slots=True)
+class ImagesPrompt:
+    """Text with an `<image>` placeholder for each image (vLLM's `{"prompt": ...,
+    "multi_modal_data": {"image": ...}}`); the images are PIL images."""
+
+    text: str
+    images: tuple[Any, ...]
+
+
+TextPrompt = str | tuple[int, ...]
+Prompt = TextPrompt | ImagesPrompt
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +47,7 @@ class RequestSpec:
     group_id: str | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.prompt, str):
+        if not isinstance(self.prompt, str | ImagesPrompt):
             object.__setattr__(self, "prompt", tuple(self.prompt))
 
 
@@ -45,6 +57,7 @@ class ValidatedRequest:
 
     spec: RequestSpec
     prompt_token_ids: tuple[int, ...]
+    images: tuple[ImageInput, ...] = ()  # their identifiers, spans and tiles
 
     @property
     def request_id(self) -> str:
@@ -52,7 +65,14 @@ class ValidatedRequest:
 
     @property
     def prompt_text(self) -> str | None:
-        return self.spec.prompt if isinstance(self.spec.prompt, str) else None
+        prompt = self.spec.prompt
+        return (
+            prompt.text
+            if isinstance(prompt, ImagesPrompt)
+            else prompt
+            if isinstance(prompt, str)
+            else None
+        )
 
 
 class SampleId(NamedTuple):
@@ -75,12 +95,22 @@ class EngineCoreRequest:
     lora_name: str | None = None
     explain_cache: bool = False
     group_id: str = ""  # "": the request's own id (every sample of it, one group)
+    images: tuple[ImageInput, ...] = ()
 
 
 PromptInput = str | Sequence[int] | Mapping[str, Any]
 
 
-def as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[Prompt]:
+def as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[TextPrompt]:
+    """Text and token-id prompts alone (what an HTTP body holds): a prompt dict with images
+    is refused."""
+    listed = as_prompts(prompts)
+    if any(isinstance(prompt, ImagesPrompt) for prompt in listed):
+        raise InvalidRequestError("images are given offline only (multi_modal_data)", "prompt")
+    return cast(list[TextPrompt], listed)
+
+
+def as_prompts(prompts: PromptInput | Sequence[PromptInput]) -> list[Prompt]:
     """One prompt per entry from the shapes callers accept: a string, a list of token ids,
     vLLM's prompt dicts (`{"prompt": text}`, `{"prompt_token_ids": ids}`), or a list of any of
     them. An empty list, or an entry of another shape, is refused."""
@@ -93,6 +123,17 @@ def as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[Prompt]
     return [_one_prompt(p) for p in cast(Sequence[Any], prompts)]
 
 
+def _images(data: Any) -> tuple[Any, ...]:
+    """`multi_modal_data`'s images: `{"image": image}` or `{"image": [image, ...]}`."""
+    if not isinstance(data, Mapping) or set(data) != {"image"}:
+        raise InvalidRequestError(
+            "multi_modal_data holds 'image' alone (an image or a list of images)",
+            "multi_modal_data",
+        )
+    images = data["image"]
+    return tuple(images) if isinstance(images, list | tuple) else (images,)
+
+
 def _one_prompt(prompt: Any) -> Prompt:
     if isinstance(prompt, str):
         return prompt
@@ -101,6 +142,8 @@ def _one_prompt(prompt: Any) -> Prompt:
             return prompt["prompt"]
         if set(prompt) == {"prompt_token_ids"} and isinstance(prompt["prompt_token_ids"], Sequence):
             return tuple(prompt["prompt_token_ids"])
+        if set(prompt) == {"prompt", "multi_modal_data"} and isinstance(prompt["prompt"], str):
+            return ImagesPrompt(prompt["prompt"], _images(prompt["multi_modal_data"]))
         raise InvalidRequestError(
             "a prompt dict holds 'prompt' (a string) or 'prompt_token_ids' (token ids) alone; "
             f"got the keys {sorted(map(str, prompt))}",

@@ -193,8 +193,12 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [num_tokens]
         kv_caches: list[torch.Tensor],  # one [2, num_blocks, block_size, kv_heads, dim] per layer
         plan: Any,
+        image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         hidden = self.model.embed_tokens(input_ids)
+        if image_embeds is not None:  # (rows of the step, the vision tower's tokens for them)
+            rows, embeds = image_embeds
+            hidden = hidden.index_copy(0, rows, embeds.to(hidden.dtype))
         rope = self.rotary(positions, hidden.dtype)
         # Our fused CPU operators serve an eager forward; a compiled one fuses on its own.
         ops = (

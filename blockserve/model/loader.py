@@ -24,12 +24,14 @@ from blockserve.attention.metadata import AttentionBackend
 from blockserve.config import default_cache_dir
 from blockserve.errors import InvalidConfigError, ModelNotFoundError
 from blockserve.kernels import LayerOpsSource
-from blockserve.model.arch import LlamaArchConfig
+from blockserve.model.arch import VISION_LANGUAGE_TYPES, LlamaArchConfig
 from blockserve.model.gguf_llama import convert_llama
 from blockserve.model.hub import is_hub_id, snapshot, tokenizer_dir
 from blockserve.model.llama import LlamaForCausalLM
 from blockserve.model.packed import can_prepack, prepack_linears
 from blockserve.model.tokenizer import SNAPSHOT_FORMAT, Tokenizer, chat_template_text
+from blockserve.model.vision import VisionConfig, VisionModel, VisionTower
+from blockserve.multimodal.idefics3 import Idefics3Processing
 from blockserve.platform import HostCapabilities, auto_dtype, probe_host
 
 # A GGUF file is dequantized once with transformers' GGUF support and cached as a Hugging Face
@@ -55,6 +57,7 @@ class LoadedModel:
     model_dir: Path
     name: str
     dtype: torch.dtype
+    vision: VisionModel | None = None  # a vision-language checkpoint's image half
 
 
 def default_model_path() -> Path:
@@ -308,6 +311,30 @@ def load_model(
         model_dir=model_dir,
         name=name,
         dtype=torch_dtype,
+        vision=_load_vision(model_dir, torch_dtype, device),
+    )
+
+
+def _load_vision(model_dir: Path, dtype: torch.dtype, device: str) -> VisionModel | None:
+    """The vision tower, image processing and image token of a SmolVLM / Idefics3
+    checkpoint; None for a text model."""
+    config = json.loads((model_dir / "config.json").read_text())
+    if config.get("model_type") not in VISION_LANGUAGE_TYPES:
+        return None
+    with torch.device(device):
+        tower = VisionTower(VisionConfig.from_hf(config))
+    wanted = {
+        name.removeprefix("model."): tensor
+        for name, tensor in iter_safetensors(model_dir)
+        if name.startswith(("model.vision_model.", "model.connector."))
+    }
+    tower.load_state_dict(wanted)
+    preprocessor = model_dir / "preprocessor_config.json"
+    settings = json.loads(preprocessor.read_text()) if preprocessor.is_file() else {}
+    return VisionModel(
+        tower=tower.to(dtype=dtype).eval(),
+        processing=Idefics3Processing.from_config(settings),
+        image_token_id=int(config["image_token_id"]),
     )
 
 

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from blockserve.multimodal.inputs import ImageInput
+
 
 @dataclass(frozen=True)
 class VisionConfig:
@@ -176,3 +178,20 @@ class VisionTower(nn.Module):
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         tokens = self.connector(self.vision_model(pixel_values))
         return tokens.reshape(-1, tokens.shape[-1])
+
+
+@dataclass
+class VisionModel:
+    """A vision-language checkpoint's image half: the tower, how its images are processed,
+    and the token whose positions take the tower's outputs."""
+
+    tower: VisionTower
+    processing: Any  # multimodal.idefics3.Idefics3Processing
+    image_token_id: int
+
+    def embed(self, image: ImageInput, dtype: torch.dtype) -> torch.Tensor:
+        """The image's tokens [tiles * tokens_per_tile, text width], in the order of its
+        image tokens in the prompt."""
+        device = next(self.tower.parameters()).device
+        pixels = torch.from_numpy(image.pixel_values).to(device=device, dtype=dtype)
+        return self.tower(pixels)

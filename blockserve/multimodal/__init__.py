@@ -1,4 +1,4 @@
-"""Images as the prefix cache keys them (no engine path serves them yet).
+"""Images as the engine takes them and the prefix cache keys them.
 
 Modules:
 
@@ -6,4 +6,6 @@ Modules:
               hashed for a decoded image, for the bytes it arrived as, for a client's uuid
   idefics3.py SmolVLM / Idefics3 image processing (tiles, pixel values) with Pillow and
               numpy, equal to transformers', and the prompt text an image becomes
+  prompts.py  ImagePrompts: a prompt's `<image>`s into tokens, identifiers and spans
+  inputs.py   ImageInput: one image as the engine core and the runner take it
 """

@@ -17,6 +17,8 @@ Modules:
                       in one place; build_runner (tests, model benchmarks)
   request_states.py   what the runner keeps of each running request; fills placeholders, records
                       sampled tokens
+  images.py           StepImages: running requests' images, each encoded once by the vision
+                      tower, and the tokens a step's image positions take
   prompt_logprobs.py  prompt_logprobs: each prompt token's logprob from the prefill rows, chunk
                       by chunk, handed over with the first sampled token
   launched.py         LaunchedStep: a step on the device not read back yet; its tokens fill the

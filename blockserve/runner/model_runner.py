@@ -17,8 +17,10 @@ from blockserve.model.arch import LlamaArchConfig
 from blockserve.model.compile import CompileReport
 from blockserve.model.loader import LoadedModel
 from blockserve.model.sampler import Sampler, SamplingBatch, SamplingRow
+from blockserve.multimodal.inputs import ImageInput
 from blockserve.platform import HostCapabilities
 from blockserve.runner.decode_graphs import DecodeGraphs
+from blockserve.runner.images import StepImages
 from blockserve.runner.inputs import ModelInputs, prepare_inputs
 from blockserve.runner.launched import LaunchedStep, copy_to_host, fill_from_device
 from blockserve.runner.page_mapping import KVPagePopulator
@@ -87,6 +89,9 @@ class ModelRunner:
         self.forward: Callable[..., torch.Tensor] = parts.forward or self.model
         self.compile_report = parts.compile_report
         self.decode_graphs = parts.decode_graphs
+        vision = parts.loaded.vision
+        dtype = parts.loaded.dtype
+        self.images = None if vision is None else StepImages(vision, dtype, parts.device)
         # The last step launched and not yet finished (async scheduling).
         self._unfinished: LaunchedStep | None = None
 
@@ -116,6 +121,8 @@ class ModelRunner:
         (async scheduling) takes that step's tokens for its placeholders on the device."""
         previous, self._unfinished = self._unfinished, None
         self.requests.update(scheduler_output)
+        if self.images is not None:
+            self.images.forget(scheduler_output.finished_request_ids)
         if scheduler_output.is_empty:
             return LaunchedStep(output=ModelRunnerOutput())
         if previous is None:
@@ -127,7 +134,7 @@ class ModelRunner:
             self.lora.begin_step(scheduler_output.scheduled, self.requests.lora_of)
         if self.kv_pages is not None:
             self.kv_pages.note_written(int(inputs.metadata.slot_mapping.max()) // self.block_size)
-        hidden = self._run_forward(inputs)
+        hidden = self._run_forward(inputs, scheduler_output)
         prompt = gather_prompt_logprobs(
             self.model.compute_logits, hidden, scheduler_output, self.requests
         )
@@ -175,13 +182,26 @@ class ModelRunner:
         its samples needs the token history on the host (penalties, a grammar, min_tokens)."""
         return not self.requests.history_bound(scheduler_output)
 
-    def _run_forward(self, inputs: ModelInputs) -> torch.Tensor:
-        """The step's hidden states: replayed from a graph where one holds the step."""
-        if self.decode_graphs is not None:
+    def add_images(
+        self, request_id: RequestId, images: tuple[ImageInput, ...], prompt: list[int]
+    ) -> None:
+        """A request's images (a vision-language model's), before its first step."""
+        assert self.images is not None, "an image reaches a vision-language model only"
+        self.images.add(request_id, images, prompt)
+
+    def _run_forward(self, inputs: ModelInputs, scheduler_output: SchedulerOutput) -> torch.Tensor:
+        """The step's hidden states: replayed from a graph where one holds the step; the
+        model itself, eager, where the step computes image positions."""
+        image_embeds = None if self.images is None else self.images.for_step(scheduler_output)
+        if self.decode_graphs is not None and image_embeds is None:
             hidden = self.decode_graphs.run(inputs)
             if hidden is not None:
                 return hidden
         plan = self.backend.prepare(inputs.metadata)
+        if image_embeds is not None:
+            return self.model(
+                inputs.input_ids, inputs.positions, self.kv_caches, plan, image_embeds
+            )
         return self.forward(inputs.input_ids, inputs.positions, self.kv_caches, plan)
 
     def _apply_grammars(

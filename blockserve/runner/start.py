@@ -15,7 +15,9 @@ from blockserve.config import EngineConfig, RuntimeConfig
 from blockserve.grammar import GrammarCompiler
 from blockserve.lora.manager import LoRAManager
 from blockserve.model.arch import LlamaArchConfig
+from blockserve.model.loader import LoadedModel
 from blockserve.model.tokenizer import Tokenizer
+from blockserve.multimodal.prompts import ImagePrompts
 from blockserve.runner.build import runner_parts
 from blockserve.runner.decode_graphs import (
     CudaGraphCapture,
@@ -71,6 +73,18 @@ class RunnerInfo:
     runtime: Mapping[str, str | int | bool]
     host_line: str  # the host, in one line
     compile_line: str | None  # what --compile compiled, and how long it took
+    images: ImagePrompts | None = None  # how prompts take images (a vision-language model)
+
+
+def _image_prompts(loaded: LoadedModel, model: str | None) -> ImagePrompts | None:
+    """A vision-language model's image prompts, its images hashed with the model as given."""
+    if loaded.vision is None:
+        return None
+    return ImagePrompts(
+        processing=loaded.vision.processing,
+        tokens_per_tile=loaded.vision.tower.config.tokens_per_tile,
+        model_id=model or loaded.name,
+    )
 
 
 def start_runner(config: EngineConfig) -> tuple[ModelRunner, RunnerInfo]:
@@ -116,6 +130,7 @@ def start_runner(config: EngineConfig) -> tuple[ModelRunner, RunnerInfo]:
             "cuda_graphs": 0 if parts.decode_graphs is None else len(parts.decode_graphs.sizes),
         },
         host_line=parts.host.describe(),
+        images=_image_prompts(loaded, config.model.model),
         compile_line=None if parts.compile_report is None else parts.compile_report.describe(),
     )
     return runner, info

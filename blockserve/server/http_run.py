@@ -15,7 +15,7 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Message, Send
 
 from blockserve.engine.outputs import CompletionOutput, RequestOutput
-from blockserve.engine.request import Prompt, RequestSpec
+from blockserve.engine.request import RequestSpec, TextPrompt
 from blockserve.errors import (
     ClientDisconnectedError,
     EngineDeadError,
@@ -52,7 +52,7 @@ class HttpRun:
     it into an event stream whose closing aborts what still runs.
     """
 
-    def __init__(self, ctx: ServingContext, request_id: str, prompts: list[Prompt]) -> None:
+    def __init__(self, ctx: ServingContext, request_id: str, prompts: list[TextPrompt]) -> None:
         self.ctx = ctx
         self.request_id = request_id
         self._engine_id = f"run-{uuid.uuid4().hex}"

@@ -7,7 +7,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
-from blockserve.engine.request import Prompt, as_prompt_list
+from blockserve.engine.request import TextPrompt, as_prompt_list
 from blockserve.errors import InvalidRequestError
 from blockserve.sampling_params import SamplingParams, StructuredOutputsParams
 from blockserve.server.body import Body, Text, encodable
@@ -166,7 +166,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = None
     echo: bool = False
 
-    def prompts(self) -> list[Prompt]:
+    def prompts(self) -> list[TextPrompt]:
         """One entry per prompt: a string or a tuple of token ids."""
         return as_prompt_list(self.prompt)
 
