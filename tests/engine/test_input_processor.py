@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import pytest
+from PIL import Image
 
 from blockserve.engine.input_processor import InputProcessor, longest_token_bytes
-from blockserve.engine.request import RequestSpec, ValidatedRequest
+from blockserve.engine.request import (
+    ImagesPrompt,
+    RequestSpec,
+    ValidatedRequest,
+    as_prompt_list,
+    as_prompts,
+)
 from blockserve.errors import InvalidRequestError
+from blockserve.multimodal.hasher import item_identifier
+from blockserve.multimodal.idefics3 import Idefics3Processing, image_prompt
+from blockserve.multimodal.prompts import ImagePrompts
 from blockserve.sampling_params import SamplingParams
 
 
@@ -179,3 +189,61 @@ def test_max_logprobs_bounds_what_a_request_may_ask() -> None:
     assert processor.process(RequestSpec("a", "hi", SamplingParams(logprobs=30)), set())
     with pytest.raises(InvalidRequestError, match="at most 30 "):
         processor.process(RequestSpec("b", "hi", SamplingParams(logprobs=31)), set())
+
+
+def small_image() -> Image.Image:
+    return Image.new("RGB", (8, 6), (10, 20, 30))
+
+
+def image_processor() -> InputProcessor:
+    """A processor whose model takes images: 32-pixel tiles, 4 tokens a tile."""
+    images = ImagePrompts(Idefics3Processing(longest_edge=32, tile=32), 4, "test/model", "sha256")
+    return InputProcessor(
+        CharTokenizer(),
+        vocab_size=1000,
+        max_model_len=512,
+        scheduling_policy="fcfs",
+        max_n=4,
+        images=images,
+    )
+
+
+def test_an_image_prompt_becomes_its_tiles_text_with_its_span() -> None:
+    """One 32-pixel tile: the global image alone, 4 image tokens between its markers; the
+    span is the whole replacement, the identifier vLLM's for the pixels."""
+    image = small_image()
+    spec = RequestSpec("a", ImagesPrompt("A<image>B", (image,)))
+    validated = image_processor().process(spec, set())
+    replacement = image_prompt(0, 0, 4)
+    assert validated.prompt_token_ids == tuple(ord(c) for c in f"A{replacement}B")
+    (item,) = validated.images
+    assert (item.offset, item.length) == (1, len(replacement))
+    assert item.identifier == item_identifier("sha256", "test/model", image)
+    assert item.pixel_values.shape == (1, 3, 32, 32)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [
+        (
+            ImagesPrompt("A<image><image>", (small_image(),)),
+            "the prompt has 2 <image> placeholders for 1 images",
+        ),
+        (ImagesPrompt("A<image>", ("not an image",)), "an image is a PIL image"),
+    ],
+)
+def test_bad_image_prompts_are_refused(prompt: ImagesPrompt, message: str) -> None:
+    with pytest.raises(InvalidRequestError) as refused:
+        image_processor().process(RequestSpec("a", prompt), set())
+    assert (str(refused.value), refused.value.param) == (message, "multi_modal_data")
+
+
+def test_a_text_model_takes_no_images_and_http_bodies_hold_none() -> None:
+    with pytest.raises(InvalidRequestError, match="this model takes no images"):
+        make_processor().process(RequestSpec("a", ImagesPrompt("<image>", (small_image(),))), set())
+    prompt = {"prompt": "<image>", "multi_modal_data": {"image": small_image()}}
+    assert as_prompts(prompt) == [ImagesPrompt("<image>", (small_image(),))]
+    with pytest.raises(InvalidRequestError, match="images are given offline only"):
+        as_prompt_list(prompt)
+    with pytest.raises(InvalidRequestError, match="multi_modal_data holds 'image' alone"):
+        as_prompts({"prompt": "x", "multi_modal_data": {"video": 1}})
