@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from blockserve.errors import InvalidRequestError
@@ -107,4 +107,111 @@ def _template_pieces(
             "content, so it cannot be kept as plain text",
             "messages",
         )
+    return pieces
+
+
+IMAGE_PLACEHOLDER = "<image>"  # what a vision-language chat template writes for an image part
+
+
+def image_chat_prompt_ids(
+    tokenizer: Any,
+    messages: Sequence[dict[str, Any]],
+    add_generation_prompt: bool,
+    special_tokens_in_content: bool,
+    tools: Sequence[dict[str, Any]] | None,
+    image_ids: Callable[[int, int], Sequence[int]],
+) -> list[int]:
+    """The prompt token ids of a conversation whose contents may be lists of text and image
+    parts (`{"type": "text", "text": ...}`, `{"type": "image"}`), the template writing
+    `<image>` for each image part; `image_ids(index, offset)` gives the image's tokens at the
+    prompt position `offset`. Text parts stay plain text, as in `chat_prompt_ids`: where none
+    holds special-token text the rendered text is tokenized as a whole (every image a special
+    token boundary), else the template's text and the parts apart."""
+    texts = [_part_texts(m.get("content")) for m in messages]
+    specials = special_token_texts(tokenizer)
+    flat = [text for parts in texts for text in parts]
+    images = sum(
+        1 for m in messages for part in _parts(m.get("content")) if part["type"] == "image"
+    )
+    if special_tokens_in_content or not any(s in t for t in flat for s in specials):
+        rendered = _render(
+            tokenizer, [_for_template(m) for m in messages], add_generation_prompt, tools
+        )
+        pieces, flat = [rendered], []
+    else:
+        pieces = _marked_pieces(tokenizer, messages, add_generation_prompt, tools, flat)
+    written = sum(piece.count(IMAGE_PLACEHOLDER) for piece in pieces)
+    if written != images:
+        raise InvalidRequestError(
+            f"the chat template wrote {written} image placeholders for {images} images",
+            "messages",
+        )
+    ids: list[int] = []
+    placed = 0
+    for piece, text in zip(pieces, [*flat, ""], strict=True):
+        for index, segment in enumerate(piece.split(IMAGE_PLACEHOLDER)):
+            if index:
+                ids += image_ids(placed, len(ids))
+                placed += 1
+            ids += tokenizer.encode(segment, add_special_tokens=False)
+        ids += tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+    return ids
+
+
+def _parts(content: Any) -> list[dict[str, Any]]:
+    if isinstance(content, list):
+        return content
+    return [{"type": "text", "text": content or ""}]
+
+
+def _part_texts(content: Any) -> list[str]:
+    return [part["text"] for part in _parts(content) if part["type"] == "text"]
+
+
+def _for_template(message: dict[str, Any]) -> dict[str, Any]:
+    """A message as a vision-language template reads it: image parts as `{"type": "image"}`."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    parts = [
+        {"type": "image"} if part["type"] == "image" else {"type": "text", "text": part["text"]}
+        for part in content
+    ]
+    return {**message, "content": parts}
+
+
+def _marked_pieces(
+    tokenizer: Any,
+    messages: Sequence[dict[str, Any]],
+    add_generation_prompt: bool,
+    tools: Sequence[dict[str, Any]] | None,
+    texts: list[str],
+) -> list[str]:
+    """The template's text around each text part (rendered with a unique marker for each),
+    as `_template_pieces` finds it for string contents."""
+    nonce = secrets.token_hex(8)
+    markers = iter(f"\x00{nonce}:{i}\x00" for i in range(len(texts)))
+    marked = []
+    for message in messages:
+        parts = [
+            {"type": "image"}
+            if part["type"] == "image"
+            else {"type": "text", "text": next(markers)}
+            for part in _parts(message.get("content"))
+        ]
+        content: Any = parts if isinstance(message.get("content"), list) else parts[0]["text"]
+        marked.append({**message, "content": content})
+    rendered = _render(tokenizer, marked, add_generation_prompt, tools)
+    pieces = []
+    rest = rendered
+    for i in range(len(texts)):
+        head, found, rest = rest.partition(f"\x00{nonce}:{i}\x00")
+        if not found:
+            raise InvalidRequestError(
+                "a message holds special-token text, and this chat template rewrites message "
+                "content, so it cannot be kept as plain text",
+                "messages",
+            )
+        pieces.append(head)
+    pieces.append(rest)
     return pieces

@@ -14,6 +14,7 @@ from blockserve.engine.chat import Message
 from blockserve.engine.outputs import EngineStats, KVCacheReport, MissRatioReport, RequestOutput
 from blockserve.engine.request import RequestSpec
 from blockserve.model.tokenizer import Tokenizer
+from blockserve.multimodal.inputs import ImageInput
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,17 @@ class EngineClient(Protocol):
         """A conversation's prompt token ids under the model's chat template (given `tools`
         to render), off the event loop; special-token text inside a message stays plain text
         unless `special_tokens_in_content`."""
+
+    async def tokenize_image_chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        special_tokens_in_content: bool = False,
+        tools: Sequence[dict[str, Any]] | None = None,
+    ) -> tuple[tuple[int, ...], tuple[ImageInput, ...]]:
+        """A conversation whose contents hold image parts (`{"type": "image", "url":
+        "data:..."}`): its prompt token ids and its images, decoded off the event loop;
+        refused by a model that takes no images."""
 
     async def detokenize(self, token_ids: Sequence[int]) -> str:
         """The text of token ids (each inside the vocabulary), off the event loop."""

@@ -8,12 +8,13 @@ from typing import Any
 
 from PIL import Image
 
-from blockserve.engine.chat import Message, chat_prompt_ids
+from blockserve.engine.chat import Message, chat_prompt_ids, image_chat_prompt_ids
 from blockserve.engine.request import ImagesPrompt, RequestSpec, ValidatedRequest
 from blockserve.errors import InvalidRequestError, ModelNotFoundError
 from blockserve.grammar import GrammarCompiler
 from blockserve.model.tokenizer import Tokenizer
 from blockserve.multimodal.inputs import ImageInput
+from blockserve.multimodal.media import decode_data_url
 from blockserve.multimodal.prompts import ImagePrompts
 
 
@@ -51,7 +52,7 @@ class InputProcessor:
         self.check_request_id(spec.request_id, live_request_ids)
         self._check_options(spec)
         self._check_vocabulary_bounds(spec)
-        images: tuple[ImageInput, ...] = ()
+        images: tuple[ImageInput, ...] = spec.images  # a chat's, rendered with its prompt
         if isinstance(spec.prompt, ImagesPrompt):
             token_ids, images = self._with_images(spec.prompt)
         else:
@@ -173,6 +174,48 @@ class InputProcessor:
                 "logit_bias",
             )
 
+    def image_chat_prompt(
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        special_tokens_in_content: bool = False,
+        tools: Sequence[dict[str, Any]] | None = None,
+    ) -> tuple[tuple[int, ...], tuple[ImageInput, ...]]:
+        """A conversation with image parts (`{"type": "image", "url": "data:..."}`): its
+        prompt token ids, each image's tokens where the template places it, and the images as
+        the engine takes them. Each image is decoded here, off the event loop; one that cannot
+        be (not an image, truncated, too many pixels, not a data: URL) is refused."""
+        if self.images is None:
+            raise InvalidRequestError("this model takes no images", "messages")
+        self._check_bytes(sum(_utf8_length(t) for m in messages for t in _texts(m)))
+        decoded = [
+            decode_data_url(part["url"], "messages")
+            for m in messages
+            if isinstance(m.get("content"), list)
+            for part in m["content"]
+            if part["type"] == "image"
+        ]
+        images = self.images
+        items: list[ImageInput] = []
+
+        def encode(text: str, add_special_tokens: bool) -> list[int]:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+        def image_ids(index: int, offset: int) -> Sequence[int]:
+            replacement, item = images.image_tokens(decoded[index], offset, encode)
+            items.append(item)
+            return replacement
+
+        ids = image_chat_prompt_ids(
+            self.tokenizer,
+            messages,
+            add_generation_prompt,
+            special_tokens_in_content,
+            tools,
+            image_ids,
+        )
+        return tuple(ids), tuple(items)
+
     def _with_images(self, prompt: ImagesPrompt) -> tuple[tuple[int, ...], tuple[ImageInput, ...]]:
         """A prompt's token ids with its images' in place of each `<image>`, and the images
         as the engine takes them; a model without a vision half, or an image that is not
@@ -234,3 +277,10 @@ def longest_token_bytes(tokenizer: Any, vocab_size: int) -> int:
     UTF-8 bytes than the text it decodes to, so this bounds the bytes one token covers."""
     tokens = tokenizer.convert_ids_to_tokens(list(range(vocab_size)))
     return max((len(t.encode("utf-8")) for t in tokens if t is not None), default=1)
+
+
+def _texts(message: dict[str, Any]) -> list[str]:
+    content = message.get("content")
+    if isinstance(content, list):
+        return [part.get("text", "") for part in content if part["type"] == "text"]
+    return [content or ""]

@@ -45,6 +45,8 @@ class RequestSpec:
     # The scheduler's fairness unit (sched/fair_share.py): requests of one group share one
     # share of the sequence slots, as one HTTP request's prompts do; None: this request alone.
     group_id: str | None = None
+    # A token-id prompt's images, rendered with it (a chat's image parts): their spans in it.
+    images: tuple[ImageInput, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.prompt, str | ImagesPrompt):

@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 from blockserve.engine.chat import Message
 from blockserve.engine.input_processor import InputProcessor
 from blockserve.errors import ServerOverloadedError
+from blockserve.multimodal.inputs import ImageInput
 
 T = TypeVar("T")
 
@@ -74,6 +75,21 @@ class PoolTokenizing:
         """A conversation's prompt token ids under the chat template, on a tokenizer worker."""
         return await self._tokenizers.run(
             lambda p: p.chat_prompt(
+                messages, add_generation_prompt, special_tokens_in_content, tools
+            )
+        )
+
+    async def tokenize_image_chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        special_tokens_in_content: bool = False,
+        tools: Sequence[dict[str, Any]] | None = None,
+    ) -> tuple[tuple[int, ...], tuple[ImageInput, ...]]:
+        """A conversation with image parts: its prompt token ids and its images (decoded and
+        processed), on a tokenizer worker."""
+        return await self._tokenizers.run(
+            lambda p: p.image_chat_prompt(
                 messages, add_generation_prompt, special_tokens_in_content, tools
             )
         )

@@ -8,4 +8,5 @@ Modules:
               numpy, equal to transformers', and the prompt text an image becomes
   prompts.py  ImagePrompts: a prompt's `<image>`s into tokens, identifiers and spans
   inputs.py   ImageInput: one image as the engine core and the runner take it
+  media.py    a chat part's data: URL to an image, decoded as vLLM decodes it, bounded first
 """

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from blockserve.errors import InvalidRequestError
-from blockserve.multimodal.hasher import item_identifier
+from blockserve.multimodal.hasher import EncodedImage, item_identifier
 from blockserve.multimodal.idefics3 import IMAGE_TOKEN, Idefics3Processing, image_prompt
 from blockserve.multimodal.inputs import ImageInput
 
@@ -42,17 +42,24 @@ class ImagePrompts:
         ids = list(encode(pieces[0], True))
         items = []
         for image, piece in zip(images, pieces[1:], strict=True):
-            tiles = self.processing(image)
-            replacement = encode(image_prompt(tiles.rows, tiles.cols, self.tokens_per_tile), False)
-            identifier = item_identifier(self.hash_algorithm, self.model_id, image)
-            items.append(
-                ImageInput(
-                    identifier=identifier,
-                    offset=len(ids),
-                    length=len(replacement),
-                    pixel_values=tiles.pixel_values,
-                )
-            )
+            replacement, item = self.image_tokens(image, len(ids), encode)
+            items.append(item)
             ids += replacement
             ids += encode(piece, False)
         return tuple(ids), tuple(items)
+
+    def image_tokens(
+        self, image: Any, offset: int, encode: Encode
+    ) -> tuple[Sequence[int], ImageInput]:
+        """One image's tokens (the text its tiles become), placed at prompt position `offset`:
+        a PIL image hashed by its pixels, an `EncodedImage` by the bytes it arrived as."""
+        pixels = image.image if isinstance(image, EncodedImage) else image
+        tiles = self.processing(pixels)
+        replacement = encode(image_prompt(tiles.rows, tiles.cols, self.tokens_per_tile), False)
+        item = ImageInput(
+            identifier=item_identifier(self.hash_algorithm, self.model_id, image),
+            offset=offset,
+            length=len(replacement),
+            pixel_values=tiles.pixel_values,
+        )
+        return replacement, item

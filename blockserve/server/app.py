@@ -166,7 +166,7 @@ def _add_token_routes(app: FastAPI, ctx: ServingContext, info: ModelInfo) -> Non
     async def tokenize(body: TokenizeRequest) -> dict:
         ctx.check_model(body.model)
         if body.messages is not None:
-            tokens = await chat_prompt(ctx, ChatCompletionRequest(messages=body.messages))
+            tokens, _ = await chat_prompt(ctx, ChatCompletionRequest(messages=body.messages))
         else:
             assert body.prompt is not None
             tokens = await ctx.engine.tokenize(body.prompt, body.add_special_tokens)

@@ -22,6 +22,7 @@ from blockserve.errors import (
     RequestFailedError,
     ServerShuttingDownError,
 )
+from blockserve.multimodal.inputs import ImageInput
 from blockserve.sampling_params import SamplingParams
 from blockserve.server.context import ServingContext
 from blockserve.server.drain import Drain
@@ -52,11 +53,18 @@ class HttpRun:
     it into an event stream whose closing aborts what still runs.
     """
 
-    def __init__(self, ctx: ServingContext, request_id: str, prompts: list[TextPrompt]) -> None:
+    def __init__(
+        self,
+        ctx: ServingContext,
+        request_id: str,
+        prompts: list[TextPrompt],
+        images: list[tuple[ImageInput, ...]] | None = None,  # each token-id prompt's, if any
+    ) -> None:
         self.ctx = ctx
         self.request_id = request_id
         self._engine_id = f"run-{uuid.uuid4().hex}"
         self.prompts = prompts
+        self.images = images or [() for _ in prompts]
         self.streams: list[AsyncIterator[RequestOutput]] = []
         self.first: list[RequestOutput] = []
         self.timers = [RequestTimer(ctx.metrics, time.monotonic()) for _ in prompts]
@@ -96,9 +104,10 @@ class HttpRun:
                     explain_cache=explain_cache,
                     lora_name=lora_name,
                     group_id=self._engine_id,  # its prompts share one fair share of the slots
+                    images=images,
                 )
             )
-            for i, prompt in enumerate(self.prompts)
+            for i, (prompt, images) in enumerate(zip(self.prompts, self.images, strict=True))
         ]
         # All prompts are submitted together (so they share steps), then their first outputs.
         gathering = asyncio.gather(

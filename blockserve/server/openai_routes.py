@@ -14,6 +14,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from blockserve.engine.outputs import CompletionOutput, RequestOutput
+from blockserve.multimodal.inputs import ImageInput
 from blockserve.server.context import ServingContext
 from blockserve.server.http_run import HttpRun, final_outputs, stream_response
 from blockserve.server.protocol import ChatCompletionRequest
@@ -29,12 +30,19 @@ from blockserve.server.tools import (
 
 async def chat_prompt(
     ctx: ServingContext, body: ChatCompletionRequest, tools: tuple[dict[str, Any], ...] = ()
-) -> tuple[int, ...]:
-    """The conversation's prompt token ids, rendered and tokenized off the event loop."""
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    return await ctx.engine.tokenize_chat(
-        messages, body.add_generation_prompt, ctx.trust_chat_special_tokens, tools
+) -> tuple[tuple[int, ...], tuple[ImageInput, ...]]:
+    """The conversation's prompt token ids, rendered and tokenized off the event loop, and
+    its images (`image_url` parts), decoded and placed there."""
+    if any(m.has_images() for m in body.messages):
+        messages = [{"role": m.role, "content": m.parts()} for m in body.messages]
+        return await ctx.engine.tokenize_image_chat(
+            messages, body.add_generation_prompt, ctx.trust_chat_special_tokens, tools
+        )
+    text = [{"role": m.role, "content": m.text()} for m in body.messages]
+    ids = await ctx.engine.tokenize_chat(
+        text, body.add_generation_prompt, ctx.trust_chat_special_tokens, tools
     )
+    return ids, ()
 
 
 def _chat_choice(
@@ -71,13 +79,18 @@ async def create_chat_completion(
     lora_name = ctx.check_model(body.model)
     num_logprobs = body.num_logprobs()
     plan = plan_tools(body, ctx.tool_call_parser)
-    prompt = await chat_prompt(ctx, body, plan.tools)
+    prompt, images = await chat_prompt(ctx, body, plan.tools)
     room = ctx.engine.model_info().max_model_len - len(prompt)
     default = max(1, min(ctx.default_chat_max_tokens, room))  # the server's, within the room
     constraint = plan.constraint or body.constraint()
     params = body.sampling_params(default, num_logprobs, constraint, ctx.default_sampling)
     ctx.check_limits(params, [prompt])
-    run = HttpRun(ctx, body.request_id or f"chatcmpl-{uuid.uuid4().hex}", [prompt])
+    run = HttpRun(
+        ctx=ctx,
+        request_id=body.request_id or f"chatcmpl-{uuid.uuid4().hex}",
+        prompts=[prompt],
+        images=[images],
+    )
     salt = ctx.cache_salt(request, body.cache_salt)
     await run.start(params, body.priority, salt, request, body.return_cache_explanation, lora_name)
     created = int(time.time())

@@ -181,17 +181,40 @@ class ChatMessage(Body):
         """The message's text; content parts other than text are refused."""
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        parts = []
         for part in self.content:
             if part.get("type") != "text":
                 raise InvalidRequestError(
                     f"content part type {part.get('type')!r} is not supported"
                 )
-            try:
-                parts.append(encodable(str(part.get("text", ""))))
-            except ValueError as exc:
-                raise InvalidRequestError(str(exc), "messages") from None
-        return "".join(parts)
+        return "".join(part["text"] for part in self.parts())
+
+    def has_images(self) -> bool:
+        return isinstance(self.content, list) and any(
+            part.get("type") == "image_url" for part in self.content
+        )
+
+    def parts(self) -> list[dict[str, Any]]:
+        """The content as parts: `{"type": "text", "text"}`, and `{"type": "image", "url"}`
+        for OpenAI's `image_url` parts (the URL as given, or inside `{"url": ...}`)."""
+        if self.content is None or isinstance(self.content, str):
+            return [{"type": "text", "text": self.content or ""}]
+        parts: list[dict[str, Any]] = []
+        for part in self.content:
+            kind = part.get("type")
+            if kind == "text":
+                try:
+                    parts.append({"type": "text", "text": encodable(str(part.get("text", "")))})
+                except ValueError as exc:
+                    raise InvalidRequestError(str(exc), "messages") from None
+            elif kind == "image_url":
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                if not isinstance(url, str):
+                    raise InvalidRequestError("an image_url part holds a URL string", "messages")
+                parts.append({"type": "image", "url": url})
+            else:
+                raise InvalidRequestError(f"content part type {kind!r} is not supported")
+        return parts
 
 
 class ChatCompletionRequest(_SamplingFields):

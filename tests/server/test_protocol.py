@@ -72,6 +72,28 @@ def test_message_text_joins_text_parts_and_refuses_others() -> None:
         image.text()
 
 
+def test_image_url_parts_become_image_parts_with_their_url() -> None:
+    """Both of OpenAI's forms (`{"url": ...}` and the bare string); a part without a URL
+    string, or of another type, is refused."""
+    content = [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}},
+        {"type": "text", "text": "and"},
+        {"type": "image_url", "image_url": "data:image/png;base64,BB=="},
+    ]
+    message = ChatMessage(role="user", content=content)
+    assert message.has_images() and message.parts() == [
+        {"type": "image", "url": "data:image/png;base64,AA=="},
+        {"type": "text", "text": "and"},
+        {"type": "image", "url": "data:image/png;base64,BB=="},
+    ]
+    for part, words in (
+        ({"type": "image_url", "image_url": {}}, "an image_url part holds a URL string"),
+        ({"type": "input_audio"}, "content part type 'input_audio' is not supported"),
+    ):
+        with pytest.raises(InvalidRequestError, match=words):
+            ChatMessage(role="user", content=[part]).parts()
+
+
 def test_tokenize_takes_exactly_one_input() -> None:
     """Either a prompt or messages, never both, never neither."""
     assert TokenizeRequest(prompt="x").prompt == "x"
