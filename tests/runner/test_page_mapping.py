@@ -191,5 +191,7 @@ def test_glibc_keeps_freed_memory() -> None:
         libc.free(block)
     after = libc.mallinfo2()
     assert (held.hblks, held.hblkhd) == (before.hblks, before.hblkhd)  # no mapping of its own
-    assert held.uordblks - before.uordblks >= 100 << 20
+    # Process-wide counts: another thread of the test process (an engine's, from an earlier
+    # test) may free a few bytes meanwhile, so a MiB of slack (seen: 1,856 bytes short).
+    assert held.uordblks - before.uordblks >= (100 << 20) - (1 << 20)
     assert after.arena == held.arena  # nothing returned to the OS
