@@ -151,6 +151,7 @@ class ModelConfig:
     # What one structured-outputs constraint may contain (grammar_limits.py); EngineArgs
     # builds it from the structured_outputs_max_* options.
     structured_outputs_limits: ConstraintLimits = field(default_factory=ConstraintLimits)
+    max_images_per_prompt: int = 999  # --limit-mm-per-prompt's image count (vLLM's default)
 
 
 @dataclass(frozen=True, slots=True)

@@ -65,3 +65,29 @@ def no_swap_space(value: float | None) -> str | None:
         "is not a flag of vLLM 0.32 either: preemption recomputes, and blocks leaving the "
         "device go to the host tier (--kv-offloading-size GiB)"
     )
+
+
+def image_limit(value: dict | str | None) -> int:
+    """`--limit-mm-per-prompt`'s image count (999 when not given, vLLM's default); ValueError
+    with what is wrong."""
+    if value is None:
+        return 999
+    limits = json.loads(value) if isinstance(value, str) else value
+    if not isinstance(limits, dict) or set(limits) - {"image"}:
+        keys = sorted(map(str, limits)) if isinstance(limits, dict) else type(limits).__name__
+        raise ValueError(f"takes 'image' alone, got {keys}")
+    count = limits.get("image", 999)
+    count = count.get("count") if isinstance(count, dict) else count
+    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+        raise ValueError(f"needs a count >= 0 of images, got {count!r}")
+    return count
+
+
+def mm_limit(value: Any) -> str | None:
+    try:
+        image_limit(value)
+    except json.JSONDecodeError as exc:
+        return f"is not JSON: {exc.msg}"
+    except ValueError as exc:
+        return str(exc)
+    return None

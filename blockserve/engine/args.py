@@ -86,6 +86,12 @@ class EngineArgs:
         "structured outputs: seconds a constraint may take to compile before it is refused",
         check=positive,
     )
+    limit_mm_per_prompt: dict | str | None = option(
+        None,
+        "the most images one prompt may hold, as JSON with vLLM's keys: '{\"image\": 4}' or "
+        '\'{"image": {"count": 4}}\' (default: 999, vLLM\'s; 0: text only)',
+        check=arg_checks.mm_limit,
+    )
     # The KV cache, its prefix cache and the tiers below it (CacheConfig).
     enable_prefix_caching: bool = declared(CacheConfig, "enable_prefix_caching")
     block_size: int = declared(CacheConfig, "block_size")
@@ -187,7 +193,9 @@ class EngineArgs:
         lora = self._lora_config()
         return EngineConfig(
             model=ModelConfig(
-                **options_of(ModelConfig, self), structured_outputs_limits=self._constraint_limits()
+                **options_of(ModelConfig, self),
+                structured_outputs_limits=self._constraint_limits(),
+                max_images_per_prompt=arg_checks.image_limit(self.limit_mm_per_prompt),
             ),
             cache=CacheConfig(
                 **options_of(CacheConfig, self) | {"kv_remote_secret": self._remote_secret()},

@@ -188,13 +188,15 @@ class InputProcessor:
         if self.images is None:
             raise InvalidRequestError("this model takes no images", "messages")
         self._check_bytes(sum(_utf8_length(t) for m in messages for t in _texts(m)))
-        decoded = [
-            decode_data_url(part["url"], "messages")
+        urls = [
+            part["url"]
             for m in messages
             if isinstance(m.get("content"), list)
             for part in m["content"]
             if part["type"] == "image"
         ]
+        self.images.check_count(len(urls), "messages")
+        decoded = [decode_data_url(url, "messages") for url in urls]
         images = self.images
         items: list[ImageInput] = []
 

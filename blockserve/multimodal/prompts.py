@@ -25,6 +25,15 @@ class ImagePrompts:
     tokens_per_tile: int
     model_id: str
     hash_algorithm: str = "blake3"
+    limit: int = 999  # the most images one prompt may hold (--limit-mm-per-prompt)
+
+    def check_count(self, count: int, param: str) -> None:
+        if count > self.limit:
+            raise InvalidRequestError(
+                f"a prompt may hold at most {self.limit} images (--limit-mm-per-prompt), "
+                f"this one holds {count}",
+                param,
+            )
 
     def expand(
         self, text: str, images: Sequence[Any], encode: Encode
@@ -32,6 +41,7 @@ class ImagePrompts:
         """The prompt's token ids, its images' replacements in place of each `<image>`, and
         the images as the engine takes them. Every boundary is a special token, so the text
         between images tokenizes alone as it would in the whole."""
+        self.check_count(len(images), "multi_modal_data")
         pieces = text.split(IMAGE_TOKEN)
         if len(pieces) - 1 != len(images):
             raise InvalidRequestError(

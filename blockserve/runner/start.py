@@ -76,7 +76,7 @@ class RunnerInfo:
     images: ImagePrompts | None = None  # how prompts take images (a vision-language model)
 
 
-def _image_prompts(loaded: LoadedModel, model: str | None) -> ImagePrompts | None:
+def _image_prompts(loaded: LoadedModel, model: str | None, limit: int) -> ImagePrompts | None:
     """A vision-language model's image prompts, its images hashed with the model as given."""
     if loaded.vision is None:
         return None
@@ -84,6 +84,7 @@ def _image_prompts(loaded: LoadedModel, model: str | None) -> ImagePrompts | Non
         processing=loaded.vision.processing,
         tokens_per_tile=loaded.vision.tower.config.tokens_per_tile,
         model_id=model or loaded.name,
+        limit=limit,
     )
 
 
@@ -130,7 +131,7 @@ def start_runner(config: EngineConfig) -> tuple[ModelRunner, RunnerInfo]:
             "cuda_graphs": 0 if parts.decode_graphs is None else len(parts.decode_graphs.sizes),
         },
         host_line=parts.host.describe(),
-        images=_image_prompts(loaded, config.model.model),
+        images=_image_prompts(loaded, config.model.model, config.model.max_images_per_prompt),
         compile_line=None if parts.compile_report is None else parts.compile_report.describe(),
     )
     return runner, info

@@ -51,7 +51,7 @@ _FLAGS = """
     --kda-decode-backend --kda-prefill-backend --kernel-config --kv-cache-dtype
     --kv-cache-dtype-skip-layers --kv-cache-metrics --kv-cache-metrics-sample
     --kv-offloading-backend --kv-sharing-fast-prefill --kv-transfer-config
-    --language-model-only --limit-mm-per-prompt --linear-backend --log-config-file
+    --language-model-only --linear-backend --log-config-file
     --log-error-stack --log-level --logging-config --logits-processors --logprobs-mode
     --long-prefill-token-threshold --long-prefill-token-threshold-adaptive --lora-dtype
     --lora-target-modules --mamba-backend --mamba-block-size --mamba-cache-dtype

@@ -45,6 +45,7 @@ GOOD: dict[str, tuple[object, list[str]]] = {
     "scheduling_policy": ("lpm", ["--scheduling-policy", "lpm"]),
     "lpm_aging_s": (2.5, ["--lpm-aging-s", "2.5"]),
     "max_num_seqs": (8, ["--max-num-seqs", "8"]),
+    "limit_mm_per_prompt": ({"image": 2}, ["--limit-mm-per-prompt", '{"image": 2}']),
     "max_num_batched_tokens": (512, ["--max-num-batched-tokens", "512"]),
     "max_n": (4, ["--max-n", "4"]),
     "max_model_len": (1024, ["--max-model-len", "1024"]),
@@ -136,6 +137,12 @@ BAD: dict[str, list[tuple[object, list[str] | None]]] = {
     "seed": [("x", ["--seed", "x"])],
     "compile": [("yes", None)],
     "enforce_eager": [("yes", None)],
+    "limit_mm_per_prompt": [
+        ('{"video": 1}', ["--limit-mm-per-prompt", '{"video": 1}']),
+        ({"image": -1}, ["--limit-mm-per-prompt", '{"image": -1}']),
+        ("nope", ["--limit-mm-per-prompt", "nope"]),
+        (3, None),
+    ],
     "cuda_graph_sizes": [
         ((0,), ["--cuda-graph-sizes", "0"]),
         (("1",), None),
@@ -258,7 +265,7 @@ def test_each_config_option_is_declared_once() -> None:
         "structured_outputs_compile_timeout", "eviction_policy", "tlru_threshold_tokens",
         "tlru_next_prompt_tokens", "enable_lora", "lora_modules", "kv_events_config",
         "tensor_parallel_size", "enable_chunked_prefill", "swap_space", "trust_remote_code",
-        "load_format",
+        "load_format", "limit_mm_per_prompt",
     }  # fmt: skip
 
 

@@ -247,3 +247,24 @@ def test_a_text_model_takes_no_images_and_http_bodies_hold_none() -> None:
         as_prompt_list(prompt)
     with pytest.raises(InvalidRequestError, match="multi_modal_data holds 'image' alone"):
         as_prompts({"prompt": "x", "multi_modal_data": {"video": 1}})
+
+
+def test_more_images_than_the_limit_are_refused_before_any_is_processed() -> None:
+    """--limit-mm-per-prompt '{"image": 1}': two images are refused, naming the flag, before
+    either is looked at (these two are not even images)."""
+    limited = ImagePrompts(Idefics3Processing(longest_edge=32, tile=32), 4, "test/model", limit=1)
+    processor = InputProcessor(
+        CharTokenizer(),
+        vocab_size=1000,
+        max_model_len=512,
+        scheduling_policy="fcfs",
+        max_n=4,
+        images=limited,
+    )
+    chat = [{"role": "user", "content": [{"type": "image", "url": "x"}] * 2}]
+    with pytest.raises(InvalidRequestError) as refused:
+        processor.image_chat_prompt(chat)
+    assert (str(refused.value), refused.value.param) == (
+        "a prompt may hold at most 1 images (--limit-mm-per-prompt), this one holds 2",
+        "messages",
+    )
