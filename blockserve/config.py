@@ -54,6 +54,12 @@ def _generation_config(value: str) -> str | None:
     return None if value else "must be auto, vllm or a path, got an empty string"
 
 
+def _host_names(values: tuple[str, ...]) -> str | None:
+    if isinstance(values, tuple) and all(isinstance(v, str) and v for v in values):
+        return None
+    return f"must be a tuple of host names, got {values!r}"
+
+
 def _batch_sizes(values: tuple[int, ...]) -> str | None:
     if all(size > 0 for size in values):
         return None
@@ -147,6 +153,17 @@ class ModelConfig:
         "two tokens of JSON (-1: any number, as vLLM allows; 0: compact JSON). Bounded, a "
         "small model cannot fill max_tokens with whitespace",
         check=at_least(-1),
+    )
+    allowed_media_domains: tuple[str, ...] = option(
+        (),
+        "image URLs may name these hosts only, at whatever address (vLLM's flag); default: "
+        "any host whose addresses are all public",
+        check=_host_names,
+    )
+    allowed_local_media_path: str | None = option(
+        None,
+        "a directory whose files file:// image URLs may read (vLLM's flag); default: none",
+        check=non_empty_or_none,
     )
     # What one structured-outputs constraint may contain (grammar_limits.py); EngineArgs
     # builds it from the structured_outputs_max_* options.

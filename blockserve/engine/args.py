@@ -86,6 +86,8 @@ class EngineArgs:
         "structured outputs: seconds a constraint may take to compile before it is refused",
         check=positive,
     )
+    allowed_media_domains: tuple[str, ...] = declared(ModelConfig, "allowed_media_domains")
+    allowed_local_media_path: str | None = declared(ModelConfig, "allowed_local_media_path")
     limit_mm_per_prompt: dict | str | None = option(
         None,
         "the most images one prompt may hold, as JSON with vLLM's keys: '{\"image\": 4}' or "

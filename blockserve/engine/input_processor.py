@@ -14,7 +14,7 @@ from blockserve.errors import InvalidRequestError, ModelNotFoundError
 from blockserve.grammar import GrammarCompiler
 from blockserve.model.tokenizer import Tokenizer
 from blockserve.multimodal.inputs import ImageInput
-from blockserve.multimodal.media import decode_data_url
+from blockserve.multimodal.media import load_image_url
 from blockserve.multimodal.prompts import ImagePrompts
 
 
@@ -196,7 +196,7 @@ class InputProcessor:
             if part["type"] == "image"
         ]
         self.images.check_count(len(urls), "messages")
-        decoded = [decode_data_url(url, "messages") for url in urls]
+        decoded = [load_image_url(url, self.images.media, "messages") for url in urls]
         images = self.images
         items: list[ImageInput] = []
 

@@ -5,13 +5,14 @@ of positions recorded; what vLLM's processor does for SmolVLM / Idefics3."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from blockserve.errors import InvalidRequestError
 from blockserve.multimodal.hasher import EncodedImage, item_identifier
 from blockserve.multimodal.idefics3 import IMAGE_TOKEN, Idefics3Processing, image_prompt
 from blockserve.multimodal.inputs import ImageInput
+from blockserve.multimodal.media import MediaPolicy
 
 Encode = Callable[[str, bool], Sequence[int]]  # (text, add_special_tokens) -> token ids
 
@@ -26,6 +27,7 @@ class ImagePrompts:
     model_id: str
     hash_algorithm: str = "blake3"
     limit: int = 999  # the most images one prompt may hold (--limit-mm-per-prompt)
+    media: MediaPolicy = field(default_factory=MediaPolicy)  # where image URLs may point
 
     def check_count(self, count: int, param: str) -> None:
         if count > self.limit:

@@ -5,18 +5,21 @@ all of it; the engine gets the runner (steps in, outputs out) and a `RunnerInfo`
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from blockserve.config import EngineConfig, RuntimeConfig
+from blockserve.config import EngineConfig, ModelConfig, RuntimeConfig
+from blockserve.errors import InvalidConfigError
 from blockserve.grammar import GrammarCompiler
 from blockserve.lora.manager import LoRAManager
 from blockserve.model.arch import LlamaArchConfig
 from blockserve.model.loader import LoadedModel
 from blockserve.model.tokenizer import Tokenizer
+from blockserve.multimodal.media import MediaPolicy
 from blockserve.multimodal.prompts import ImagePrompts
 from blockserve.runner.build import runner_parts
 from blockserve.runner.decode_graphs import (
@@ -76,15 +79,29 @@ class RunnerInfo:
     images: ImagePrompts | None = None  # how prompts take images (a vision-language model)
 
 
-def _image_prompts(loaded: LoadedModel, model: str | None, limit: int) -> ImagePrompts | None:
-    """A vision-language model's image prompts, its images hashed with the model as given."""
+def _image_prompts(loaded: LoadedModel, model: ModelConfig) -> ImagePrompts | None:
+    """A vision-language model's image prompts: its images hashed with the model as given,
+    their count and sources bounded by the flags (an --allowed-local-media-path that is not a
+    directory stops the start, as in vLLM)."""
     if loaded.vision is None:
         return None
+    local = None
+    if model.allowed_local_media_path is not None:
+        local = Path(model.allowed_local_media_path).resolve()
+        if not local.is_dir():
+            raise InvalidConfigError(
+                f"allowed_local_media_path (--allowed-local-media-path) {local} is not a directory"
+            )
     return ImagePrompts(
         processing=loaded.vision.processing,
         tokens_per_tile=loaded.vision.tower.config.tokens_per_tile,
-        model_id=model or loaded.name,
-        limit=limit,
+        model_id=model.model or loaded.name,
+        limit=model.max_images_per_prompt,
+        media=MediaPolicy(
+            allowed_domains=model.allowed_media_domains,
+            local_path=local,
+            fetch_timeout_s=float(os.environ.get("VLLM_IMAGE_FETCH_TIMEOUT", "5")),
+        ),
     )
 
 
@@ -131,7 +148,7 @@ def start_runner(config: EngineConfig) -> tuple[ModelRunner, RunnerInfo]:
             "cuda_graphs": 0 if parts.decode_graphs is None else len(parts.decode_graphs.sizes),
         },
         host_line=parts.host.describe(),
-        images=_image_prompts(loaded, config.model.model, config.model.max_images_per_prompt),
+        images=_image_prompts(loaded, config.model),
         compile_line=None if parts.compile_report is None else parts.compile_report.describe(),
     )
     return runner, info

@@ -8,8 +8,8 @@ from __future__ import annotations
 # `blockserve serve` does not take.
 _FLAGS = """
     --additional-config --aggregate-engine-logging --all2all-backend --allow-credentials
-    --allow-deprecated-quantization --allowed-headers --allowed-local-media-path
-    --allowed-media-domains --allowed-methods --allowed-origins
+    --allow-deprecated-quantization --allowed-headers
+    --allowed-methods --allowed-origins
     --anthropic-disabled-thinking-effort --api-server-count --attention-config
     --aux-output-config --chat-template-content-format --code-revision --cohere-format
     --cohere-is-reasoning-model --collect-detailed-traces --compilation-config --config

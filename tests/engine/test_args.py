@@ -46,6 +46,8 @@ GOOD: dict[str, tuple[object, list[str]]] = {
     "lpm_aging_s": (2.5, ["--lpm-aging-s", "2.5"]),
     "max_num_seqs": (8, ["--max-num-seqs", "8"]),
     "limit_mm_per_prompt": ({"image": 2}, ["--limit-mm-per-prompt", '{"image": 2}']),
+    "allowed_media_domains": (("images.example",), ["--allowed-media-domains", "images.example"]),
+    "allowed_local_media_path": ("/srv/images", ["--allowed-local-media-path", "/srv/images"]),
     "max_num_batched_tokens": (512, ["--max-num-batched-tokens", "512"]),
     "max_n": (4, ["--max-n", "4"]),
     "max_model_len": (1024, ["--max-model-len", "1024"]),
@@ -137,6 +139,8 @@ BAD: dict[str, list[tuple[object, list[str] | None]]] = {
     "seed": [("x", ["--seed", "x"])],
     "compile": [("yes", None)],
     "enforce_eager": [("yes", None)],
+    "allowed_media_domains": [("images.example", None)],
+    "allowed_local_media_path": [("", ["--allowed-local-media-path", ""])],
     "limit_mm_per_prompt": [
         ('{"video": 1}', ["--limit-mm-per-prompt", '{"video": 1}']),
         ({"image": -1}, ["--limit-mm-per-prompt", '{"image": -1}']),

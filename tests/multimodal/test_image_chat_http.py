@@ -6,8 +6,11 @@ and each kind of bad image is a 400 naming `messages` while the server keeps ser
 from __future__ import annotations
 
 import base64
+import http.server
 import io
 import struct
+import threading
+import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -96,9 +99,19 @@ def bomb() -> bytes:
         (data_url(png(Image.fromarray(pixels(3, 40, 70, 3)))[:60]), "the image cannot be read"),
         (data_url(bomb()), "Image size (900000000 pixels) exceeds limit of 178956970 pixels"),
         ("data:image/png;base64,@@@", "the image's base64 cannot be read"),
-        ("http://127.0.0.1:9/cat.png", "http(s) and file:// URLs are not served yet"),
+        ("http://127.0.0.1:9/cat.png", "the image's host '127.0.0.1' is not a public address"),
+        ("file:///etc/hostname", "file:// image URLs need --allowed-local-media-path"),
+        ("ftp://example.com/cat.png", "an image_url is a data:, http(s) or file:// URL"),
     ],
-    ids=["not an image", "truncated", "decompression bomb", "bad base64", "http url"],
+    ids=[
+        "not an image",
+        "truncated",
+        "decompression bomb",
+        "bad base64",
+        "loopback url",
+        "file url",
+        "ftp url",
+    ],
 )
 def test_a_bad_image_is_a_400_naming_messages(server: ServerProcess, url: str, words: str) -> None:
     refused = chat(server, url)
@@ -106,3 +119,100 @@ def test_a_bad_image_is_a_400_naming_messages(server: ServerProcess, url: str, w
     error = refused.json()["error"]
     assert words in error["message"] and error["param"] == "messages"
     assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+class ImageHandler(http.server.BaseHTTPRequestHandler):
+    """/cat.png: a PNG; /slow.png: the same after 3 s; anything else a 404."""
+
+    body = b""
+
+    def do_GET(self) -> None:  # http.server calls it by this name
+        if self.path == "/slow.png":
+            time.sleep(3)
+        if self.path not in ("/cat.png", "/slow.png"):
+            self.send_error(404)
+            return
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(self.body)))
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, *args: object) -> None:
+        return
+
+
+@pytest.fixture(scope="module")
+def image_host() -> Iterator[str]:
+    """A loopback HTTP server of images (the only address a test here may reach)."""
+    ImageHandler.body = png(Image.fromarray(pixels(31, 40, 70, 3)))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), ImageHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def media_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("media")
+    (directory / "cat.png").write_bytes(png(Image.fromarray(pixels(31, 40, 70, 3))))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def open_server(
+    smolvlm_dir: Path, tmp_path_factory: pytest.TempPathFactory, media_dir: Path
+) -> Iterator[ServerProcess]:
+    """A server that admits 127.0.0.1 by name and reads images under `media_dir`, a fetch
+    bounded at 1 s."""
+    extra = ["--allowed-media-domains", "127.0.0.1", "--allowed-local-media-path", str(media_dir)]
+    env = {"VLLM_IMAGE_FETCH_TIMEOUT": "1"}
+    yield from tiny_server(smolvlm_dir, tmp_path_factory, extra, env=env)
+
+
+def test_an_image_by_http_or_file_url_answers_as_by_its_bytes(
+    open_server: ServerProcess, image_host: str, media_dir: Path
+) -> None:
+    """The same PNG by data:, http:// and file:// URL: the same answer, and the same image
+    identifier (its bytes), so the second and third are cached through the image."""
+    by_bytes = chat(open_server, data_url(ImageHandler.body)).json()
+    by_http = chat(open_server, f"{image_host}/cat.png").json()
+    by_file = chat(open_server, f"file://{media_dir / 'cat.png'}").json()
+    answers = {r["choices"][0]["message"]["content"] for r in (by_bytes, by_http, by_file)}
+    assert len(answers) == 1
+    prompt_tokens = by_bytes["usage"]["prompt_tokens"]
+    for later in (by_http, by_file):
+        cached = later["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached == (prompt_tokens // 16) * 16
+
+
+@pytest.mark.parametrize(
+    ("path", "words"),
+    [
+        ("/slow.png", "the image URL did not answer within 1 s (VLLM_IMAGE_FETCH_TIMEOUT)"),
+        ("/missing.png", "the image URL answered 404"),
+    ],
+)
+def test_a_slow_or_missing_url_is_a_400(
+    open_server: ServerProcess, image_host: str, path: str, words: str
+) -> None:
+    refused = chat(open_server, f"{image_host}{path}")
+    assert refused.status_code == 400 and words in refused.json()["error"]["message"]
+
+
+def test_hosts_and_files_outside_the_flags_are_refused(
+    open_server: ServerProcess, image_host: str, tmp_path: Path
+) -> None:
+    outside = tmp_path / "cat.png"
+    outside.write_bytes(ImageHandler.body)
+    port = image_host.rsplit(":", 1)[1]
+    for url, words in (
+        (
+            f"http://localhost:{port}/cat.png",
+            "the image's host 'localhost' is not in --allowed-media-domains",
+        ),
+        (f"file://{outside}", "the image file is not a file under --allowed-local-media-path"),
+    ):
+        refused = chat(open_server, url)
+        assert refused.status_code == 400 and words in refused.json()["error"]["message"]
