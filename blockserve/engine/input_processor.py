@@ -188,15 +188,15 @@ class InputProcessor:
         if self.images is None:
             raise InvalidRequestError("this model takes no images", "messages")
         self._check_bytes(sum(_utf8_length(t) for m in messages for t in _texts(m)))
-        urls = [
-            part["url"]
+        parts = [
+            part
             for m in messages
             if isinstance(m.get("content"), list)
             for part in m["content"]
             if part["type"] == "image"
         ]
-        self.images.check_count(len(urls), "messages")
-        decoded = [load_image_url(url, self.images.media, "messages") for url in urls]
+        self.images.check_count(len(parts), "messages")
+        decoded = [load_image_url(part["url"], self.images.media, "messages") for part in parts]
         images = self.images
         items: list[ImageInput] = []
 
@@ -204,7 +204,8 @@ class InputProcessor:
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
         def image_ids(index: int, offset: int) -> Sequence[int]:
-            replacement, item = images.image_tokens(decoded[index], offset, encode)
+            uuid = parts[index].get("uuid")
+            replacement, item = images.image_tokens(decoded[index], offset, encode, uuid)
             items.append(item)
             return replacement
 

@@ -61,15 +61,16 @@ class ImagePrompts:
         return tuple(ids), tuple(items)
 
     def image_tokens(
-        self, image: Any, offset: int, encode: Encode
+        self, image: Any, offset: int, encode: Encode, uuid: str | None = None
     ) -> tuple[Sequence[int], ImageInput]:
         """One image's tokens (the text its tiles become), placed at prompt position `offset`:
-        a PIL image hashed by its pixels, an `EncodedImage` by the bytes it arrived as."""
+        a PIL image hashed by its pixels, an `EncodedImage` by the bytes it arrived as, or a
+        client's `uuid` standing for either (vLLM's rule)."""
         pixels = image.image if isinstance(image, EncodedImage) else image
         tiles = self.processing(pixels)
         replacement = encode(image_prompt(tiles.rows, tiles.cols, self.tokens_per_tile), False)
         item = ImageInput(
-            identifier=item_identifier(self.hash_algorithm, self.model_id, image),
+            identifier=item_identifier(self.hash_algorithm, self.model_id, image, uuid),
             offset=offset,
             length=len(replacement),
             pixel_values=tiles.pixel_values,

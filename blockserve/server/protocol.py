@@ -211,7 +211,12 @@ class ChatMessage(Body):
                 url = url.get("url") if isinstance(url, dict) else url
                 if not isinstance(url, str):
                     raise InvalidRequestError("an image_url part holds a URL string", "messages")
-                parts.append({"type": "image", "url": url})
+                uuid = part.get("uuid")  # the client's identifier for the image (vLLM's)
+                if uuid is not None and not (isinstance(uuid, str) and uuid):
+                    raise InvalidRequestError(
+                        "an image part's uuid is a non-empty string", "messages"
+                    )
+                parts.append({"type": "image", "url": url, "uuid": uuid})
             else:
                 raise InvalidRequestError(f"content part type {kind!r} is not supported")
         return parts

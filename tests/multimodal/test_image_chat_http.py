@@ -50,8 +50,11 @@ def data_url(raw: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(raw).decode()
 
 
-def chat(server: ServerProcess, url: str, question: str = QUESTION) -> httpx.Response:
-    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": question}]
+def chat(
+    server: ServerProcess, url: str, question: str = QUESTION, uuid: str | None = None
+) -> httpx.Response:
+    image = {"type": "image_url", "image_url": {"url": url}, **({"uuid": uuid} if uuid else {})}
+    content = [image, {"type": "text", "text": question}]
     return httpx.post(
         f"{server.url}/v1/chat/completions",
         json={"messages": [{"role": "user", "content": content}], "max_tokens": 8,
@@ -216,3 +219,21 @@ def test_hosts_and_files_outside_the_flags_are_refused(
     ):
         refused = chat(open_server, url)
         assert refused.status_code == 400 and words in refused.json()["error"]["message"]
+
+
+def test_a_uuid_stands_for_the_image_in_the_cache(server: ServerProcess) -> None:
+    """Two different pictures under one client uuid are one item to the cache (vLLM's rule:
+    the uuid is the identifier), so the second is cached through the first's blocks; under
+    two uuids, the same picture is two items."""
+    first = chat(server, data_url(png(Image.fromarray(pixels(41, 40, 70, 3)))), uuid="pic-1")
+    prompt_tokens = first.json()["usage"]["prompt_tokens"]
+    other = chat(server, data_url(png(Image.fromarray(pixels(42, 40, 70, 3)))), uuid="pic-1")
+    details = other.json()["usage"]["prompt_tokens_details"]
+    assert details["cached_tokens"] == (prompt_tokens // 16) * 16
+    renamed = chat(server, data_url(png(Image.fromarray(pixels(41, 40, 70, 3)))), uuid="pic-2")
+    before = httpx.post(
+        f"{server.url}/tokenize",
+        json={"prompt": "<|im_start|>User:", "add_special_tokens": False},
+    ).json()["count"]  # the chat's tokens before its image
+    cached = renamed.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == (before // 16) * 16

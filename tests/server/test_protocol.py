@@ -82,13 +82,16 @@ def test_image_url_parts_become_image_parts_with_their_url() -> None:
     ]
     message = ChatMessage(role="user", content=content)
     assert message.has_images() and message.parts() == [
-        {"type": "image", "url": "data:image/png;base64,AA=="},
+        {"type": "image", "url": "data:image/png;base64,AA==", "uuid": None},
         {"type": "text", "text": "and"},
-        {"type": "image", "url": "data:image/png;base64,BB=="},
+        {"type": "image", "url": "data:image/png;base64,BB==", "uuid": None},
     ]
+    tagged = {"type": "image_url", "image_url": "data:image/png;base64,AA==", "uuid": "cat-7"}
+    assert ChatMessage(role="user", content=[tagged]).parts()[0]["uuid"] == "cat-7"
     for part, words in (
         ({"type": "image_url", "image_url": {}}, "an image_url part holds a URL string"),
         ({"type": "input_audio"}, "content part type 'input_audio' is not supported"),
+        ({**tagged, "uuid": ""}, "an image part's uuid is a non-empty string"),
     ):
         with pytest.raises(InvalidRequestError, match=words):
             ChatMessage(role="user", content=[part]).parts()
