@@ -13,6 +13,7 @@ from blockserve.engine.request import ImagesPrompt, RequestSpec, ValidatedReques
 from blockserve.errors import InvalidRequestError, ModelNotFoundError
 from blockserve.grammar import GrammarCompiler
 from blockserve.model.tokenizer import Tokenizer
+from blockserve.multimodal.hasher import EncodedImage
 from blockserve.multimodal.inputs import ImageInput
 from blockserve.multimodal.media import load_image_url
 from blockserve.multimodal.prompts import ImagePrompts
@@ -196,7 +197,14 @@ class InputProcessor:
             if part["type"] == "image"
         ]
         self.images.check_count(len(parts), "messages")
-        decoded = [load_image_url(part["url"], self.images.media, "messages") for part in parts]
+        decoded = [
+            part["image"]
+            if "image" in part
+            else load_image_url(part["url"], self.images.media, "messages")
+            for part in parts
+        ]
+        if not all(isinstance(image, EncodedImage | Image.Image) for image in decoded):
+            raise InvalidRequestError("an image is a PIL image", "messages")
         images = self.images
         items: list[ImageInput] = []
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from tqdm import tqdm
 
@@ -11,9 +11,11 @@ from blockserve.engine.args import EngineArgs
 from blockserve.engine.chat import Message
 from blockserve.engine.llm_engine import LLMEngine, build_engine
 from blockserve.engine.outputs import EngineStats, RequestOutput
-from blockserve.engine.request import PromptInput, RequestSpec, as_prompts
+from blockserve.engine.request import Prompt, PromptInput, RequestSpec, as_prompts
+from blockserve.errors import InvalidRequestError
 from blockserve.lora.adapter import LoRARequest
 from blockserve.model.tokenizer import Tokenizer
+from blockserve.multimodal.inputs import ImageInput
 from blockserve.sampling_params import SamplingParams
 
 
@@ -61,6 +63,27 @@ class LLM:
         per prompt.
         """
         prompt_list = as_prompts(prompts)
+        return self._generate(
+            prompt_list,
+            [()] * len(prompt_list),
+            sampling_params,
+            priority,
+            cache_salt,
+            use_tqdm,
+            lora_request,
+        )
+
+    def _generate(
+        self,
+        prompt_list: list[Prompt],
+        images: list[tuple[ImageInput, ...]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        priority: Sequence[int] | None,
+        cache_salt: str | Sequence[str | None] | None,
+        use_tqdm: bool,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+    ) -> list[RequestOutput]:
+        """Each prompt (with the images rendered into it, for a chat's) run to completion."""
         count = len(prompt_list)
         params = _per_prompt(
             sampling_params or self.get_default_sampling_params(), count, "sampling_params"
@@ -70,15 +93,21 @@ class LLM:
         loras = _per_prompt(lora_request, count, "lora_request")
         request_ids = []
         try:
-            for prompt, p, prio, salt, lora in zip(
-                prompt_list, params, priorities, salts, loras, strict=True
+            for prompt, prompt_images, p, prio, salt, lora in zip(
+                prompt_list, images, params, priorities, salts, loras, strict=True
             ):
                 request_id = str(self._next_id)
                 self._next_id += 1
                 name = self._lora_name(lora)
                 self.engine.add_request(
                     RequestSpec(
-                        request_id, prompt, p, priority=prio, cache_salt=salt, lora_name=name
+                        request_id,
+                        prompt,
+                        p,
+                        priority=prio,
+                        cache_salt=salt,
+                        lora_name=name,
+                        images=prompt_images,
                     )
                 )
                 request_ids.append(request_id)
@@ -89,17 +118,28 @@ class LLM:
 
     def chat(
         self,
-        messages: list[Message] | list[list[Message]],
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate. Special-token
-        text inside a message is plain text (engine/chat.py)."""
+        text inside a message is plain text (engine/chat.py). A vision-language model takes
+        OpenAI's content parts: `text`, `image_url` (a data:, http(s) or file:// URL) and
+        vLLM's `image_pil` (a PIL image)."""
         one = bool(messages) and isinstance(messages[0], dict)
-        conversations = [messages] if one else messages
+        conversations = cast(list[list[Message]], [messages] if one else messages)
         processor = self.engine.input_processor
-        token_prompts = [list(processor.chat_prompt(c)) for c in conversations]  # type: ignore[arg-type]
-        return self.generate(token_prompts, sampling_params, use_tqdm=use_tqdm)
+        prompts: list[Prompt] = []
+        images: list[tuple[ImageInput, ...]] = []
+        for conversation in conversations:
+            if any(isinstance(m.get("content"), list) for m in conversation):
+                ids, rendered = processor.image_chat_prompt(offline_parts(conversation))
+                prompts.append(ids)
+                images.append(rendered)
+            else:
+                prompts.append(tuple(processor.chat_prompt(conversation)))
+                images.append(())
+        return self._generate(prompts, images, sampling_params, None, None, use_tqdm, None)
 
     def _lora_name(self, lora: LoRARequest | None) -> str | None:
         """The adapter's name, once it is registered (read now on its first use)."""
@@ -141,3 +181,33 @@ def _per_prompt(value: Any, count: int, name: str) -> list[Any]:
             raise ValueError(f"{name} has {len(value)} entries for {count} prompts")
         return list(value)
     return [value] * count
+
+
+def offline_parts(conversation: list[Message]) -> list[dict[str, Any]]:
+    """A conversation's content parts as the input processor takes them: text parts, and
+    image parts holding a URL or, from `image_pil`, the image itself."""
+    out: list[dict[str, Any]] = []
+    for message in conversation:
+        content: Any = message.get("content")
+        if not isinstance(content, list):
+            out.append(dict(message))
+            continue
+        parts: list[dict[str, Any]] = []
+        for part in content:
+            kind = part.get("type")
+            if kind == "text":
+                parts.append({"type": "text", "text": str(part.get("text", ""))})
+            elif kind == "image_url":
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                parts.append({"type": "image", "url": url, "uuid": part.get("uuid")})
+            elif kind == "image_pil":
+                parts.append(
+                    {"type": "image", "image": part.get("image_pil"), "uuid": part.get("uuid")}
+                )
+            else:
+                raise InvalidRequestError(
+                    f"content part type {kind!r} is not supported", "messages"
+                )
+        out.append({**message, "content": parts})
+    return out

@@ -109,3 +109,23 @@ def test_the_same_image_is_cached_through_and_another_stops_the_hit(llm: LLM) ->
     before = len(llm.get_tokenizer().encode(ONE[:start]))
     _, cached = generate(llm, ONE, [picture(12)])
     assert cached == (before // 16) * 16  # the blocks before the first the image touches
+
+
+def test_llm_chat_takes_image_parts_as_generate_takes_the_rendered_prompt(llm: LLM) -> None:
+    """`LLM.chat` with vLLM's `image_pil` and OpenAI's `image_url` (a data: URL of the same
+    PNG): the tokens `generate` gives for the prompt the template renders."""
+    import base64
+    import io
+
+    image = picture(8)
+    buffer = io.BytesIO()
+    image.save(buffer, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    expected, _ = generate(llm, ONE, [image])
+    for part in (
+        {"type": "image_pil", "image_pil": image},
+        {"type": "image_url", "image_url": {"url": url}},
+    ):
+        content = [part, {"type": "text", "text": "Describe the image."}]
+        (out,) = llm.chat([{"role": "user", "content": content}], GREEDY, use_tqdm=False)
+        assert list(out.outputs[0].token_ids) == expected
