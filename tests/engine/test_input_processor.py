@@ -195,9 +195,10 @@ def small_image() -> Image.Image:
     return Image.new("RGB", (8, 6), (10, 20, 30))
 
 
-def image_processor() -> InputProcessor:
+def image_processor(limit: int = 999) -> InputProcessor:
     """A processor whose model takes images: 32-pixel tiles, 4 tokens a tile."""
-    images = ImagePrompts(Idefics3Processing(longest_edge=32, tile=32), 4, "test/model", "sha256")
+    tiles = Idefics3Processing(longest_edge=32, tile=32)
+    images = ImagePrompts(tiles, 4, "test/model", "sha256", limit=limit)
     return InputProcessor(
         CharTokenizer(),
         vocab_size=1000,
@@ -252,15 +253,7 @@ def test_a_text_model_takes_no_images_and_http_bodies_hold_none() -> None:
 def test_more_images_than_the_limit_are_refused_before_any_is_processed() -> None:
     """--limit-mm-per-prompt '{"image": 1}': two images are refused, naming the flag, before
     either is looked at (these two are not even images)."""
-    limited = ImagePrompts(Idefics3Processing(longest_edge=32, tile=32), 4, "test/model", limit=1)
-    processor = InputProcessor(
-        CharTokenizer(),
-        vocab_size=1000,
-        max_model_len=512,
-        scheduling_policy="fcfs",
-        max_n=4,
-        images=limited,
-    )
+    processor = image_processor(limit=1)
     chat = [{"role": "user", "content": [{"type": "image", "url": "x"}] * 2}]
     with pytest.raises(InvalidRequestError) as refused:
         processor.image_chat_prompt(chat)
