@@ -11,7 +11,7 @@ from blockserve.engine.args import EngineArgs
 from blockserve.engine.chat import Message
 from blockserve.engine.llm_engine import LLMEngine, build_engine
 from blockserve.engine.outputs import EngineStats, RequestOutput
-from blockserve.engine.request import Prompt, PromptInput, RequestSpec, as_prompts
+from blockserve.engine.request import Prompt, PromptInput, RequestSpec, as_prompts, image_part
 from blockserve.errors import InvalidRequestError
 from blockserve.lora.adapter import LoRARequest
 from blockserve.model.tokenizer import Tokenizer
@@ -198,9 +198,7 @@ def offline_parts(conversation: list[Message]) -> list[dict[str, Any]]:
             if kind == "text":
                 parts.append({"type": "text", "text": str(part.get("text", ""))})
             elif kind == "image_url":
-                url = part.get("image_url")
-                url = url.get("url") if isinstance(url, dict) else url
-                parts.append({"type": "image", "url": url, "uuid": part.get("uuid")})
+                parts.append(image_part(part))
             elif kind == "image_pil":
                 parts.append(
                     {"type": "image", "image": part.get("image_pil"), "uuid": part.get("uuid")}

@@ -156,3 +156,16 @@ def _one_prompt(prompt: Any) -> Prompt:
     raise InvalidRequestError(
         f"a prompt is a string, token ids or a prompt dict; got {type(prompt).__name__}", "prompt"
     )
+
+
+def image_part(part: Mapping[str, Any]) -> dict[str, Any]:
+    """An OpenAI `image_url` content part as the input processor takes it: `{"type": "image",
+    "url", "uuid"}` (the URL as given, or inside `{"url": ...}`; the client's uuid, vLLM's)."""
+    url = part.get("image_url")
+    url = url.get("url") if isinstance(url, Mapping) else url
+    if not isinstance(url, str):
+        raise InvalidRequestError("an image_url part holds a URL string", "messages")
+    uuid = part.get("uuid")
+    if uuid is not None and not (isinstance(uuid, str) and uuid):
+        raise InvalidRequestError("an image part's uuid is a non-empty string", "messages")
+    return {"type": "image", "url": url, "uuid": uuid}

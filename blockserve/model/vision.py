@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from blockserve.multimodal.idefics3 import Idefics3Processing
 from blockserve.multimodal.inputs import ImageInput
 
 
@@ -186,7 +187,7 @@ class VisionModel:
     and the token whose positions take the tower's outputs."""
 
     tower: VisionTower
-    processing: Any  # multimodal.idefics3.Idefics3Processing
+    processing: Idefics3Processing
     image_token_id: int
 
     def embed(self, image: ImageInput, dtype: torch.dtype) -> torch.Tensor:

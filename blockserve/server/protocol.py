@@ -7,7 +7,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
-from blockserve.engine.request import TextPrompt, as_prompt_list
+from blockserve.engine.request import TextPrompt, as_prompt_list, image_part
 from blockserve.errors import InvalidRequestError
 from blockserve.sampling_params import SamplingParams, StructuredOutputsParams
 from blockserve.server.body import Body, Text, encodable
@@ -207,16 +207,7 @@ class ChatMessage(Body):
                 except ValueError as exc:
                     raise InvalidRequestError(str(exc), "messages") from None
             elif kind == "image_url":
-                url = part.get("image_url")
-                url = url.get("url") if isinstance(url, dict) else url
-                if not isinstance(url, str):
-                    raise InvalidRequestError("an image_url part holds a URL string", "messages")
-                uuid = part.get("uuid")  # the client's identifier for the image (vLLM's)
-                if uuid is not None and not (isinstance(uuid, str) and uuid):
-                    raise InvalidRequestError(
-                        "an image part's uuid is a non-empty string", "messages"
-                    )
-                parts.append({"type": "image", "url": url, "uuid": uuid})
+                parts.append(image_part(part))
             else:
                 raise InvalidRequestError(f"content part type {kind!r} is not supported")
         return parts
