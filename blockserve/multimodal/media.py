@@ -44,7 +44,7 @@ def load_image_url(url: str, policy: MediaPolicy, param: str) -> EncodedImage:
     """An `image_url` part's image, by its URL's scheme; InvalidRequestError naming `param`
     for anything the policy refuses or that is not an image."""
     if url.startswith("data:"):
-        return decode_data_url(url, param)
+        return decode_data_url(url, policy.max_bytes, param)
     try:
         parts = urlsplit(url)
     except ValueError as exc:
@@ -122,12 +122,15 @@ def _read_local(parts: SplitResult, policy: MediaPolicy, param: str) -> bytes:
     return path.read_bytes()
 
 
-def decode_data_url(url: str, param: str) -> EncodedImage:
+def decode_data_url(url: str, max_bytes: int, param: str) -> EncodedImage:
     """A `data:image/...;base64,...` URL's image; InvalidRequestError naming `param` for a URL
-    of another kind, or bytes that are not an image Pillow may decode."""
+    of another kind, one whose bytes would pass `max_bytes` (refused before decoding), or bytes
+    that are not an image Pillow may decode."""
     head, comma, data = url.partition(",")
     if not (head.startswith("data:image/") and head.endswith(";base64") and comma):
         raise InvalidRequestError("a data: image URL is data:image/...;base64,...", param)
+    if len(data) // 4 * 3 > max_bytes:
+        raise InvalidRequestError(f"the image is larger than {max_bytes} bytes", param)
     try:
         raw = base64.b64decode(data, validate=True)
     except binascii.Error as exc:
