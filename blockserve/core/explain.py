@@ -15,6 +15,7 @@ from blockserve.core.hashing import BlockHash
 REASONS = (
     "never_stored",  # the block's hash was not in the cache, nor evicted recently
     "evicted",  # it was cached and evicted `evicted_seconds_ago`
+    "image",  # never stored, and an image's span touches it: another image, or another offset
     "other_namespace",  # unsalted: the same tokens are cached, unsalted, for another LoRA
     "partial_block",  # every full block hit; the rest is a partial block, never cached
     "last_token",  # every block it may hit did; the last token is always recomputed
@@ -64,9 +65,11 @@ class CacheExplainer:
         num_hit_blocks: int,
         is_cached: Callable[[BlockHash], bool],
         cache_salt: str | None = None,
+        image_spans: Sequence[tuple[int, int]] = (),
     ) -> CacheExplanation:
-        """Why a prompt of `token_ids` (full-block hashes `block_hashes`) matched exactly
-        `num_hit_blocks` blocks. Call it before the request's own blocks are stored."""
+        """Why a prompt of `token_ids` (full-block hashes `block_hashes`, images at
+        `image_spans`, each (offset, length)) matched exactly `num_hit_blocks` blocks. Call it
+        before the request's own blocks are stored."""
         num_tokens = len(token_ids)
         max_hit_blocks = (num_tokens - 1) // self.block_size
         if num_hit_blocks >= max_hit_blocks:
@@ -81,6 +84,9 @@ class CacheExplainer:
         if evicted_at is not None:
             seconds = round(self.clock() - evicted_at, 3)
             return CacheExplanation(num_hit_blocks, "evicted", seconds)
+        start, end = num_hit_blocks * self.block_size, (num_hit_blocks + 1) * self.block_size
+        if any(offset < end and start < offset + length for offset, length in image_spans):
+            return CacheExplanation(num_hit_blocks, "image")
         if num_hit_blocks == 0 and cache_salt is None:
             content = tuple(token_ids[: self.block_size])
             if self._first_block_contents.get(content, 0) > 0:

@@ -148,6 +148,7 @@ class KVCacheManager:
             num_hit_blocks,
             self.block_pool.cached_block_hash_to_block.__contains__,
             request.cache_salt,
+            [(image.offset, image.length) for image in request.hash_keys.mm_features],
         )
 
     def allocate_slots(

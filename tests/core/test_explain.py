@@ -4,7 +4,7 @@ real manager (block_size 4)."""
 from __future__ import annotations
 
 from blockserve.core.explain import CacheExplanation
-from blockserve.core.hashing import BlockKeyInputs, RequestBlockHasher
+from blockserve.core.hashing import BlockKeyInputs, MultiModalFeature, RequestBlockHasher
 from blockserve.core.kv_cache_manager import KVCacheManager
 from blockserve.sched.request import Request
 from tests.core.helpers import HASHER, admit, assert_manager_integrity, make_manager, make_request
@@ -29,6 +29,29 @@ def salted(request_id: str, token_ids: list[int], salt: str) -> Request:
     hasher = RequestBlockHasher(HASHER, 4)
     keys = BlockKeyInputs(cache_salt=salt)
     return Request(request_id, token_ids, block_hasher=hasher, hash_keys=keys)
+
+
+def with_image(request_id: str, token_ids: list[int], identifier: str, offset: int) -> Request:
+    """An image of 3 tokens at `offset`."""
+    keys = BlockKeyInputs(mm_features=(MultiModalFeature(identifier, offset, 3),))
+    return Request(
+        request_id, token_ids, block_hasher=RequestBlockHasher(HASHER, 4), hash_keys=keys
+    )
+
+
+def test_the_match_stops_at_an_image() -> None:
+    """Another image at 5..7, or the same one at 6..8, after the same text: the match stops at
+    block 1, the first the image touches, and says so; another text there says never_stored."""
+    manager = make_manager()
+    tokens = list(range(13))
+    run(manager, with_image("a", tokens, "cat", 5))
+    for other in (with_image("b", tokens, "dog", 5), with_image("c", tokens, "cat", 6)):
+        assert explain(manager, other) == CacheExplanation(1, "image")
+    forked = with_image("d", [*tokens[:4], 50, *tokens[5:]], "cat", 9)
+    assert explain(manager, forked) == CacheExplanation(1, "never_stored")
+    assert explain(manager, with_image("e", tokens, "cat", 5)) == CacheExplanation(
+        3, "partial_block"
+    )
 
 
 def test_never_stored() -> None:

@@ -58,7 +58,7 @@ def chat(
     return httpx.post(
         f"{server.url}/v1/chat/completions",
         json={"messages": [{"role": "user", "content": content}], "max_tokens": 8,
-              "temperature": 0},
+              "temperature": 0, "return_cache_explanation": True},
         timeout=120,
     )  # fmt: skip
 
@@ -81,6 +81,13 @@ def test_an_image_chat_answers_as_the_offline_engine_and_is_cached_through(
     again = chat(server, data_url(png(image))).json()
     cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached == (len(out.prompt_token_ids) // 16) * 16  # every whole block, image and all
+    other = chat(server, data_url(png(Image.fromarray(pixels(22, 40, 70, 3))))).json()
+    assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # the image is in block 0
+    assert other["usage"]["cache_explanation"] == {
+        "first_missing_block": 0,
+        "reason": "image",
+        "evicted_seconds_ago": None,
+    }
 
 
 def bomb() -> bytes:
