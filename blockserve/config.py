@@ -16,6 +16,7 @@ from blockserve.core.hashing import HASH_FUNCTIONS
 from blockserve.events.config import KVEventsConfig
 from blockserve.grammar_limits import ConstraintLimits
 from blockserve.kv_tiers.shared import SCHEMES
+from blockserve.multimodal import ALGORITHMS as MM_HASH_ALGORITHMS
 from blockserve.options import (
     at_least,
     finite_non_negative,
@@ -164,6 +165,11 @@ class ModelConfig:
         None,
         "a directory whose files file:// image URLs may read (vLLM's flag); default: none",
         check=non_empty_or_none,
+    )
+    mm_hasher_algorithm: str = option(
+        "blake3",
+        "the digest of an image's identifier, the item of its blocks' keys (vLLM's flag)",
+        choices=MM_HASH_ALGORITHMS,
     )
     # What one structured-outputs constraint may contain (grammar_limits.py); EngineArgs
     # builds it from the structured_outputs_max_* options.

@@ -240,7 +240,7 @@ class InputProcessor:
         def encode(text: str, add_special_tokens: bool) -> list[int]:
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-        return self.images.expand(prompt.text, prompt.images, encode)
+        return self.images.expand(prompt.text, prompt.images, encode, prompt.uuids)
 
     def _token_ids(self, prompt: str | tuple[int, ...]) -> tuple[int, ...]:
         """Token ids of a prompt; token-id prompts are checked against the vocabulary, text

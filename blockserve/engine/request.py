@@ -15,10 +15,12 @@ from blockserve.sampling_params import SamplingParams
 @dataclass(frozen=True, slots=True)
 class ImagesPrompt:
     """Text with an `<image>` placeholder for each image (vLLM's `{"prompt": ...,
-    "multi_modal_data": {"image": ...}}`); the images are PIL images."""
+    "multi_modal_data": {"image": ...}}`); the images are PIL images. `uuids`, one per image
+    or empty (vLLM's `multi_modal_uuids`), stand for the images in the cache where given."""
 
     text: str
     images: tuple[Any, ...]
+    uuids: tuple[str | None, ...] = ()
 
 
 TextPrompt = str | tuple[int, ...]
@@ -125,15 +127,32 @@ def as_prompts(prompts: PromptInput | Sequence[PromptInput]) -> list[Prompt]:
     return [_one_prompt(p) for p in cast(Sequence[Any], prompts)]
 
 
-def _images(data: Any) -> tuple[Any, ...]:
-    """`multi_modal_data`'s images: `{"image": image}` or `{"image": [image, ...]}`."""
+def _images(data: Any, key: str = "multi_modal_data") -> tuple[Any, ...]:
+    """`multi_modal_data`'s images, `{"image": image}` or `{"image": [image, ...]}`, or
+    `multi_modal_uuids`' uuids in the same shape."""
     if not isinstance(data, Mapping) or set(data) != {"image"}:
-        raise InvalidRequestError(
-            "multi_modal_data holds 'image' alone (an image or a list of images)",
-            "multi_modal_data",
-        )
+        raise InvalidRequestError(f"{key} holds 'image' alone (one or a list)", key)
     images = data["image"]
     return tuple(images) if isinstance(images, list | tuple) else (images,)
+
+
+IMAGES_PROMPT_KEYS = {"prompt", "multi_modal_data", "multi_modal_uuids"}
+
+
+def _images_prompt(prompt: Mapping[str, Any]) -> ImagesPrompt:
+    """vLLM's `{"prompt", "multi_modal_data", "multi_modal_uuids"?}`: a uuid for each image,
+    a string or None (the image hashed by its pixels)."""
+    images = _images(prompt["multi_modal_data"])
+    if "multi_modal_uuids" not in prompt:
+        return ImagesPrompt(prompt["prompt"], images)
+    uuids = _images(prompt["multi_modal_uuids"], "multi_modal_uuids")
+    if len(uuids) != len(images) or not all(u is None or (isinstance(u, str) and u) for u in uuids):
+        raise InvalidRequestError(
+            f"multi_modal_uuids holds a non-empty string or None for each of the {len(images)} "
+            "images",
+            "multi_modal_uuids",
+        )
+    return ImagesPrompt(prompt["prompt"], images, uuids)
 
 
 def _one_prompt(prompt: Any) -> Prompt:
@@ -144,8 +163,10 @@ def _one_prompt(prompt: Any) -> Prompt:
             return prompt["prompt"]
         if set(prompt) == {"prompt_token_ids"} and isinstance(prompt["prompt_token_ids"], Sequence):
             return tuple(prompt["prompt_token_ids"])
-        if set(prompt) == {"prompt", "multi_modal_data"} and isinstance(prompt["prompt"], str):
-            return ImagesPrompt(prompt["prompt"], _images(prompt["multi_modal_data"]))
+        keys = set(prompt)
+        with_images = {"prompt", "multi_modal_data"} <= keys <= IMAGES_PROMPT_KEYS
+        if with_images and isinstance(prompt["prompt"], str):
+            return _images_prompt(prompt)
         raise InvalidRequestError(
             "a prompt dict holds 'prompt' (a string) or 'prompt_token_ids' (token ids) alone; "
             f"got the keys {sorted(map(str, prompt))}",

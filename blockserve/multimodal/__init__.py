@@ -8,5 +8,10 @@ Modules:
               numpy, equal to transformers', and the prompt text an image becomes
   prompts.py  ImagePrompts: a prompt's `<image>`s into tokens, identifiers and spans
   inputs.py   ImageInput: one image as the engine core and the runner take it
-  media.py    a chat part's data: URL to an image, decoded as vLLM decodes it, bounded first
+  media.py    an image URL (data:, http(s), file://) fetched within its bounds and decoded as
+              vLLM decodes it
+
+ALGORITHMS is here, free of numpy, for the configuration's --mm-hasher-algorithm.
 """
+
+ALGORITHMS = ("blake3", "sha256", "sha512")  # vLLM's --mm-hasher-algorithm; blake3 its default

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-ALGORITHMS = ("blake3", "sha256", "sha512")  # vLLM's --mm-hasher-algorithm; blake3 its default
+from blockserve.multimodal import ALGORITHMS
 
 # The stream is uniquely decodable: every leaf's bytes follow their length (8 bytes, little
 # endian), and every value its kind; a sequence and a mapping also their length.

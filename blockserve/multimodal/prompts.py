@@ -38,11 +38,16 @@ class ImagePrompts:
             )
 
     def expand(
-        self, text: str, images: Sequence[Any], encode: Encode
+        self,
+        text: str,
+        images: Sequence[Any],
+        encode: Encode,
+        uuids: Sequence[str | None] = (),
     ) -> tuple[tuple[int, ...], tuple[ImageInput, ...]]:
         """The prompt's token ids, its images' replacements in place of each `<image>`, and
-        the images as the engine takes them. Every boundary is a special token, so the text
-        between images tokenizes alone as it would in the whole."""
+        the images as the engine takes them (each under its uuid, where `uuids` gives one).
+        Every boundary is a special token, so the text between images tokenizes alone as it
+        would in the whole."""
         self.check_count(len(images), "multi_modal_data")
         pieces = text.split(IMAGE_TOKEN)
         if len(pieces) - 1 != len(images):
@@ -53,8 +58,9 @@ class ImagePrompts:
             )
         ids = list(encode(pieces[0], True))
         items = []
-        for image, piece in zip(images, pieces[1:], strict=True):
-            replacement, item = self.image_tokens(image, len(ids), encode)
+        for index, (image, piece) in enumerate(zip(images, pieces[1:], strict=True)):
+            uuid = uuids[index] if uuids else None
+            replacement, item = self.image_tokens(image, len(ids), encode, uuid)
             items.append(item)
             ids += replacement
             ids += encode(piece, False)

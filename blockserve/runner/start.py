@@ -96,6 +96,7 @@ def _image_prompts(loaded: LoadedModel, model: ModelConfig) -> ImagePrompts | No
         processing=loaded.vision.processing,
         tokens_per_tile=loaded.vision.tower.config.tokens_per_tile,
         model_id=model.model or loaded.name,
+        hash_algorithm=model.mm_hasher_algorithm,
         limit=model.max_images_per_prompt,
         media=MediaPolicy(
             allowed_domains=model.allowed_media_domains,

@@ -4,7 +4,7 @@ vLLM's own code computes (its `Request`, `LoRARequest`, multimodal feature specs
 environment of `make peer-vllm`, where vLLM is installed (tests/core/test_hashing.py reads
 the file; blockserve's environment has no vLLM):
 
-    PYTHONHASHSEED= .peer/bin/python tests/core/vllm_hash_vectors.py
+    env -u PYTHONHASHSEED .peer/bin/python tests/core/vllm_hash_vectors.py
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def vllm_case(algo: str, case: dict[str, Any]) -> dict[str, Any]:
 def main() -> None:
     import vllm
 
-    assert not os.environ.get("PYTHONHASHSEED"), "run with PYTHONHASHSEED unset"
+    assert "PYTHONHASHSEED" not in os.environ, "run with PYTHONHASHSEED unset"
     vectors = {
         "vllm_version": vllm.__version__,
         "block_size": BLOCK_SIZE,

@@ -48,6 +48,7 @@ GOOD: dict[str, tuple[object, list[str]]] = {
     "limit_mm_per_prompt": ({"image": 2}, ["--limit-mm-per-prompt", '{"image": 2}']),
     "allowed_media_domains": (("images.example",), ["--allowed-media-domains", "images.example"]),
     "allowed_local_media_path": ("/srv/images", ["--allowed-local-media-path", "/srv/images"]),
+    "mm_hasher_algorithm": ("sha256", ["--mm-hasher-algorithm", "sha256"]),
     "max_num_batched_tokens": (512, ["--max-num-batched-tokens", "512"]),
     "max_n": (4, ["--max-n", "4"]),
     "max_model_len": (1024, ["--max-model-len", "1024"]),
@@ -141,6 +142,7 @@ BAD: dict[str, list[tuple[object, list[str] | None]]] = {
     "enforce_eager": [("yes", None)],
     "allowed_media_domains": [("images.example", None)],
     "allowed_local_media_path": [("", ["--allowed-local-media-path", ""])],
+    "mm_hasher_algorithm": [("md5", ["--mm-hasher-algorithm", "md5"])],
     "limit_mm_per_prompt": [
         ('{"video": 1}', ["--limit-mm-per-prompt", '{"video": 1}']),
         ({"image": -1}, ["--limit-mm-per-prompt", '{"image": -1}']),

@@ -250,6 +250,32 @@ def test_a_text_model_takes_no_images_and_http_bodies_hold_none() -> None:
         as_prompts({"prompt": "x", "multi_modal_data": {"video": 1}})
 
 
+def test_multi_modal_uuids_stand_for_their_images() -> None:
+    """vLLM's offline `multi_modal_uuids`: a uuid is the image's identifier, verbatim; None
+    leaves the image hashed by its pixels; a count or value that does not fit is refused."""
+    image = small_image()
+    text = "<image>x<image>"
+    prompt = {
+        "prompt": text,
+        "multi_modal_data": {"image": [image, image]},
+        "multi_modal_uuids": {"image": ["cat-1", None]},
+    }
+    (parsed,) = as_prompts(prompt)
+    assert parsed == ImagesPrompt(text, (image, image), ("cat-1", None))
+    processor = image_processor()
+    with_uuid = processor.process(RequestSpec("a", parsed), set()).images
+    hashed = processor.process(RequestSpec("b", ImagesPrompt(text, (image, image))), set()).images
+    assert with_uuid[0].identifier == "cat-1"
+    assert with_uuid[1].identifier == hashed[1].identifier == hashed[0].identifier != "cat-1"
+    for uuids in (["cat-1"], ["cat-1", ""], ["cat-1", 3]):
+        with pytest.raises(InvalidRequestError) as refused:
+            as_prompts({**prompt, "multi_modal_uuids": {"image": uuids}})
+        assert (str(refused.value), refused.value.param) == (
+            "multi_modal_uuids holds a non-empty string or None for each of the 2 images",
+            "multi_modal_uuids",
+        )
+
+
 def test_more_images_than_the_limit_are_refused_before_any_is_processed() -> None:
     """--limit-mm-per-prompt '{"image": 1}': two images are refused, naming the flag, before
     either is looked at (these two are not even images)."""

@@ -4,7 +4,6 @@ a clear line when the model is neither cached nor reachable; the environment hon
 
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 import sys
@@ -16,29 +15,13 @@ import pytest
 from blockserve.errors import ModelNotFoundError
 from blockserve.model.hub import is_hub_id
 from blockserve.model.loader import resolve_model_dir
+from tests.hub_cache import add_snapshot
 from tests.tiny_models import save_tiny_model
 
 REPO = "test-org/tiny-llama"
 MAIN = "a" * 40  # commit hashes
 TAGGED = "b" * 40
 UNREACHABLE = "http://127.0.0.1:9"  # the discard port: nothing listens
-
-
-def add_snapshot(cache: Path, repo_id: str, commit: str, model_dir: Path, refs: tuple[str, ...]):
-    """`model_dir`'s files as huggingface_hub caches a snapshot: each file a blob named by its
-    hash, the snapshot a folder of relative links to them, each ref a file with the commit."""
-    repo = cache / f"models--{repo_id.replace('/', '--')}"
-    snapshot = repo / "snapshots" / commit
-    snapshot.mkdir(parents=True)
-    (repo / "blobs").mkdir(exist_ok=True)
-    for file in sorted(model_dir.iterdir()):
-        blob = hashlib.sha256(file.read_bytes()).hexdigest()
-        (repo / "blobs" / blob).write_bytes(file.read_bytes())
-        (snapshot / file.name).symlink_to(Path("..") / ".." / "blobs" / blob)
-    (repo / "refs").mkdir(exist_ok=True)
-    for ref in refs:
-        (repo / "refs" / ref).write_text(commit)
-    return snapshot
 
 
 @pytest.fixture(scope="module")

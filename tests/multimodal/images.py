@@ -37,3 +37,42 @@ def png(image: Image.Image) -> bytes:
 
 # An RGBA image arriving as a URL is flattened onto this background, as vLLM's chat loader does.
 RGB_CONVERSION: dict[str, Any] = {"image_mode": "RGB", "rgba_background_color": (255, 255, 255)}
+
+
+# Image prompts whose tokens, spans, identifiers and block keys vLLM's processor computed
+# (tests/multimodal/vllm_image_vectors.py): three images of other shapes, each first and last
+# in each of two questions; a uuid; two images in one prompt; sha256 identifiers.
+QUESTIONS = ("Describe the image.", "What colour is the top left corner, and why is it so?")
+SHAPES = {"wide": (40, 70), "tall": (90, 30), "square": (64, 64)}  # (height, width)
+
+
+def case_image(name: str) -> Image.Image:
+    height, width = SHAPES[name]
+    return Image.fromarray(pixels(len(name), height, width, 3))
+
+
+def chat_text(user: str) -> str:
+    return f"<|im_start|>User:{user}<end_of_utterance>\nAssistant:"
+
+
+def image_cases() -> list[dict[str, Any]]:
+    """Each case: its name, prompt text, image names, uuids (or None) and hash algorithm."""
+    cases = [
+        {
+            "name": f"{image}/q{q}/{where}",
+            "prompt": chat_text(f"<image>{question}" if where == "first" else f"{question}<image>"),
+            "images": [image],
+            "uuids": None,
+            "algorithm": "blake3",
+        }
+        for image in SHAPES
+        for q, question in enumerate(QUESTIONS)
+        for where in ("first", "last")
+    ]
+    two = chat_text(f"<image>and<image>: {QUESTIONS[1]}")
+    return [
+        *cases,
+        {**cases[0], "name": "wide/uuid", "uuids": ["client-cat-1"]},
+        {**cases[0], "name": "wide/two", "prompt": two, "images": ["wide", "tall"]},
+        {**cases[0], "name": "wide/sha256", "algorithm": "sha256"},
+    ]

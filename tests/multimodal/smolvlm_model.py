@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from transformers import LlamaConfig, SmolVLMConfig, SmolVLMForConditionalGenera
 from transformers.models.smolvlm.processing_smolvlm import DEFAULT_CHAT_TEMPLATE
 
 from blockserve.model.loader import resolve_model_dir
+from tests.hub_cache import add_snapshot
 
 # SmolVLM's added tokens, in its order after the base vocabulary.
 IMAGE_TOKENS = [
@@ -87,7 +89,26 @@ def save_test_smolvlm(
             indent=2,
         )
     )
+    tokens_per_tile = (tile // vision["patch_size"]) ** 2 // scale**2
+    processor = {"image_seq_len": tokens_per_tile, "processor_class": "SmolVLMProcessor"}
+    (directory / "processor_config.json").write_text(json.dumps(processor, indent=2))
     for extra in ("generation_config.json",):
         if (base / extra).is_file():
             shutil.copy2(base / extra, directory / extra)
     return directory
+
+
+HUB_ID = "HuggingFaceTB/SmolVLM-256M-Instruct"
+HUB_COMMIT = "5" * 40
+
+
+def save_test_smolvlm_hub(root: Path) -> Path:
+    """The test checkpoint cached as huggingface_hub caches HUB_ID at main: the cache's path
+    (for `download_dir`, or HF_HUB_CACHE)."""
+    cache = root / "cache"
+    add_snapshot(cache, HUB_ID, HUB_COMMIT, save_test_smolvlm(root / "model"), ("main",))
+    return cache
+
+
+if __name__ == "__main__":
+    print(save_test_smolvlm_hub(Path(sys.argv[1])))

@@ -111,6 +111,20 @@ def test_the_same_image_is_cached_through_and_another_stops_the_hit(llm: LLM) ->
     assert cached == (before // 16) * 16  # the blocks before the first the image touches
 
 
+def test_preempted_image_requests_resume_to_the_same_tokens(smolvlm_dir: Path, llm: LLM) -> None:
+    """Four image prompts of 94 tokens, 40 tokens each to generate, in 20 blocks: requests
+    are preempted and recomputed, images and all; each answer is the one it gets alone."""
+    prompts = [{"prompt": ONE, "multi_modal_data": {"image": picture(30 + i)}} for i in range(4)]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    tight = LLM(model=str(smolvlm_dir), dtype="float32", num_gpu_blocks_override=20)
+    together = tight.generate(prompts, params, use_tqdm=False)
+    assert tight.get_stats().num_preemptions > 0
+    tight.shutdown()
+    for prompt, out in zip(prompts, together, strict=True):
+        (alone,) = llm.generate(prompt, params, use_tqdm=False)
+        assert list(out.outputs[0].token_ids) == list(alone.outputs[0].token_ids)
+
+
 def test_llm_chat_takes_image_parts_as_generate_takes_the_rendered_prompt(llm: LLM) -> None:
     """`LLM.chat` with vLLM's `image_pil` and OpenAI's `image_url` (a data: URL of the same
     PNG): the tokens `generate` gives for the prompt the template renders."""
