@@ -5,6 +5,7 @@ new user's environment would be."""
 from __future__ import annotations
 
 import importlib.metadata as metadata
+import json
 import re
 import shlex
 import subprocess
@@ -18,6 +19,7 @@ import pytest
 from packaging.requirements import Requirement
 
 from blockserve.bench.server_process import ServerProcess, free_port
+from tests.multimodal.smolvlm_model import HUB_ID, save_test_smolvlm_hub
 
 pytestmark = pytest.mark.slow  # a trace replay and a real server with the embedded model
 
@@ -114,6 +116,8 @@ def test_the_readme_lists_the_commands_this_file_runs() -> None:
     assert readme_commands() == [
         ".venv/bin/blockserve serve --enable-lora --max-lora-rank 8 --lora-modules "
         "capitals=adapters/capitals",
+        ".venv/bin/blockserve serve HuggingFaceTB/SmolVLM-256M-Instruct "
+        '--allowed-local-media-path "$PWD/docs/images"',
         ".venv/bin/blockserve serve --help",
         '.venv/bin/blockserve serve --kv-events-config \'{"enable_kv_cache_events": true, '
         '"publisher": "zmq", "endpoint": "tcp://*:5557"}\'',
@@ -184,3 +188,40 @@ def test_a_server_publishes_what_the_events_command_prints(
     finally:
         server.stop()
     assert watch.returncode == 0 and '"BlockStored"' in out
+
+
+def test_the_image_chat_is_cached_through_the_picture(
+    runtime_only: dict[str, str], tmp_path: Path
+) -> None:
+    """The README's image chat: its server, on the test SmolVLM cached under the hub id it
+    names (no hub is reachable here), and its curl command twice: nothing cached the first
+    time, every block before the last token's the second, the picture's included."""
+    serve = next(c for c in readme_commands() if HUB_ID in c)
+    (curl,) = (
+        b
+        for b in re.findall(r"```sh\n(.*?)```", README, re.DOTALL)
+        if "curl" in b and "image_url" in b
+    )
+    env = {
+        **runtime_only,
+        "HF_HUB_CACHE": str(save_test_smolvlm_hub(tmp_path)),
+        "HF_HUB_OFFLINE": "1",
+    }
+    args = shlex.split(serve.removeprefix(".venv/bin/blockserve serve ").replace("$PWD", str(ROOT)))
+    server = ServerProcess(["--dtype", "float32", *args], tmp_path / "server.log", env=env)
+    try:
+        answers = [
+            json.loads(
+                run(
+                    curl.replace("localhost:8000", server.url.removeprefix("http://")), env, 120
+                ).stdout
+            )
+            for _ in range(2)
+        ]
+    finally:
+        server.stop()
+    assert [a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers][0] == 0
+    usage = answers[1]["usage"]
+    assert usage["prompt_tokens"] == answers[0]["usage"]["prompt_tokens"] > 64
+    whole_blocks = (usage["prompt_tokens"] - 1) // 16 * 16  # the last token is always computed
+    assert usage["prompt_tokens_details"]["cached_tokens"] == whole_blocks
