@@ -308,6 +308,13 @@ class SchedulerConfig:
     max_n: int = option(
         128, "most samples (`n`) one request may ask for (the OpenAI API's limit)", check=positive
     )
+    encoder_cache_size: int | None = option(
+        None,
+        "a vision-language model's encoder cache, in image embeddings (vision tower tokens): "
+        "images no request needs stay until their space is wanted (default: vLLM's size, "
+        "--max-num-batched-tokens, at least one image; 0: none stays)",
+        check=at_least(0),
+    )
     # The context the engine settled on: the model's, capped by the KV cache (engine/core.py).
     max_model_len: int = 8192
     max_loras: int = 0  # the most distinct LoRA adapters one step may hold (0: LoRA off)

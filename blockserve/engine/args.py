@@ -130,6 +130,7 @@ class EngineArgs:
     max_request_seq_share: float = declared(SchedulerConfig, "max_request_seq_share")
     async_scheduling: bool = declared(SchedulerConfig, "async_scheduling")
     max_n: int = declared(SchedulerConfig, "max_n")
+    encoder_cache_size: int | None = declared(SchedulerConfig, "encoder_cache_size")
     # How the model runs (RuntimeConfig).
     cpu_threads: int | None = declared(RuntimeConfig, "cpu_threads")
     compile: bool = declared(RuntimeConfig, "compile")

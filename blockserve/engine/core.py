@@ -39,6 +39,7 @@ from blockserve.events.config import KVEventsConfig
 from blockserve.events.publisher import create_event_publisher
 from blockserve.model.tokenizer import Tokenizer
 from blockserve.runner.start import LaunchedStep, RunnerInfo, start_runner
+from blockserve.sched.encoder_cache import encoder_cache_for
 from blockserve.sched.output import ModelRunnerOutput
 from blockserve.sched.request import Request, RequestStatus
 from blockserve.sched.scheduler import Scheduler
@@ -108,12 +109,21 @@ class EngineCore:
             cache, self.runner_info, hasher, recorder.hash_format if recorder else None
         )
         self._in_flight: tuple[ScheduledStep, LaunchedStep | Exception] | None = None  # async
+        encoder_cache, encoder_budget = None, 0
+        if info.images is not None:
+            encoder_cache, encoder_budget = encoder_cache_for(
+                info.images.max_embeds,
+                self.scheduler_config.max_num_batched_tokens,
+                self.scheduler_config.encoder_cache_size,
+            )
         self.scheduler = Scheduler(
             config=self.scheduler_config,
             kv_cache_manager=self.kv_cache_manager,
             eos_token_ids=info.arch.eos_token_ids,
             tiers=self.kv_tiers,
             adapter_ready=self.lora.ready if self.lora is not None else None,
+            encoder_cache=encoder_cache,
+            encoder_budget=encoder_budget,
         )
         self.threads = _thread_governor(config, info)
         self.info = CoreInfo.of(info, self.threads)
@@ -161,7 +171,8 @@ class EngineCore:
             sample.tier_identity = self.lora.identity(request.lora_name)
         sample.group_id = request.group_id or request.request_id.request_id
         if request.images:
-            self.runner.add_images(request.request_id, request.images, sample.all_token_ids)
+            self.runner.add_images(request.request_id, request.images)
+            sample.images = request.images
         self.scheduler.add_request(sample)
 
     def abort_requests(self, request_ids: Iterable[SampleId]) -> None:

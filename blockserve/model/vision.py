@@ -9,12 +9,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from blockserve.multimodal.idefics3 import Idefics3Processing
-from blockserve.multimodal.inputs import ImageInput
 
 
 @dataclass(frozen=True)
@@ -190,9 +190,10 @@ class VisionModel:
     processing: Idefics3Processing
     image_token_id: int
 
-    def embed(self, image: ImageInput, dtype: torch.dtype) -> torch.Tensor:
-        """The image's tokens [tiles * tokens_per_tile, text width], in the order of its
-        image tokens in the prompt."""
+    def encode(self, pixel_values: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        """The tokens of tiles [tiles, 3, tile, tile] (one image's, or several images' one
+        after the other): [tiles * tokens_per_tile, text width], each tile's in the order of
+        its image tokens in the prompt."""
         device = next(self.tower.parameters()).device
-        pixels = torch.from_numpy(image.pixel_values).to(device=device, dtype=dtype)
+        pixels = torch.from_numpy(pixel_values).to(device=device, dtype=dtype)
         return self.tower(pixels)

@@ -63,6 +63,13 @@ class Idefics3Processing:
             fields["resample"] = int(config["resample"])
         return cls(**fields)
 
+    @property
+    def max_tiles(self) -> int:
+        """The most tiles an image becomes: a grid of the longest edge's, and the global one."""
+        if not self.split:
+            return 1
+        return math.ceil(self.longest_edge / self.tile) ** 2 + 1
+
     def __call__(self, image: Image.Image) -> Tiles:
         image = to_rgb(image)
         if not self.split:

@@ -1,5 +1,6 @@
 """What an image of a prompt becomes before the engine core: its identifier (the block keys'
-item), the span of prompt positions its replacement text fills, and its tiles."""
+item), the span of prompt positions its replacement text fills, the positions in that span
+the vision tower's tokens fill, and its tiles."""
 
 from __future__ import annotations
 
@@ -13,3 +14,6 @@ class ImageInput:
     offset: int
     length: int
     pixel_values: Any = None  # np.ndarray [tiles, 3, tile, tile] float32
+    # Positions in the span (0 = `offset`) that take the tower's tokens, ascending: the
+    # `<image>` tokens (vLLM's is_embed); their count is the image's size in the encoder cache.
+    embed_positions: tuple[int, ...] = ()

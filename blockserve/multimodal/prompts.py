@@ -24,10 +24,16 @@ class ImagePrompts:
 
     processing: Idefics3Processing
     tokens_per_tile: int
+    image_token_id: int  # the token the tower's outputs replace (`<image>`, config.json's)
     model_id: str
     hash_algorithm: str = "blake3"
     limit: int = 999  # the most images one prompt may hold (--limit-mm-per-prompt)
     media: MediaPolicy = field(default_factory=MediaPolicy)  # where image URLs may point
+
+    @property
+    def max_embeds(self) -> int:
+        """The most tower tokens one image takes: its size in the encoder cache at most."""
+        return self.processing.max_tiles * self.tokens_per_tile
 
     def check_count(self, count: int, param: str) -> None:
         if count > self.limit:
@@ -80,5 +86,6 @@ class ImagePrompts:
             offset=offset,
             length=len(replacement),
             pixel_values=tiles.pixel_values,
+            embed_positions=tuple(i for i, t in enumerate(replacement) if t == self.image_token_id),
         )
         return replacement, item

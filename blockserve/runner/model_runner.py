@@ -122,7 +122,7 @@ class ModelRunner:
         previous, self._unfinished = self._unfinished, None
         self.requests.update(scheduler_output)
         if self.images is not None:
-            self.images.forget(scheduler_output.finished_request_ids)
+            self.images.update(scheduler_output)
         if scheduler_output.is_empty:
             return LaunchedStep(output=ModelRunnerOutput())
         if previous is None:
@@ -182,12 +182,10 @@ class ModelRunner:
         its samples needs the token history on the host (penalties, a grammar, min_tokens)."""
         return not self.requests.history_bound(scheduler_output)
 
-    def add_images(
-        self, request_id: RequestId, images: tuple[ImageInput, ...], prompt: list[int]
-    ) -> None:
+    def add_images(self, request_id: RequestId, images: tuple[ImageInput, ...]) -> None:
         """A request's images (a vision-language model's), before its first step."""
         assert self.images is not None, "an image reaches a vision-language model only"
-        self.images.add(request_id, images, prompt)
+        self.images.add(request_id, images)
 
     def _run_forward(self, inputs: ModelInputs, scheduler_output: SchedulerOutput) -> torch.Tensor:
         """The step's hidden states: replayed from a graph where one holds the step; the

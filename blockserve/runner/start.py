@@ -95,6 +95,7 @@ def _image_prompts(loaded: LoadedModel, model: ModelConfig) -> ImagePrompts | No
     return ImagePrompts(
         processing=loaded.vision.processing,
         tokens_per_tile=loaded.vision.tower.config.tokens_per_tile,
+        image_token_id=loaded.vision.image_token_id,
         model_id=model.model or loaded.name,
         hash_algorithm=model.mm_hasher_algorithm,
         limit=model.max_images_per_prompt,

@@ -14,6 +14,8 @@ Modules:
   output.py      SchedulerOutput, ScheduledRequest, ModelRunnerOutput, RequestUpdate
   batch.py       what the runner is told each step (batch_for_runner); tokens in flight (async
                  scheduling) sent as placeholders
+  encoder_cache.py  EncoderCacheManager: which images' vision-tower outputs the runner holds
+                 (vLLM's rules), and which images a step encodes within its budget
 """
 
 from __future__ import annotations

@@ -53,6 +53,10 @@ class SchedulerOutput:
 
     scheduled: tuple[ScheduledRequest, ...]
     finished_request_ids: frozenset[RequestId] = frozenset()
+    # A vision-language model's: the images to encode this step, (request, index among its
+    # images), and the images whose encoder outputs the runner may drop (their identifiers).
+    encoder_inputs: tuple[tuple[RequestId, int], ...] = ()
+    freed_encoder_ids: tuple[str, ...] = ()
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -13,6 +13,7 @@ from blockserve.core.explain import CacheExplanation
 from blockserve.core.hashing import BlockHash, BlockKeyInputs, RequestBlockHasher
 from blockserve.core.kv_cache_manager import RequestId
 from blockserve.sampling_params import SamplingParams
+from blockserve.sched.encoder_cache import EncoderInput
 
 
 class RequestStatus(enum.IntEnum):
@@ -66,6 +67,7 @@ class Request:
         "cache_salt",
         "explain_cache",
         "group_id",
+        "images",
         "lora_name",
         "num_cached_tokens",
         "num_computed_tokens",
@@ -116,6 +118,9 @@ class Request:
         # prompts); by default the request itself.
         self.group_id = str(request_id)
         self.cache_explanation: CacheExplanation | None = None
+        # A vision-language model's images of the prompt (multimodal/inputs.py's ImageInput),
+        # in prompt order: the encoder cache's items (sched/encoder_cache.py).
+        self.images: tuple[EncoderInput, ...] = ()
         self.num_preemptions = 0
         # Prompt logprobs need every position's logits, so such a request never reads the cache.
         self.skip_reading_prefix_cache = self.sampling_params.prompt_logprobs is not None

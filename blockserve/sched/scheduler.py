@@ -13,6 +13,7 @@ from blockserve.config import SchedulerConfig
 from blockserve.core.events import KVEventBatch
 from blockserve.core.kv_cache_manager import KVCacheManager, RequestId
 from blockserve.sched.batch import batch_for_runner
+from blockserve.sched.encoder_cache import EncoderCacheManager, allocate_planned, plan_images
 from blockserve.sched.fair_share import FairShare
 from blockserve.sched.output import ModelRunnerOutput, RequestUpdate, SchedulerOutput
 from blockserve.sched.queues import create_request_queue, priority_key
@@ -33,6 +34,10 @@ class Scheduler:
     With `tiers`, a request whose prefix continues in a lower tier is admitted LOADING: it
     holds its blocks, takes no token budget, and joins the running list once its load ends.
 
+    With `encoder_cache` (a vision-language model), a step encodes the images its tokens reach
+    that the cache does not hold, within `encoder_budget` embeddings; a request stops before
+    an image that does not fit (sched/encoder_cache.py).
+
     There are no prefill/decode phases: every request has `num_computed_tokens` catching up to
     `num_tokens` under the token budget, which gives chunked prefill and prefix-cache skips.
     """
@@ -44,6 +49,8 @@ class Scheduler:
         eos_token_ids: tuple[int, ...] = (),
         tiers: TierLoader | None = None,
         adapter_ready: Callable[[str], bool] | None = None,
+        encoder_cache: EncoderCacheManager | None = None,
+        encoder_budget: int = 0,
     ) -> None:
         self.config = config
         self._adapter_ready = adapter_ready  # LoRA: an adapter can run now (else it is read in)
@@ -58,6 +65,10 @@ class Scheduler:
         self.loads = TierLoads(tiers, kv_cache_manager) if tiers is not None else None
         # Requests that finished loading and have not yet been sent to the runner.
         self._loaded: set[RequestId] = set()
+        self.encoder_cache = encoder_cache
+        self.encoder_budget = encoder_budget
+        self._encode: dict[RequestId, tuple[int, ...]] = {}  # this step's images to encode
+        self._encoder_left = encoder_budget  # this step's encoder budget left, in embeddings
 
     # -- requests in and out ------------------------------------------------------------
 
@@ -90,6 +101,8 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         self.kv_cache_manager.free(request)
+        if self.encoder_cache is not None:
+            self.encoder_cache.release_all(request.request_id, request.images)
         self.finished_request_ids.add(request.request_id)
         self._loaded.discard(request.request_id)
         del self.requests[request.request_id]
@@ -114,6 +127,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Choose this step's batch and allocate its KV blocks."""
         num_scheduled: dict[RequestId, int] = {}
+        self._encode, self._encoder_left = {}, self.encoder_budget
         if self.loads is not None:
             for request in self.loads.finish():  # loaded: they run, sent to the runner anew
                 self.running.append(request)
@@ -142,12 +156,17 @@ class Scheduler:
             if num_new <= 0 or request.stops_in_flight(self.config.max_model_len):
                 index += 1  # its next token is in flight (async scheduling)
                 continue
+            num_new, encode = self._plan_images(request, request.num_computed_tokens, num_new)
+            if num_new <= 0:  # an image it reaches cannot be encoded this step
+                index += 1
+                continue
             while self.kv_cache_manager.allocate_slots(request, num_new) is None:
                 victim = self._pick_victim()
                 victim_index = self.running.index(victim)
                 preempted_any = True
                 # A victim already scheduled this step gives its tokens back.
                 budget += num_scheduled.pop(victim.request_id, 0)
+                self._encode.pop(victim.request_id, None)
                 self._preempt(victim)
                 if victim is request:
                     break
@@ -155,6 +174,7 @@ class Scheduler:
                     index -= 1
             else:
                 num_scheduled[request.request_id] = num_new
+                self._allocate_images(request, encode)
                 budget -= num_new
                 index += 1
         return budget, preempted_any
@@ -204,8 +224,13 @@ class Scheduler:
                 else None
             )
             limit = request.chunk_limit(budget, self.config.max_scored_tokens_per_step)
-            num_new = min(request.num_tokens - num_hits, limit)
-            if self.kv_cache_manager.allocate_slots(request, num_new, num_hits, hit_blocks) is None:
+            num_new, encode = self._plan_images(
+                request, num_hits, min(request.num_tokens - num_hits, limit)
+            )
+            if num_new <= 0 or (
+                self.kv_cache_manager.allocate_slots(request, num_new, num_hits, hit_blocks) is None
+            ):
+                self._release_images(request)
                 break  # strict head-of-line: nothing behind it jumps ahead
             self._take_waiting(request, head)
             held[request.group_id] += 1
@@ -216,6 +241,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             num_scheduled[request.request_id] = num_new
+            self._allocate_images(request, encode)
             new_request_ids.add(request.request_id)
             budget -= num_new
         return new_request_ids
@@ -234,6 +260,42 @@ class Scheduler:
         else:  # passed the head by for its group's fair share
             self.waiting.remove(request)
 
+    # -- images (a vision-language model's) -----------------------------------------------
+
+    def _plan_images(self, request: Request, start: int, num_new: int) -> tuple[int, list[int]]:
+        """`num_new` cut before the first image the step cannot encode, and the images it
+        will encode (their references taken; see encoder_cache.plan_images)."""
+        if self.encoder_cache is None or not request.images:
+            return num_new, []
+        num_new, encode, num_embeds = plan_images(
+            self.encoder_cache,
+            request.request_id,
+            request.images,
+            start,
+            num_new,
+            self._encoder_left,
+        )
+        self._encoder_left -= num_embeds
+        return num_new, encode
+
+    def _allocate_images(self, request: Request, encode: list[int]) -> None:
+        """The step computes `request`'s tokens: its images to encode join the cache."""
+        if self.encoder_cache is not None and encode:
+            allocate_planned(self.encoder_cache, request.request_id, request.images, encode)
+            self._encode[request.request_id] = tuple(encode)
+
+    def _release_images(self, request: Request) -> None:
+        if self.encoder_cache is not None:
+            self.encoder_cache.release_all(request.request_id, request.images)
+
+    def _release_computed_images(self, request: Request) -> None:
+        """Images whose whole span is in the KV cache are no longer needed by `request`."""
+        assert self.encoder_cache is not None
+        for index in self.encoder_cache.inputs_of(request.request_id):
+            image = request.images[index]
+            if image.offset + image.length <= request.num_computed_tokens:
+                self.encoder_cache.release(request.request_id, index, request.images)
+
     def _pick_victim(self) -> Request:
         if self.config.scheduling_policy == "priority":
             return max(self.running, key=priority_key)
@@ -243,6 +305,7 @@ class Scheduler:
         """Recompute preemption: blocks freed (they stay cached), computed tokens reset."""
         self.running.remove(request)
         self.kv_cache_manager.free(request)
+        self._release_images(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -261,7 +324,16 @@ class Scheduler:
             self.kv_cache_manager,
             ahead=self.config.async_scheduling,
         )
-        output = SchedulerOutput(scheduled, frozenset(self.finished_request_ids))
+        output = SchedulerOutput(
+            scheduled,
+            frozenset(self.finished_request_ids),
+            encoder_inputs=tuple(
+                (request_id, index)
+                for request_id, indices in self._encode.items()
+                for index in indices
+            ),
+            freed_encoder_ids=() if self.encoder_cache is None else self.encoder_cache.take_freed(),
+        )
         self.finished_request_ids = set()
         return output
 
@@ -273,6 +345,8 @@ class Scheduler:
         for scheduled in scheduler_output.scheduled:
             request = self.requests.get(scheduled.request_id)
             token_id = runner_output.sampled_token_ids.get(scheduled.request_id)
+            if request is not None and request.images and self.encoder_cache is not None:
+                self._release_computed_images(request)
             if request is None or request.is_finished or token_id is None:
                 continue  # under async scheduling: a token past the request's end is dropped
             if request.num_output_placeholders:

@@ -51,6 +51,7 @@ GOOD: dict[str, tuple[object, list[str]]] = {
     "mm_hasher_algorithm": ("sha256", ["--mm-hasher-algorithm", "sha256"]),
     "max_num_batched_tokens": (512, ["--max-num-batched-tokens", "512"]),
     "max_n": (4, ["--max-n", "4"]),
+    "encoder_cache_size": (4096, ["--encoder-cache-size", "4096"]),
     "max_model_len": (1024, ["--max-model-len", "1024"]),
     "kv_cache_memory_bytes": (1 << 20, ["--kv-cache-memory-bytes", str(1 << 20)]),
     "gpu_memory_utilization": (0.5, ["--gpu-memory-utilization", "0.5"]),
@@ -124,6 +125,7 @@ BAD: dict[str, list[tuple[object, list[str] | None]]] = {
     "max_num_seqs": [(0, ["--max-num-seqs", "0"]), (True, None)],
     "max_num_batched_tokens": [(-1, ["--max-num-batched-tokens", "-1"])],
     "max_n": [(0, ["--max-n", "0"])],
+    "encoder_cache_size": [(-1, ["--encoder-cache-size", "-1"])],
     "max_model_len": [(0, ["--max-model-len", "0"])],
     "kv_cache_memory_bytes": [(0, ["--kv-cache-memory-bytes", "0"])],
     "gpu_memory_utilization": [

@@ -196,9 +196,10 @@ def small_image() -> Image.Image:
 
 
 def image_processor(limit: int = 999) -> InputProcessor:
-    """A processor whose model takes images: 32-pixel tiles, 4 tokens a tile."""
+    """A processor whose model takes images: 32-pixel tiles, 4 tokens a tile. Its tokenizer
+    spells `<image>` by characters: the tower's tokens take the `>`s."""
     tiles = Idefics3Processing(longest_edge=32, tile=32)
-    images = ImagePrompts(tiles, 4, "test/model", "sha256", limit=limit)
+    images = ImagePrompts(tiles, 4, ord(">"), "test/model", "sha256", limit=limit)
     return InputProcessor(
         CharTokenizer(),
         vocab_size=1000,
@@ -219,6 +220,7 @@ def test_an_image_prompt_becomes_its_tiles_text_with_its_span() -> None:
     assert validated.prompt_token_ids == tuple(ord(c) for c in f"A{replacement}B")
     (item,) = validated.images
     assert (item.offset, item.length) == (1, len(replacement))
+    assert item.embed_positions == tuple(i for i, c in enumerate(replacement) if c == ">")
     assert item.identifier == item_identifier("sha256", "test/model", image)
     assert item.pixel_values.shape == (1, 3, 32, 32)
 

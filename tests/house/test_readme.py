@@ -50,7 +50,7 @@ def run_python(code: str) -> list[str]:
 
 def test_the_curl_example_finishes(readme_server: ServerProcess) -> None:
     """The chat curl sets max_tokens and returns one finished choice."""
-    (curl,) = [b for b in blocks("sh") if b.lstrip().startswith("curl")]
+    (curl,) = [b for b in blocks("sh") if b.lstrip().startswith("curl") and "image" not in b]
     command = curl.replace("localhost:8000", readme_server.url.removeprefix("http://"))
     answer = json.loads(subprocess.run(["bash", "-c", command], capture_output=True).stdout)
     assert answer["choices"][0]["finish_reason"] in ("stop", "length")

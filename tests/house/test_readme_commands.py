@@ -220,7 +220,7 @@ def test_the_image_chat_is_cached_through_the_picture(
         ]
     finally:
         server.stop()
-    assert [a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers][0] == 0
+    assert answers[0]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     usage = answers[1]["usage"]
     assert usage["prompt_tokens"] == answers[0]["usage"]["prompt_tokens"] > 64
     whole_blocks = (usage["prompt_tokens"] - 1) // 16 * 16  # the last token is always computed

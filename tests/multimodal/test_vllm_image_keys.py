@@ -90,6 +90,7 @@ def ours(llm: LLM, case: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> dic
         "name": case["name"],
         "prompt_token_ids": list(validated.prompt_token_ids),
         "spans": [[image.offset, image.length] for image in validated.images],
+        "embeds": [len(image.embed_positions) for image in validated.images],
         "identifiers": [image.identifier for image in validated.images],
         "block_hashes": [h.hex() for h in hashed],
         "event_block_hashes": [h for e in stored for h in e.block_hashes],

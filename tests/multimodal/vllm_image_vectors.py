@@ -1,8 +1,8 @@
 """Prints, as JSON, what vLLM 0.32 makes of the image prompts of tests/multimodal/images.py
 (`image_cases`) on the test SmolVLM served under its hub id: each prompt's token ids, its
-images' spans and identifiers, its block hashes and BlockStored extra keys. Run with the peer
-venv's python (`make peer-vllm`) on the hub cache tree the test builds; the output is pinned
-in tests/multimodal/image_vectors.json:
+images' spans, embedding counts and identifiers, its block hashes and BlockStored extra keys.
+Run with the peer venv's python (`make peer-vllm`) on the hub cache tree the test builds;
+the output is pinned in tests/multimodal/image_vectors.json:
 
     .venv/bin/python -m tests.multimodal.smolvlm_model /tmp/smolvlm-hub   # prints the cache
     cd tests/multimodal && env -u PYTHONHASHSEED HF_HUB_CACHE=/tmp/smolvlm-hub/cache \
@@ -87,6 +87,7 @@ def vllm_case(case: dict[str, Any]) -> dict[str, Any]:
         "name": case["name"],
         "prompt_token_ids": processed["prompt_token_ids"],
         "spans": [[span.offset, span.length] for span in spans],
+        "embeds": [span.get_num_embeds() for span in spans],
         "identifiers": identifiers,
         "block_hashes": [bytes(h).hex() for h in request.block_hashes],
         "event_block_hashes": [
