@@ -166,6 +166,12 @@ class ModelConfig:
         "a directory whose files file:// image URLs may read (vLLM's flag); default: none",
         check=non_empty_or_none,
     )
+    mm_processor_cache_gb: float = option(
+        4.0,
+        "GiB of processed images (tiles) kept by identifier, so that an image sent again is "
+        "not resized and normalised again (vLLM's flag and default; 0: none kept)",
+        check=finite_non_negative,
+    )
     mm_hasher_algorithm: str = option(
         "blake3",
         "the digest of an image's identifier, the item of its blocks' keys (vLLM's flag)",

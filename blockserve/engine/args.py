@@ -89,6 +89,7 @@ class EngineArgs:
     allowed_media_domains: tuple[str, ...] = declared(ModelConfig, "allowed_media_domains")
     allowed_local_media_path: str | None = declared(ModelConfig, "allowed_local_media_path")
     mm_hasher_algorithm: str = declared(ModelConfig, "mm_hasher_algorithm")
+    mm_processor_cache_gb: float = declared(ModelConfig, "mm_processor_cache_gb")
     limit_mm_per_prompt: dict | str | None = option(
         None,
         "the most images one prompt may hold, as JSON with vLLM's keys: '{\"image\": 4}' or "

@@ -18,6 +18,7 @@ from blockserve.engine.input_processor import InputProcessor, longest_token_byte
 from blockserve.engine.output_processor import OutputProcessor
 from blockserve.engine.outputs import (
     EngineStats,
+    ImageStats,
     KVCacheReport,
     LoRAStats,
     MissRatioReport,
@@ -123,6 +124,22 @@ class LLMEngine:
             estimated_hit_rates=self.core.estimated_hit_rates(),
             kv_tiers=self.core.tier_stats(),
             lora=self._lora_stats(),
+            images=self._image_stats(),
+        )
+
+    def _image_stats(self) -> ImageStats | None:
+        images, cache = self.input_processor.images, self.core.scheduler.encoder_cache
+        runner_images = self.core.runner.images
+        if images is None or cache is None or runner_images is None:
+            return None
+        processed = images.cache
+        return ImageStats(
+            processor_cache_queries=0 if processed is None else processed.queries,
+            processor_cache_hits=0 if processed is None else processed.hits,
+            encoded_images=runner_images.num_encoded,
+            encoder_seconds=runner_images.encode_seconds,
+            encoder_cache_embeds=cache.cache_size - cache.num_free,
+            encoder_cache_size=cache.cache_size,
         )
 
     def _lora_stats(self) -> LoRAStats | None:

@@ -105,6 +105,18 @@ class TierStats:
 
 
 @dataclass(frozen=True, slots=True)
+class ImageStats:
+    """A vision-language model's image work since the start, and its encoder cache now."""
+
+    processor_cache_queries: int  # images looked up in the processor cache (vLLM's mm_cache_*)
+    processor_cache_hits: int
+    encoded_images: int  # images the vision tower ran on
+    encoder_seconds: float  # the tower's time, all steps together
+    encoder_cache_embeds: int  # embeddings the encoder cache holds for running requests ...
+    encoder_cache_size: int  # ... of this many
+
+
+@dataclass(frozen=True, slots=True)
 class EngineStats(CoreStats):
     """The core's stats and the output processor's token counts: what metrics and the stats
     log line read."""
@@ -116,6 +128,7 @@ class EngineStats(CoreStats):
     estimated_hit_rates: tuple[tuple[int, float], ...] = ()
     kv_tiers: tuple[TierStats, ...] = ()
     lora: LoRAStats | None = None  # None: --enable-lora not given
+    images: ImageStats | None = None  # None: a text model
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,7 @@ Modules:
   inputs.py   ImageInput: one image as the engine core and the runner take it
   media.py    an image URL (data:, http(s), file://) fetched within its bounds and decoded as
               vLLM decodes it
+  processor_cache.py  ProcessorCache: processed images (tiles) by identifier, bounded in bytes
 
 ALGORITHMS is here, free of numpy, for the configuration's --mm-hasher-algorithm.
 """

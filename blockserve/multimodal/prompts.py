@@ -13,6 +13,7 @@ from blockserve.multimodal.hasher import EncodedImage, item_identifier
 from blockserve.multimodal.idefics3 import IMAGE_TOKEN, Idefics3Processing, image_prompt
 from blockserve.multimodal.inputs import ImageInput
 from blockserve.multimodal.media import MediaPolicy
+from blockserve.multimodal.processor_cache import ProcessorCache
 
 Encode = Callable[[str, bool], Sequence[int]]  # (text, add_special_tokens) -> token ids
 
@@ -29,6 +30,7 @@ class ImagePrompts:
     hash_algorithm: str = "blake3"
     limit: int = 999  # the most images one prompt may hold (--limit-mm-per-prompt)
     media: MediaPolicy = field(default_factory=MediaPolicy)  # where image URLs may point
+    cache: ProcessorCache | None = None  # processed images by identifier (None: the cache off)
 
     @property
     def max_embeds(self) -> int:
@@ -79,10 +81,14 @@ class ImagePrompts:
         a PIL image hashed by its pixels, an `EncodedImage` by the bytes it arrived as, or a
         client's `uuid` standing for either (vLLM's rule)."""
         pixels = image.image if isinstance(image, EncodedImage) else image
-        tiles = self.processing(pixels)
+        identifier = item_identifier(self.hash_algorithm, self.model_id, image, uuid)
+        if self.cache is None:
+            tiles = self.processing(pixels)
+        else:
+            tiles = self.cache.get(identifier, lambda: self.processing(pixels))
         replacement = encode(image_prompt(tiles.rows, tiles.cols, self.tokens_per_tile), False)
         item = ImageInput(
-            identifier=item_identifier(self.hash_algorithm, self.model_id, image, uuid),
+            identifier=identifier,
             offset=offset,
             length=len(replacement),
             pixel_values=tiles.pixel_values,

@@ -21,7 +21,7 @@ class StepImages:
         self.vision, self.dtype, self.device = vision, dtype, device
         self.images: dict[RequestId, tuple[ImageInput, ...]] = {}
         self.encoded: dict[str, torch.Tensor] = {}  # identifier -> the tower's tokens
-        self.encode_seconds = 0.0  # the tower's time in the last step that ran it
+        self.encode_seconds = 0.0  # the tower's time, all steps together (host-timed)
         self.num_encoded = 0  # images the tower ran on, since the start
 
     def add(self, request_id: RequestId, images: tuple[ImageInput, ...]) -> None:
@@ -83,5 +83,5 @@ class StepImages:
         sizes = [len(image.embed_positions) for image in todo]
         for image, part in zip(todo, tokens.split(sizes), strict=True):
             self.encoded[image.identifier] = part
-        self.encode_seconds = time.perf_counter() - began
+        self.encode_seconds += time.perf_counter() - began
         self.num_encoded += len(todo)

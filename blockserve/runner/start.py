@@ -20,6 +20,7 @@ from blockserve.model.arch import LlamaArchConfig
 from blockserve.model.loader import LoadedModel
 from blockserve.model.tokenizer import Tokenizer
 from blockserve.multimodal.media import MediaPolicy
+from blockserve.multimodal.processor_cache import ProcessorCache
 from blockserve.multimodal.prompts import ImagePrompts
 from blockserve.runner.build import runner_parts
 from blockserve.runner.decode_graphs import (
@@ -98,6 +99,11 @@ def _image_prompts(loaded: LoadedModel, model: ModelConfig) -> ImagePrompts | No
         image_token_id=loaded.vision.image_token_id,
         model_id=model.model or loaded.name,
         hash_algorithm=model.mm_hasher_algorithm,
+        cache=(
+            ProcessorCache(int(model.mm_processor_cache_gb * 2**30))
+            if model.mm_processor_cache_gb > 0
+            else None
+        ),
         limit=model.max_images_per_prompt,
         media=MediaPolicy(
             allowed_domains=model.allowed_media_domains,

@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from blockserve.engine.client import EngineClient
-from blockserve.engine.outputs import EngineStats, LoRAStats
+from blockserve.engine.outputs import EngineStats, ImageStats, LoRAStats
 
 logger = logging.getLogger("blockserve.stats")
 
@@ -93,6 +93,8 @@ class EngineCollector(Collector):
         }
         for name, (doc, value) in counters.items():
             yield from _twins(CounterMetricFamily, name, doc, self.model_name, value)
+        if stats.images is not None:
+            yield from _image_metrics(stats.images, self.model_name)
         if stats.kv_tiers:
             yield from _tier_metrics(stats, labels)
         if stats.lora is not None:
@@ -124,6 +126,38 @@ def _twins(
     ours = family(f"blockserve:{name}", doc, labels=["model_name"])
     ours.add_metric([model_name], value)
     yield from (vllm, ours)
+
+
+def _image_metrics(images: ImageStats, model_name: str) -> Iterator[Metric]:
+    """vLLM's processor-cache counters (as `vllm:` and `blockserve:`), and ours: the vision
+    tower's images and seconds, the encoder cache's use."""
+    twins = {
+        "mm_cache_queries": (
+            "Multi-modal cache queries, in terms of number of queried items.",
+            images.processor_cache_queries,
+        ),
+        "mm_cache_hits": (
+            "Multi-modal cache hits, in terms of number of cached items.",
+            images.processor_cache_hits,
+        ),
+    }
+    for name, (doc, value) in twins.items():
+        yield from _twins(CounterMetricFamily, name, doc, model_name, value)
+    ours: dict[str, tuple[str, float]] = {
+        "encoder_images": ("Images the vision tower encoded.", images.encoded_images),
+        "encoder_seconds": ("Seconds the vision tower ran, all steps.", images.encoder_seconds),
+    }
+    for name, (doc, amount) in ours.items():
+        counter = CounterMetricFamily(f"blockserve:{name}", doc, labels=["model_name"])
+        counter.add_metric([model_name], amount)
+        yield counter
+    usage = GaugeMetricFamily(
+        "blockserve:encoder_cache_usage_perc",
+        "Fraction of the encoder cache's embeddings held (0-1).",
+        labels=["model_name"],
+    )
+    usage.add_metric([model_name], images.encoder_cache_embeds / images.encoder_cache_size)
+    yield usage
 
 
 _TIER_COUNTERS = {

@@ -62,7 +62,7 @@ _FLAGS = """
     --media-io-kwargs --middleware --mm-device-do-normalize --mm-encoder-attn-backend
     --mm-encoder-attn-dtype --mm-encoder-fp8-scale-path --mm-encoder-fp8-scale-save-margin
     --mm-encoder-fp8-scale-save-path --mm-encoder-only --mm-encoder-tp-mode
-    --mm-ipc-gpu-memory-gb --mm-processor-cache-gb
+    --mm-ipc-gpu-memory-gb
     --mm-processor-cache-type --mm-processor-device --mm-processor-kwargs
     --mm-shm-cache-max-object-size-mb --mm-tensor-ipc --model-class-overrides --model-impl
     --model-loader-extra-config --moe-backend --nnodes --node-rank --numa-bind --numa-bind-cpus

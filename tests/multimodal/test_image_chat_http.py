@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
 
 from blockserve import LLM, SamplingParams
 from blockserve.bench.server_process import ServerProcess
@@ -51,16 +52,53 @@ def data_url(raw: bytes) -> str:
 
 
 def chat(
-    server: ServerProcess, url: str, question: str = QUESTION, uuid: str | None = None
+    server: ServerProcess,
+    url: str,
+    question: str = QUESTION,
+    uuid: str | None = None,
+    system: str | None = None,
 ) -> httpx.Response:
     image = {"type": "image_url", "image_url": {"url": url}, **({"uuid": uuid} if uuid else {})}
     content = [image, {"type": "text", "text": question}]
+    messages = [{"role": "system", "content": system}] if system else []
+    messages.append({"role": "user", "content": content})
     return httpx.post(
         f"{server.url}/v1/chat/completions",
-        json={"messages": [{"role": "user", "content": content}], "max_tokens": 8,
-              "temperature": 0, "return_cache_explanation": True},
+        json={"messages": messages, "max_tokens": 8, "temperature": 0,
+              "return_cache_explanation": True},
         timeout=120,
     )  # fmt: skip
+
+
+def counters(server: ServerProcess) -> dict[str, float]:
+    """The image counters of /metrics, by name (this server serves one model)."""
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    names = ("vllm:mm_cache_queries_total", "vllm:mm_cache_hits_total",
+             "blockserve:encoder_images_total")  # fmt: skip
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name in names
+    }
+
+
+def test_an_image_after_other_text_is_neither_processed_nor_encoded_again(
+    server: ServerProcess,
+) -> None:
+    """The same picture under two system prompts: the prefix cache stops before it the second
+    time, the processor cache and the encoder cache do not (vLLM's counters, and ours)."""
+    url = data_url(png(Image.fromarray(pixels(41, 40, 70, 3))))
+    before = counters(server)
+    chat(server, url, system="Answer briefly.")
+    second = chat(server, url, system="Answer at length.").json()
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    after = counters(server)
+    assert {name: after[name] - before[name] for name in after} == {
+        "vllm:mm_cache_queries_total": 2,
+        "vllm:mm_cache_hits_total": 1,
+        "blockserve:encoder_images_total": 1,
+    }
 
 
 def test_an_image_chat_answers_as_the_offline_engine_and_is_cached_through(
