@@ -32,8 +32,9 @@ class ClusterEngineClient(PoolTokenizing):
     """Implements `EngineClient` over a deployment handle of `EngineReplica`s.
 
     The HTTP app (server/app.py) runs unchanged on top of it. Prompts are tokenized here, once,
-    so the router can hash them and the replicas receive token ids; each replica validates the
-    request again as it would alone. A replica that dies before a request's first output gets
+    so the router can hash them and the replicas receive token ids (and a chat's images,
+    decoded, processed and identified here); each replica validates the request again as it
+    would alone. A replica that dies before a request's first output gets
     the request again elsewhere; one that dies mid-stream ends it with a clean 503.
     """
 
@@ -47,6 +48,7 @@ class ClusterEngineClient(PoolTokenizing):
             max_n=front.max_n,
             max_bytes_per_token=front.max_bytes_per_token,
             max_logprobs=front.max_logprobs,
+            images=front.images,
         )
         self._tokenizers = TokenizerPool(processor, tokenizer_workers)
         self._model_info = ModelInfo(

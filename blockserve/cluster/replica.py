@@ -13,6 +13,7 @@ from blockserve.engine.async_engine import AsyncEngine
 from blockserve.engine.outputs import RequestOutput
 from blockserve.engine.request import RequestSpec
 from blockserve.errors import EngineDeadError
+from blockserve.multimodal.prompts import ImagePrompts
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +34,8 @@ class FrontEnd:
     num_blocks: int  # this replica's KV blocks: the bound of its mirror and credits
     max_logprobs: int = 20
     lora_adapters: dict[str, str] = field(default_factory=dict)  # --lora-modules: name -> path
+    # A vision-language model's: how prompts take images (its processor cache travels empty).
+    images: ImagePrompts | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +106,7 @@ class EngineReplica:
             num_blocks=core.info.num_blocks,
             max_logprobs=processor.max_logprobs,
             lora_adapters=dict(model_info.lora_adapters),
+            images=processor.images,
         )
         logger.info("replica ready; KV events on %s", self.kv_events_endpoint)
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 from blockserve.core.events import ExternalBlockHash
-from blockserve.core.hashing import BlockHasher, block_hash_to_uint64
+from blockserve.core.hashing import BlockHasher, MultiModalFeature, block_hash_to_uint64
 from blockserve.engine.request import RequestSpec
 
 
@@ -29,13 +29,15 @@ def route_request(
     lora_paths: Mapping[str, str] | None = None,
 ) -> RouteRequest:
     """The request as a policy sees it: its full prompt blocks hashed exactly as the engines
-    hash them (same algorithm, seed, block size, cache salt, and the adapter's name and path
-    from `lora_paths`, the replicas' --lora-modules), in event form."""
+    hash them (same algorithm, seed, block size, cache salt, its images' identifiers and
+    spans, and the adapter's name and path from `lora_paths`, the replicas' --lora-modules),
+    in event form."""
     assert isinstance(spec.prompt, tuple), "the ingress sends token ids"
     lora = None
     if spec.lora_name is not None:
         lora = (spec.lora_name, (lora_paths or {}).get(spec.lora_name, ""))
-    hashes = hasher.hash_prompt(spec.prompt, block_size, spec.cache_salt, lora)
+    images = [MultiModalFeature(i.identifier, i.offset, i.length) for i in spec.images]
+    hashes = hasher.hash_prompt(spec.prompt, block_size, spec.cache_salt, lora, images)
     return RouteRequest(tuple(block_hash_to_uint64(h) for h in hashes), spec.prompt)
 
 

@@ -281,15 +281,18 @@ class BlockHasher:
         block_size: int = 16,
         cache_salt: str | None = None,
         lora: tuple[str, str] | None = None,
+        mm_features: Sequence[MultiModalFeature] = (),
     ) -> list[BlockHash]:
         """One hash per full block of a prompt: what a router needs to look a prompt up.
-        `lora`: the adapter's (name, path), as the engines serving it were given them."""
+        `lora`: the adapter's (name, path), as the engines serving it were given them;
+        `mm_features`: its images, each (identifier, offset, length)."""
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
             raise InvalidConfigError(f"block_size must be a positive integer, got {block_size!r}")
         keys = BlockKeyInputs(
             lora_name=None if lora is None else lora[0],
             lora_path="" if lora is None else lora[1],
             cache_salt=cache_salt,
+            mm_features=tuple(mm_features),
         )
         return self.hash_new_blocks(token_ids, [], block_size, keys)
 

@@ -20,6 +20,13 @@ class ProcessorCache:
         self._tiles: OrderedDict[str, Tiles] = OrderedDict()
         self._lock = threading.Lock()
 
+    def __getstate__(self) -> dict[str, int]:
+        """Pickled (sent to another process), the cache travels empty, its capacity alone."""
+        return {"capacity_bytes": self.capacity_bytes}
+
+    def __setstate__(self, state: dict[str, int]) -> None:
+        self.__init__(state["capacity_bytes"])  # type: ignore[misc]
+
     def __len__(self) -> int:
         return len(self._tiles)
 

@@ -15,9 +15,15 @@ from blockserve.cluster.baselines import (
 from blockserve.cluster.policies import KVAwarePolicy, make_policy
 from blockserve.cluster.routing import ReplicaLoad, RouteRequest, route_request
 from blockserve.core.events import BlockStored, KVEventBatch
-from blockserve.core.hashing import BlockHasher, BlockKeyInputs, RequestBlockHasher
+from blockserve.core.hashing import (
+    BlockHasher,
+    BlockKeyInputs,
+    MultiModalFeature,
+    RequestBlockHasher,
+)
 from blockserve.engine.request import RequestSpec
 from blockserve.errors import InvalidConfigError
+from blockserve.multimodal.inputs import ImageInput
 from blockserve.sched.request import Request
 
 HASHES = (11, 12, 13, 14)
@@ -186,6 +192,22 @@ def test_router_hashes_equal_the_engines_hashes() -> None:
     assert route.block_hashes == tuple(int.from_bytes(h[-8:], "big") for h in engine.block_hashes)
     elsewhere = route_request(spec, hasher, 4, {"adapter": "/adapters/b"})
     assert set(elsewhere.block_hashes).isdisjoint(route.block_hashes)
+
+
+def test_router_hashes_of_an_image_prompt_equal_the_engines() -> None:
+    """A chat's images go with its token ids: the route hashes carry each image's
+    identifier from the block it starts in, as the engine's do, so another image at the same
+    place is another prefix from there on, and the blocks before it are shared."""
+    hasher = BlockHasher("sha256")
+    tokens = tuple(range(20))
+    cat = ImageInput("cat", 6, 10)
+    route = route_request(RequestSpec("r", tokens, images=(cat,)), hasher, 4)
+    keys = BlockKeyInputs(mm_features=(MultiModalFeature("cat", 6, 10),))
+    engine = Request("r", tokens, block_hasher=RequestBlockHasher(hasher, 4), hash_keys=keys)
+    assert route.block_hashes == tuple(int.from_bytes(h[-8:], "big") for h in engine.block_hashes)
+    dog = route_request(RequestSpec("r", tokens, images=(ImageInput("dog", 6, 10),)), hasher, 4)
+    assert dog.block_hashes[0] == route.block_hashes[0]
+    assert set(dog.block_hashes[1:]).isdisjoint(route.block_hashes)
 
 
 def test_a_forgotten_replica_is_never_chosen_and_loses_its_index() -> None:

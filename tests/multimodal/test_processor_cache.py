@@ -3,6 +3,8 @@ stay within its bytes; queries and hits counted as vLLM's mm_cache_* metrics cou
 
 from __future__ import annotations
 
+import pickle
+
 import numpy as np
 
 from blockserve.multimodal.idefics3 import Tiles
@@ -34,3 +36,13 @@ def test_an_image_larger_than_the_cache_is_processed_and_not_kept() -> None:
     cache = ProcessorCache(capacity_bytes=192)
     cache.get("big", lambda: tiles(1.0, num_tiles=2))
     assert (len(cache), cache.used_bytes) == (0, 0)
+
+
+def test_it_travels_to_another_process_empty() -> None:
+    """Sent with a replica's front end to the cluster's ingress: its capacity, not its images."""
+    cache = ProcessorCache(capacity_bytes=1000)
+    cache.get("a", lambda: tiles(1.0))
+    copy = pickle.loads(pickle.dumps(cache))
+    assert (copy.capacity_bytes, len(copy), copy.used_bytes, copy.queries) == (1000, 0, 0, 0)
+    assert copy.get("a", lambda: tiles(2.0)).pixel_values[0, 0, 0, 0] == 2.0
+    assert len(copy) == 1
