@@ -16,7 +16,12 @@ Serving (`--workload serving`, vs_vllm_serving.py): `blockserve serve` and vLLM'
 after the other, each under the same Poisson load of multi-turn chats sharing a system prompt,
 streaming, at each of `--rates` chats/s; TTFT p50/p90, TPOT p50 and throughput, as ratios.
 
-    .venv/bin/python benchmarks/bench_vs_vllm.py [--workload shared-prefix no-sharing serving]
+Image chats (`--workload image-chat`, not in the default set): both servers on the test
+SmolVLM at SmolVLM-256M's vision shape, 16 chats about a 640 x 480 picture each, 4 turns, 0.1
+chats/s, streamed over /v1/chat/completions (vs_vllm_serving.serve_image_chats).
+
+    .venv/bin/python benchmarks/bench_vs_vllm.py [--workload shared-prefix no-sharing serving
+        image-chat]
         [--compile]   (blockserve's forward compiled, as vLLM's is by default)
 
 `--dry-run --model-dir DIR` runs only the blockserve half, on DIR (a tiny model in the tests)
@@ -212,10 +217,46 @@ def race_serving(
     return runs
 
 
+def race_image_chat(
+    model_dir: str | None, dtype: str, engines: tuple[str, ...], dry_run: bool, flags: list[str]
+) -> dict[str, Any]:
+    """Both servers on the test SmolVLM at SmolVLM-256M's vision shape (SmolLM2-135M's text
+    half, a seeded SigLIP-base tower; built here, saved once as a Hugging Face directory) or
+    on `model_dir`, under the image-chat load."""
+    from bench_images import SMOLVLM_256M_VISION
+    from vs_vllm_serving import compare, serve_image_chats
+
+    from blockserve.bench.image_chat import ImageChatLoad
+    from tests.multimodal.smolvlm_model import save_test_smolvlm
+
+    load = (
+        ImageChatLoad(chats=2, turns=2, answer_len=4, size=(40, 70)) if dry_run else ImageChatLoad()
+    )
+    runs: dict[str, Any] = {"load": vars(load)}
+    with tempfile.TemporaryDirectory() as scratch:
+        if model_dir is None:
+            model_dir = str(save_test_smolvlm(Path(scratch) / "smolvlm", SMOLVLM_256M_VISION, 4))
+        runs["model_dir"] = model_dir
+        for engine in engines:
+            log = Path(scratch) / f"{engine}.log"
+            engine_flags = flags if engine == "blockserve" else []
+            runs[engine] = serve_image_chats(
+                engine, model_dir, dtype, engine_env(engine), load, log, engine_flags
+            )
+    if "vllm" in runs:
+        runs["blockserve_vs_vllm"] = compare(runs["blockserve"], runs["vllm"])
+    for engine in engines:
+        for run in runs[engine]["rates"].values():
+            run["answer_chars"] = sum(len(a) for a in run.pop("answers"))
+    return runs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     workloads = [*WORKLOADS, "serving"]
-    parser.add_argument("--workload", nargs="+", choices=workloads, default=workloads)
+    parser.add_argument(
+        "--workload", nargs="+", choices=[*workloads, "image-chat"], default=workloads
+    )
     parser.add_argument("--rates", nargs="+", type=float, default=[1.0, 4.0, 16.0], help="chats/s")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/vs_vllm/vs_vllm.json"))
     parser.add_argument("--dry-run", action="store_true", help="blockserve only, on --model-dir")
@@ -249,6 +290,8 @@ def main() -> None:
     for workload in args.workload:
         if workload == "serving":
             runs = race_serving(model_dir, dtype, engines, args.rates, args.dry_run, flags)
+        elif workload == "image-chat":
+            runs = race_image_chat(args.model_dir, dtype, engines, args.dry_run, flags)
         else:
             runs = race_offline(workload, model_dir, dtype, engines, args.dry_run, flags)
         results["workloads"][workload] = runs

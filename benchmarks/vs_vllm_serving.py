@@ -1,5 +1,8 @@
 """The serving half of bench_vs_vllm.py: both real servers under the same chat load, streaming.
 
+`--workload image-chat` (serve_image_chats): both servers on a vision-language model, under
+blockserve.bench.image_chat's load (16 chats about a picture each, 4 turns, 0.1 chats/s).
+
 Load, one per rate: `conversations` chats arrive as a Poisson process at `rate` chats/s. All
 chats of a rate open with the same system prompt (random token ids, a fresh one per rate so no
 rate meets another's cache); each has `turns` user turns of `question_len` new tokens, resends
@@ -21,6 +24,7 @@ from typing import Any
 import httpx
 from bench_serving import VOCAB_HIGH, VOCAB_LOW, RequestResult, one_request, summarize
 
+from blockserve.bench.image_chat import ImageChatLoad, chat_request, picture_url, run_image_chats
 from blockserve.bench.server_process import ServerProcess
 
 
@@ -121,6 +125,45 @@ def serve_and_load(
     finally:
         server.stop()
     return {"server_ready_s": round(ready, 1), "rates": runs}
+
+
+def serve_image_chats(
+    engine: str,
+    model_dir: str,
+    dtype: str,
+    env: dict[str, str],
+    load: ImageChatLoad,
+    log: Path,
+    flags: list[str],
+) -> dict[str, Any]:
+    """One server for `engine` on a vision-language model, one warm-up chat about a small
+    picture (the tower's first run), then the image-chat load; the same shape as
+    serve_and_load's, with the load's rate as the one key of "rates"."""
+    if engine == "vllm":  # its SmolVLM processor, loaded without the video half (no torchvision)
+        env = {**env, "PYTHONPATH": str(Path(__file__).parent / "vllm_site")}
+    started = time.perf_counter()
+    server = start_server(engine, model_dir, dtype, env, log, flags)
+    ready = time.perf_counter() - started
+    try:
+        warm_up = [
+            {"type": "image_url", "image_url": {"url": picture_url(999, 32, 32)}},
+            {"type": "text", "text": "Hi."},
+        ]
+
+        async def warm() -> None:
+            async with httpx.AsyncClient(timeout=600) as client:
+                await chat_request(client, server.url, [{"role": "user", "content": warm_up}], 2)
+
+        asyncio.run(warm())
+        results, answers, wall = asyncio.run(run_image_chats(server.url, load))
+        summary = summarize(results, wall, None)
+        summary.pop("ttft_samples_s")
+    finally:
+        server.stop()
+    return {
+        "server_ready_s": round(ready, 1),
+        "rates": {f"{load.rate:g}": {**summary, "answers": answers}},
+    }
 
 
 def compare(blockserve: dict[str, Any], vllm: dict[str, Any]) -> dict[str, Any]:

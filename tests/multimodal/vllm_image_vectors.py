@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "vllm_site"))
 
+from smolvlm_without_video import without_video_processor
 from vllm.config import ModelConfig
 from vllm.multimodal import MULTIMODAL_REGISTRY
 from vllm.multimodal.inputs import MultiModalFeatureSpec
@@ -34,24 +36,6 @@ from tests.multimodal.images import MODEL_ID, case_image, image_cases
 
 BLOCK_SIZE = 16
 BLOCK_HASH = "sha256"  # vLLM's --prefix-caching-hash-algo default
-
-
-def without_video_processor() -> None:
-    """SmolVLM's HF processor loads a video processor, which needs torchvision, absent from
-    the peer venv (no CPU build for its torch). Images never touch it: load none."""
-    from transformers import ProcessorMixin
-    from transformers.models.auto import video_processing_auto
-
-    check = ProcessorMixin.check_argument_for_proper_class
-
-    def allow_no_video(self: Any, name: str, argument: Any) -> Any:
-        if name == "video_processor" and argument is None:
-            return None
-        return check(self, name, argument)
-
-    ProcessorMixin.check_argument_for_proper_class = allow_no_video  # type: ignore[method-assign]
-    auto = video_processing_auto.AutoVideoProcessor
-    auto.from_pretrained = lambda *args, **kwargs: None  # type: ignore[method-assign]
 
 
 def vllm_case(case: dict[str, Any]) -> dict[str, Any]:
