@@ -10,7 +10,6 @@ import asyncio
 import base64
 import io
 import itertools
-import json
 import random
 import time
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from PIL import Image
 
-from blockserve.bench.load import RequestResult
+from blockserve.bench.load import RequestResult, stream_chunks
 
 if TYPE_CHECKING:
     import httpx
@@ -71,17 +70,12 @@ async def chat_request(
     arrivals: list[float] = []
     usage: dict[str, Any] = {}
     text: list[str] = []
-    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
-                text.append(chunk["choices"][0]["delta"]["content"])
-                arrivals.append(time.perf_counter())
+    async for chunk in stream_chunks(client, f"{url}/v1/chat/completions", body):
+        if chunk.get("usage"):
+            usage = chunk["usage"]
+        if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+            text.append(chunk["choices"][0]["delta"]["content"])
+            arrivals.append(time.perf_counter())
     end = time.perf_counter()
     result = RequestResult(
         ttft=(arrivals[0] if arrivals else end) - start,

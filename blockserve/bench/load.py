@@ -10,8 +10,9 @@ import json
 import random
 import statistics
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import httpx
@@ -68,6 +69,17 @@ def model_of(args: argparse.Namespace, owner: int) -> dict:
     return {"model": names[owner % len(names)]} if names else {}
 
 
+async def stream_chunks(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any]
+) -> AsyncIterator[dict[str, Any]]:
+    """The JSON chunks of a streamed (server-sent events) OpenAI response to `body`."""
+    async with client.stream("POST", url, json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line[6:])
+
+
 async def one_request(
     client: httpx.AsyncClient,
     url: str,
@@ -91,18 +103,13 @@ async def one_request(
     arrivals: list[float] = []
     usage: dict = {}
     answer: list[int] = []
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            if chunk["choices"] and chunk["choices"][0].get("token_ids"):
-                # A token arrived (its text may still be incomplete): TTFT and ITL count tokens.
-                answer += chunk["choices"][0]["token_ids"]
-                arrivals.append(time.perf_counter())
+    async for chunk in stream_chunks(client, f"{url}/v1/completions", body):
+        if chunk.get("usage"):
+            usage = chunk["usage"]
+        if chunk["choices"] and chunk["choices"][0].get("token_ids"):
+            # A token arrived (its text may still be incomplete): TTFT and ITL count tokens.
+            answer += chunk["choices"][0]["token_ids"]
+            arrivals.append(time.perf_counter())
     end = time.perf_counter()
     ttft = (arrivals[0] if arrivals else end) - start
     itls = [b - a for a, b in itertools.pairwise(arrivals)]

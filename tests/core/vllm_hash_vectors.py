@@ -46,6 +46,19 @@ def jsonable(value: Any) -> Any:
     return value
 
 
+def event_extra_keys(request: Any) -> Any:
+    """A vLLM `Request`'s full blocks' extra keys as its BlockStored events publish them."""
+    from vllm.v1.core import kv_cache_utils
+
+    per_block = [
+        kv_cache_utils.generate_block_hash_extra_keys(
+            request, i * BLOCK_SIZE, (i + 1) * BLOCK_SIZE, 0
+        )[0]
+        for i in range(len(request.block_hashes))
+    ]
+    return jsonable(kv_cache_utils.to_event_extra_keys(per_block))
+
+
 def vllm_case(algo: str, case: dict[str, Any]) -> dict[str, Any]:
     """The case's block hashes and event extra keys, as vLLM's own code computes them."""
     from vllm.lora.request import LoRARequest
@@ -78,16 +91,10 @@ def vllm_case(algo: str, case: dict[str, Any]) -> dict[str, Any]:
         cache_salt=case.get("cache_salt"),
         block_hasher=kv_cache_utils.get_request_block_hasher(BLOCK_SIZE, hash_fn),
     )
-    per_block = [
-        kv_cache_utils.generate_block_hash_extra_keys(
-            request, i * BLOCK_SIZE, (i + 1) * BLOCK_SIZE, 0
-        )[0]
-        for i in range(len(request.block_hashes))
-    ]
     return {
         "algo": algo,
         "block_hashes": [bytes(h).hex() for h in request.block_hashes],
-        "event_extra_keys": jsonable(kv_cache_utils.to_event_extra_keys(per_block)),
+        "event_extra_keys": event_extra_keys(request),
     }
 
 

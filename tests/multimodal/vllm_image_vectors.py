@@ -31,10 +31,9 @@ from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core import kv_cache_utils
 from vllm.v1.request import Request
 
-from tests.core.vllm_hash_vectors import jsonable
+from tests.core.vllm_hash_vectors import BLOCK_SIZE, event_extra_keys
 from tests.multimodal.images import MODEL_ID, case_image, image_cases
 
-BLOCK_SIZE = 16
 BLOCK_HASH = "sha256"  # vLLM's --prefix-caching-hash-algo default
 
 
@@ -61,12 +60,6 @@ def vllm_case(case: dict[str, Any]) -> dict[str, Any]:
             BLOCK_SIZE, get_hash_fn_by_name(BLOCK_HASH)
         ),
     )
-    per_block = [
-        kv_cache_utils.generate_block_hash_extra_keys(
-            request, i * BLOCK_SIZE, (i + 1) * BLOCK_SIZE, 0
-        )[0]
-        for i in range(len(request.block_hashes))
-    ]
     return {
         "name": case["name"],
         "prompt_token_ids": processed["prompt_token_ids"],
@@ -77,7 +70,7 @@ def vllm_case(case: dict[str, Any]) -> dict[str, Any]:
         "event_block_hashes": [
             kv_cache_utils.maybe_convert_block_hash(h) for h in request.block_hashes
         ],
-        "event_extra_keys": jsonable(kv_cache_utils.to_event_extra_keys(per_block)),
+        "event_extra_keys": event_extra_keys(request),
     }
 
 
