@@ -24,8 +24,10 @@ chats/s, streamed over /v1/chat/completions (vs_vllm_serving.serve_image_chats).
         image-chat]
         [--compile]   (blockserve's forward compiled, as vLLM's is by default)
 
-`--dry-run --model-dir DIR` runs only the blockserve half, on DIR (a tiny model in the tests)
-and small workloads, so that the script is exercised without vLLM.
+`--model llama-3.2-1b-shape` races a seeded model of Llama-3.2-1B's shape (model_shapes.py),
+`--model DIR` any Hugging Face directory. `--dry-run --model DIR` runs only the blockserve
+half, on DIR (a tiny model in the tests) and small workloads, so that the script is exercised
+without vLLM.
 """
 
 from __future__ import annotations
@@ -260,7 +262,14 @@ def main() -> None:
     parser.add_argument("--rates", nargs="+", type=float, default=[1.0, 4.0, 16.0], help="chats/s")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/vs_vllm/vs_vllm.json"))
     parser.add_argument("--dry-run", action="store_true", help="blockserve only, on --model-dir")
-    parser.add_argument("--model-dir", help="default: the embedded model as a HF directory")
+    parser.add_argument(
+        "--model",
+        "--model-dir",
+        dest="model_dir",
+        help="a Hugging Face directory, or llama-3.2-1b-shape (a seeded model of that shape, "
+        "built once: benchmarks/model_shapes.py); default: the embedded model as a HF "
+        "directory (image-chat: the test SmolVLM)",
+    )
     parser.add_argument("--dtype", help="default: what --dtype auto picks on this host")
     parser.add_argument("--worker", choices=["blockserve", "vllm"], help=argparse.SUPPRESS)
     parser.add_argument("--prompts", help=argparse.SUPPRESS)
@@ -272,12 +281,16 @@ def main() -> None:
     if args.dry_run and not args.model_dir:
         parser.error("--dry-run needs --model-dir")
     import torch
+    from model_shapes import SHAPES
+    from model_shapes import model_dir as shaped_model_dir
     from report import emit
 
     from blockserve.model.loader import resolve_model_dir
     from blockserve.platform import auto_dtype, probe_host
 
     dtype = args.dtype or str(auto_dtype(probe_host(torch.device("cpu")))).removeprefix("torch.")
+    if args.model_dir in SHAPES:
+        args.model_dir = str(shaped_model_dir(args.model_dir))
     model_dir = args.model_dir or str(resolve_model_dir(None))
     engines = ("blockserve",) if args.dry_run else ("blockserve", "vllm")
     flags = ["--compile"] if args.compile else []
