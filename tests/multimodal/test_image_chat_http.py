@@ -73,8 +73,11 @@ def chat(
 def counters(server: ServerProcess) -> dict[str, float]:
     """The image counters of /metrics, by name (this server serves one model)."""
     text = httpx.get(f"{server.url}/metrics", timeout=30).text
-    names = ("vllm:mm_cache_queries_total", "vllm:mm_cache_hits_total",
-             "blockserve:encoder_images_total")  # fmt: skip
+    names = (
+        "vllm:mm_cache_queries_total",
+        "vllm:mm_cache_hits_total",
+        "blockserve:encoder_images_total",
+    )
     return {
         sample.name: sample.value
         for family in text_string_to_metric_families(text)
