@@ -7,7 +7,6 @@ in the peer venv); the slow test recomputes them there."""
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -15,11 +14,10 @@ from PIL import Image
 
 from blockserve.multimodal.hasher import ALGORITHMS, EncodedImage, hash_kwargs, item_identifier
 from tests.multimodal.images import MODEL_ID, RGB_CONVERSION, decoded_images, png
+from tests.peer import NO_PEER, PEER_PYTHON, peer_json
 
 HERE = Path(__file__).parent
-ROOT = HERE.parents[1]
 VECTORS = json.loads((HERE / "hash_vectors.json").read_text())
-PEER_PYTHON = ROOT / ".peer" / "bin" / "python"
 
 
 def ours() -> dict[str, str]:
@@ -76,14 +74,6 @@ def test_an_unknown_algorithm_or_value_is_refused() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not PEER_PYTHON.exists(), reason="the peer vLLM is built by make peer-vllm")
+@pytest.mark.skipif(not PEER_PYTHON.exists(), reason=NO_PEER)
 def test_the_pinned_vectors_are_what_vllm_computes_now() -> None:
-    printed = subprocess.run(
-        [str(PEER_PYTHON), str(HERE / "vllm_hash_vectors.py")],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
-    )
-    assert printed.returncode == 0, printed.stderr[-2000:]
-    assert json.loads(printed.stdout) == VECTORS
+    assert peer_json(HERE / "vllm_hash_vectors.py") == VECTORS

@@ -8,8 +8,6 @@ test recomputes them in the peer venv."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,12 +21,11 @@ from blockserve.engine.request import ImagesPrompt, RequestSpec
 from tests.core.vllm_hash_vectors import jsonable
 from tests.multimodal.images import case_image, image_cases
 from tests.multimodal.smolvlm_model import HUB_ID, save_test_smolvlm_hub
+from tests.peer import NO_PEER, PEER_PYTHON, peer_json
 
 pytestmark = pytest.mark.slow  # engines over SmolLM2's 135M weights
 
 HERE = Path(__file__).parent
-ROOT = HERE.parents[1]
-PEER_PYTHON = ROOT / ".peer" / "bin" / "python"
 VECTORS = json.loads((HERE / "image_vectors.json").read_text())
 CASES = {case["name"]: case for case in image_cases()}
 
@@ -107,17 +104,7 @@ def test_image_prompts_are_keyed_as_vllm_keys_them(
     assert ours(engines[case["algorithm"]], case, monkeypatch) == expected
 
 
-@pytest.mark.skipif(not PEER_PYTHON.exists(), reason="the peer vLLM is built by make peer-vllm")
+@pytest.mark.skipif(not PEER_PYTHON.exists(), reason=NO_PEER)
 def test_the_pinned_vectors_are_what_vllm_computes_now(hub_cache: Path) -> None:
-    env = {**os.environ, "HF_HUB_CACHE": str(hub_cache), "HF_HUB_OFFLINE": "1"}
-    env.pop("PYTHONHASHSEED", None)
-    printed = subprocess.run(
-        [str(PEER_PYTHON), str(HERE / "vllm_image_vectors.py")],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env,
-        timeout=300,
-    )
-    assert printed.returncode == 0, printed.stderr[-2000:]
-    assert json.loads(printed.stdout) == VECTORS
+    env = {"HF_HUB_CACHE": str(hub_cache), "HF_HUB_OFFLINE": "1"}
+    assert peer_json(HERE / "vllm_image_vectors.py", env) == VECTORS
