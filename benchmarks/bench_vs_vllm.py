@@ -231,9 +231,8 @@ def race_image_chat(
     from blockserve.bench.image_chat import ImageChatLoad
     from tests.multimodal.smolvlm_model import save_test_smolvlm
 
-    load = (
-        ImageChatLoad(chats=2, turns=2, answer_len=4, size=(40, 70)) if dry_run else ImageChatLoad()
-    )
+    dry = ImageChatLoad(chats=2, turns=2, answer_len=4, rate=10.0, size=(40, 70))
+    load = dry if dry_run else ImageChatLoad()
     runs: dict[str, Any] = {"load": vars(load)}
     with tempfile.TemporaryDirectory() as scratch:
         if model_dir is None:
