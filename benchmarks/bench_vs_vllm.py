@@ -9,7 +9,8 @@ one process per workload, a warm-up request first; the figure is the wall time o
 `generate` over the workload. Both run the dtype `--dtype auto` picks for this host
 (platform.py). vLLM is given both cores (VLLM_CPU_OMP_THREADS_BIND=0-<n-1>; its default
 keeps one for itself and roughly halves its speed on 2 cores), its AOT compile cache off (it
-fails to load on CPU in 0.32.0) and a 4 GiB KV cache. The model is the embedded
+fails to load on CPU in 0.32.0) and a 4 GiB KV cache. Each offline run records `peak_rss_mb`,
+the most memory its worker and that worker's children held together. The model is the embedded
 SmolLM2-135M-Instruct as the Hugging Face directory blockserve converts it to.
 
 Serving (`--workload serving`, vs_vllm_serving.py): `blockserve serve` and vLLM's server, one
@@ -38,6 +39,7 @@ import os
 import random
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -168,11 +170,63 @@ def launch(
         str(prompts),
         *(flags if engine == "blockserve" else []),
     ]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    if done.returncode != 0 or not lines:
-        raise SystemExit(f"{engine} failed on {workload}:\n{done.stderr[-3000:]}")
-    return dict(json.loads(lines[-1].removeprefix("RESULT ")))
+    process = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    peak = PeakRss(process.pid)
+    out, err = process.communicate(timeout=1800)
+    peak.stop()
+    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+    if process.returncode != 0 or not lines:
+        raise SystemExit(f"{engine} failed on {workload}:\n{err[-3000:]}")
+    return {**json.loads(lines[-1].removeprefix("RESULT ")), "peak_rss_mb": peak.megabytes}
+
+
+class PeakRss:
+    """The largest resident memory a process and its descendants held together, sampled every
+    0.1 s from /proc (the engine's worker and, for vLLM, its engine-core process)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.peak_kb = pid, 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    @property
+    def megabytes(self) -> int:
+        return self.peak_kb // 1024
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join(timeout=5)
+
+    def _sample(self) -> None:
+        while not self._done.wait(0.1):
+            self.peak_kb = max(self.peak_kb, sum(_rss_kb(pid) for pid in _tree(self.pid)))
+
+
+def _tree(pid: int) -> list[int]:
+    """`pid` and its descendants, from /proc's children lists (empty once it is gone)."""
+    found, pending = [], [pid]
+    while pending:
+        current = pending.pop()
+        found.append(current)
+        for task in Path(f"/proc/{current}/task").glob("*"):
+            try:
+                pending += [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+    return found
+
+
+def _rss_kb(pid: int) -> int:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    return next(
+        (int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0
+    )
 
 
 def race_offline(

@@ -29,6 +29,7 @@ def test_dry_run_races_the_blockserve_half_offline_and_served(
     assert set(offline) == {"blockserve"}  # no vLLM half, so no ratio
     assert offline["blockserve"]["output_tokens"] == 4 * 32
     assert offline["blockserve"]["dtype"] == "float32"
+    assert offline["blockserve"]["peak_rss_mb"] > 100  # a worker that imported torch and ran
 
     serving = workloads["serving"]
     assert serving["load"]["rates_per_s"] == [4.0]
