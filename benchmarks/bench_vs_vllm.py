@@ -236,11 +236,25 @@ def race_offline(
     engines: tuple[str, ...],
     dry_run: bool,
     flags: list[str],
+    repeats: int = 1,
 ) -> dict[str, Any]:
+    """Each engine `repeats` times, taking turns (A B A B ...), so that a host that speeds up
+    or slows down during the race weighs on both; each engine's median run, with every run's
+    wall time, and the ratio of the medians."""
+    done: dict[str, list[dict[str, Any]]] = {e: [] for e in engines}
     with tempfile.TemporaryDirectory() as scratch:
         prompts = Path(scratch) / f"{workload}.json"
         prompts.write_text(json.dumps(make_prompts(workload, dry_run)))
-        runs = {e: launch(e, workload, model_dir, dtype, prompts, flags) for e in engines}
+        for _ in range(repeats):
+            for engine in engines:
+                done[engine].append(launch(engine, workload, model_dir, dtype, prompts, flags))
+    runs: dict[str, Any] = {}
+    for engine, results in done.items():
+        ordered = sorted(results, key=lambda r: r["wall_s"])
+        runs[engine] = {
+            **ordered[(len(ordered) - 1) // 2],
+            "wall_s_runs": [r["wall_s"] for r in results],
+        }
     if "vllm" in runs:
         runs["speedup_vs_vllm"] = round(runs["vllm"]["wall_s"] / runs["blockserve"]["wall_s"], 3)
     return runs
@@ -327,6 +341,12 @@ def main() -> None:
     parser.add_argument("--worker", choices=["blockserve", "vllm"], help=argparse.SUPPRESS)
     parser.add_argument("--prompts", help=argparse.SUPPRESS)
     parser.add_argument("--compile", action="store_true", help="blockserve with --compile")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="offline: each engine this many times, taking turns; medians (default 1)",
+    )
     args = parser.parse_args()
     if args.worker:
         worker(args)
@@ -359,7 +379,9 @@ def main() -> None:
         elif workload == "image-chat":
             runs = race_image_chat(args.model_dir, dtype, engines, args.dry_run, flags)
         else:
-            runs = race_offline(workload, model_dir, dtype, engines, args.dry_run, flags)
+            runs = race_offline(
+                workload, model_dir, dtype, engines, args.dry_run, flags, args.repeats
+            )
         results["workloads"][workload] = runs
         print(workload, json.dumps(runs), flush=True)
     emit(results, args.out)

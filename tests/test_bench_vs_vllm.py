@@ -20,7 +20,8 @@ def test_dry_run_races_the_blockserve_half_offline_and_served(
     out = tmp_path / "vs_vllm.json"
     command = [sys.executable, "benchmarks/bench_vs_vllm.py", "--dry-run"]
     command += ["--model-dir", str(tiny_llama_dir), "--dtype", "float32"]
-    command += ["--workload", "shared-prefix", "serving", "--rates", "4", "--out", str(out)]
+    command += ["--workload", "shared-prefix", "serving", "--rates", "4", "--repeats", "2"]
+    command += ["--out", str(out)]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     workloads = json.loads(out.read_text())["workloads"]
@@ -30,6 +31,8 @@ def test_dry_run_races_the_blockserve_half_offline_and_served(
     assert offline["blockserve"]["output_tokens"] == 4 * 32
     assert offline["blockserve"]["dtype"] == "float32"
     assert offline["blockserve"]["peak_rss_mb"] > 100  # a worker that imported torch and ran
+    runs = offline["blockserve"]["wall_s_runs"]  # --repeats 2: the median run's is one of them
+    assert len(runs) == 2 and offline["blockserve"]["wall_s"] == min(runs)
 
     serving = workloads["serving"]
     assert serving["load"]["rates_per_s"] == [4.0]
