@@ -14,9 +14,11 @@ TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
 SERVE_ARGS ?=
 
 PEER := .peer
+LLAMA_CPP_PEER := .peer-llamacpp
 VLLM_VERSION := 0.32.0
+LLAMA_CPP_VERSION := 0.3.36
 
-.PHONY: setup setup-dev serve test test-fast lint typecheck pytest bench peer-vllm clean
+.PHONY: setup setup-dev serve test test-fast lint typecheck pytest bench peer-vllm peer-llamacpp clean
 
 # torch first, pinned, from TORCH_INDEX_URL; where that index cannot be reached (checked in a
 # few seconds, not waited for), from pip's own configuration: a local wheel on machines that
@@ -100,5 +102,14 @@ peer-vllm: setup-dev
 	$(PEER)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	$(PEER)/bin/pip install --quiet num2words
 
+# llama.cpp (llama-cpp-python) in a side environment, for bench_vs_vllm.py --workload
+# one-stream. Built from source for AVX2 (GGML_NATIVE=OFF): the native build crashed on the
+# first token on an AMX host.
+peer-llamacpp:
+	@test -x $(LLAMA_CPP_PEER)/bin/python || $(PYTHON) -m venv $(LLAMA_CPP_PEER)
+	$(LLAMA_CPP_PEER)/bin/pip install --quiet --upgrade pip
+	CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" \
+		$(LLAMA_CPP_PEER)/bin/pip install --quiet llama-cpp-python==$(LLAMA_CPP_VERSION)
+
 clean:
-	rm -rf $(VENV) $(PEER) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(PEER) $(LLAMA_CPP_PEER) .pytest_cache .mypy_cache .ruff_cache

@@ -21,8 +21,12 @@ Image chats (`--workload image-chat`, not in the default set): both servers on t
 SmolVLM at SmolVLM-256M's vision shape, 16 chats about a 640 x 480 picture each, 4 turns, 0.1
 chats/s, streamed over /v1/chat/completions (vs_vllm_serving.serve_image_chats).
 
+One user (`--workload one-stream`, not in the default set; vs_llama_cpp.py): the default
+model's decode tokens/s, blockserve dense and `--quantization gguf` against llama.cpp
+(`make peer-llamacpp`) on the same GGUF file, taking turns `--repeats` times.
+
     .venv/bin/python benchmarks/bench_vs_vllm.py [--workload shared-prefix no-sharing serving
-        image-chat]
+        image-chat one-stream]
         [--compile]   (blockserve's forward compiled, as vLLM's is by default)
 
 `--model llama-3.2-1b-shape` races a seeded model of Llama-3.2-1B's shape (model_shapes.py),
@@ -324,7 +328,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     workloads = [*WORKLOADS, "serving"]
     parser.add_argument(
-        "--workload", nargs="+", choices=[*workloads, "image-chat"], default=workloads
+        "--workload",
+        nargs="+",
+        choices=[*workloads, "image-chat", "one-stream"],
+        default=workloads,
     )
     parser.add_argument("--rates", nargs="+", type=float, default=[1.0, 4.0, 16.0], help="chats/s")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/vs_vllm/vs_vllm.json"))
@@ -345,7 +352,8 @@ def main() -> None:
         "--repeats",
         type=int,
         default=1,
-        help="offline: each engine this many times, taking turns; medians (default 1)",
+        help="offline and one-stream: each engine this many times, taking turns; medians "
+        "(default 1)",
     )
     args = parser.parse_args()
     if args.worker:
@@ -378,6 +386,10 @@ def main() -> None:
             runs = race_serving(model_dir, dtype, engines, args.rates, args.dry_run, flags)
         elif workload == "image-chat":
             runs = race_image_chat(args.model_dir, dtype, engines, args.dry_run, flags)
+        elif workload == "one-stream":
+            from vs_llama_cpp import race
+
+            runs = race(args.repeats)
         else:
             runs = race_offline(
                 workload, model_dir, dtype, engines, args.dry_run, flags, args.repeats

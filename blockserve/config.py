@@ -20,9 +20,11 @@ from blockserve.multimodal import ALGORITHMS as MM_HASH_ALGORITHMS
 from blockserve.options import (
     at_least,
     finite_non_negative,
+    host_names,
     non_empty_or_none,
     option,
     positive,
+    positive_each,
     share,
 )
 
@@ -41,6 +43,7 @@ def default_cache_dir() -> Path:
 
 DTYPES = ("auto", "float32", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cuda")
+QUANTIZATIONS = ("gguf",)
 SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
 
 
@@ -53,18 +56,6 @@ def _device(value: str) -> str | None:
 
 def _generation_config(value: str) -> str | None:
     return None if value else "must be auto, vllm or a path, got an empty string"
-
-
-def _host_names(values: tuple[str, ...]) -> str | None:
-    if isinstance(values, tuple) and all(isinstance(v, str) and v for v in values):
-        return None
-    return f"must be a tuple of host names, got {values!r}"
-
-
-def _batch_sizes(values: tuple[int, ...]) -> str | None:
-    if all(size > 0 for size in values):
-        return None
-    return f"must be positive batch sizes, got {' '.join(map(str, values))}"
 
 
 def _shared_store_url(value: str | None) -> str | None:
@@ -128,6 +119,12 @@ class ModelConfig:
         choices=DTYPES,
     )
     device: str = option("auto", "auto (CUDA if present, else CPU), cpu, or cuda:N", check=_device)
+    quantization: str | None = option(
+        None,
+        "gguf: a .gguf model's Q4_0, Q4_1 and Q8_0 weights also serve as they are, for products "
+        "of few rows (a decode step); default: its weights dequantized to --dtype (vLLM's flag)",
+        choices=QUANTIZATIONS,
+    )
     attention_backend: str = option(
         "auto",
         "attention implementation (auto: triton on a CUDA device, torch on the CPU)",
@@ -159,7 +156,7 @@ class ModelConfig:
         (),
         "image URLs may name these hosts only, at whatever address (vLLM's flag); default: "
         "any host whose addresses are all public",
-        check=_host_names,
+        check=host_names,
     )
     allowed_local_media_path: str | None = option(
         None,
@@ -369,7 +366,7 @@ class RuntimeConfig:
         (),
         "on CUDA, the decode batch sizes to capture graphs for (default: 1 2 4 and every "
         "multiple of 8 up to --max-num-seqs); a larger batch runs eagerly",
-        check=_batch_sizes,
+        check=positive_each,
     )
     cpu_threads: int | None = option(
         None,

@@ -79,6 +79,18 @@ def non_empty_or_none(value: str | None) -> str | None:
     return None if value is None or value else "must not be empty"
 
 
+def host_names(values: tuple[str, ...]) -> str | None:
+    if isinstance(values, tuple) and all(isinstance(v, str) and v for v in values):
+        return None
+    return f"must be a tuple of host names, got {values!r}"
+
+
+def positive_each(values: tuple[int, ...]) -> str | None:
+    if all(value > 0 for value in values):
+        return None
+    return f"must be positive, got {' '.join(map(str, values))}"
+
+
 def declared(cls: type, name: str) -> Any:
     """The option `cls` declares as `name`, as a field of another dataclass: `EngineArgs`
     takes each config's options this way, their default, help and check written once."""

@@ -53,6 +53,7 @@ class EngineArgs:
     chat_template: str | None = declared(ModelConfig, "chat_template")
     dtype: str = declared(ModelConfig, "dtype")
     device: str = declared(ModelConfig, "device")
+    quantization: str | None = declared(ModelConfig, "quantization")
     attention_backend: str = declared(ModelConfig, "attention_backend")
     max_model_len: int | None = declared(ModelConfig, "max_model_len")
     seed: int = declared(ModelConfig, "seed")

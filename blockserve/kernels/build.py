@@ -53,8 +53,8 @@ BF16_TARGET = Target(
     isa="avx512-bf16",
     # AMX is used only where the CPU has it
     flags=("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma",
-           "-mamx-tile", "-mamx-bf16"),
-    needs=("avx512_bf16",),
+           "-mf16c", "-mavx512vnni", "-mamx-tile", "-mamx-bf16"),
+    needs=("avx512_bf16", "avx512_vnni", "f16c"),
     namespace="blockserve_cpu",
 )  # fmt: skip
 # The f32 attention and product kernels compute on sixteen lanes where the CPU has AVX-512F.
@@ -80,8 +80,9 @@ LIBRARIES = {
         Library(
             name="bf16",
             dtype=torch.bfloat16,
-            sources=("attention_bf16.cpp", "layer_ops_bf16.cpp", "linear_bf16.cpp", "bf16.h",
-                     "exp2.h", "amx.h", "attention.h", "layer_ops.h", "lora.h"),
+            sources=("attention_bf16.cpp", "layer_ops_bf16.cpp", "linear_bf16.cpp",
+                     "linear_gguf.cpp", "bf16.h", "exp2.h", "amx.h", "attention.h",
+                     "layer_ops.h", "lora.h"),
             targets=(BF16_TARGET,),
         ),
         Library(

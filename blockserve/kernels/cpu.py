@@ -154,6 +154,14 @@ class CpuKernels:
             return None
         return self.loader.ops(torch.bfloat16).tile_linear
 
+    def gguf_linear(self, x: torch.Tensor) -> Callable[..., torch.Tensor] | None:
+        """The bf16 product of few rows over a GGUF weight's blocks (Q4_0, Q4_1, Q8_0), x
+        rounded to 8 bits per block of 32 (csrc/cpu/linear_gguf.cpp)."""
+        if not self.switches.products or x.dtype != torch.bfloat16 or x.device.type != "cpu":
+            return None
+        ops = self.loader.ops(torch.bfloat16)
+        return None if ops is None else ops.gguf_linear
+
     def lora_add(self, x: torch.Tensor) -> Callable[..., None] | None:
         """LoRA's grouped shrink and expand of one projection, added to its output in place
         (csrc/cpu/lora.h), for CPU rows like `x` of unit stride."""

@@ -14,11 +14,14 @@ Modules:
   hub.py           hub ids through huggingface_hub's cache, as vLLM resolves them; --tokenizer's
                    directory
   gguf_llama.py    a plain Llama GGUF file to config.json + safetensors in one pass
+  gguf_weights.py  --quantization gguf: the file's Q4_0 / Q4_1 / Q8_0 blocks for each fused
+                   linear layer, handed to its PackedLinear
   tokenizer.py     Tokenizer: tokenizers + jinja2 chat templates, loaded from a snapshot of what
                    transformers built (no transformers import on a warm start);
                    --chat-template's text
   packed.py        PackedLinear: weights reordered once for oneDNN (blockserve::packed_linear),
-                   and in tile order for our few-row AMX products where the CPU has them
+                   in tile order for our few-row AMX products where the CPU has them, and a
+                   GGUF file's blocks for decode-sized products (--quantization gguf)
   attention_op.py  blockserve::attention: attention as one opaque operator for a compiled graph,
                    the step's backend and plan passed as an AttentionStep
   compile.py       --compile: the whole forward as one torch.compile graph (token dimension

@@ -120,7 +120,7 @@ def _hf_name(gguf_name: str) -> str | None:
     return f"{_GLOBAL_NAMES[stem]}.{kind}" if stem in _GLOBAL_NAMES else None
 
 
-def _unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
+def unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
     """Undo llama.cpp's reordering of q/k rows (it interleaves each head's two RoPE halves)."""
     half = weight.shape[0] // heads // 2
     return weight.reshape(heads, half, 2, *weight.shape[1:]).swapaxes(2, 1).reshape(weight.shape)
@@ -176,9 +176,9 @@ def _weights(
     for info in infos:
         weight = _tensor(buffer, start, info)
         if info.name.endswith("attn_q.weight"):
-            weight = _unpermute(weight, heads)
+            weight = unpermute(weight, heads)
         elif info.name.endswith("attn_k.weight"):
-            weight = _unpermute(weight, kv_heads)
+            weight = unpermute(weight, kv_heads)
         state[str(_hf_name(info.name))] = torch.from_numpy(np.ascontiguousarray(weight))
     return state
 

@@ -24,8 +24,10 @@ from blockserve.attention.metadata import AttentionBackend
 from blockserve.config import default_cache_dir
 from blockserve.errors import InvalidConfigError, ModelNotFoundError
 from blockserve.kernels import LayerOpsSource
+from blockserve.kernels.build import runnable
 from blockserve.model.arch import VISION_LANGUAGE_TYPES, LlamaArchConfig
 from blockserve.model.gguf_llama import convert_llama
+from blockserve.model.gguf_weights import attach, quantized_linears
 from blockserve.model.hub import is_hub_id, snapshot, tokenizer_dir
 from blockserve.model.llama import LlamaForCausalLM
 from blockserve.model.packed import can_prepack, prepack_linears
@@ -287,17 +289,21 @@ def load_model(
     model_dir: Path | None = None,
     kernels: LayerOpsSource | None = None,
     sources: TokenizerSources = TokenizerSources(),
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Load weights, config and tokenizer; every parameter must be present in the files.
     `dtype` is a `--dtype` name or an already resolved torch dtype; `model_dir`, `model`'s
     directory where the caller has resolved it already (`resolve_model_dir`); `kernels`, the
     layers' fused operators (torch's when None); `sources`, a tokenizer or chat template
-    other than the model's. A hub id is served under its whole name, as vLLM serves it; a
-    path under its last part."""
+    other than the model's; `quantization`, `gguf` to serve a .gguf model's quantized blocks
+    too (InvalidConfigError for another model, or where our kernel cannot run them). A hub id
+    is served under its whole name, as vLLM serves it; a path under its last part."""
     model_dir = model_dir or resolve_model_dir(model, cache_dir)
     arch = read_arch(model_dir)
     torch_dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype)
     llama = _load_weights(model_dir, arch, backend, torch_dtype, device, kernels)
+    if quantization == "gguf":
+        _serve_gguf_blocks(llama, model, arch, torch_dtype, device)
     tokenizer = load_tokenizer(sources.directory() or model_dir, cache_dir)
     if sources.chat_template is not None:
         tokenizer.chat_template = chat_template_text(sources.chat_template)
@@ -313,6 +319,34 @@ def load_model(
         dtype=torch_dtype,
         vision=_load_vision(model_dir, torch_dtype, device),
     )
+
+
+def gguf_file(model: str | None) -> Path | None:
+    """The GGUF file `model` names (None: the default model's), or None for another model."""
+    if model is None:
+        return default_model_path()
+    path = Path(model).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
+
+
+def _serve_gguf_blocks(
+    llama: LlamaForCausalLM,
+    model: str | None,
+    arch: LlamaArchConfig,
+    dtype: torch.dtype,
+    device: str,
+) -> None:
+    """`--quantization gguf`: the model's linear layers take the file's blocks, for our
+    kernel's few-row products (AVX512-BF16 and VNNI, bf16 activations)."""
+    path = gguf_file(model)
+    if path is None:
+        raise InvalidConfigError(f"--quantization gguf serves a .gguf model, not {model}")
+    if torch.device(device).type != "cpu" or dtype != torch.bfloat16 or not runnable(dtype):
+        raise InvalidConfigError(
+            "--quantization gguf runs on a CPU with AVX512-BF16, in bfloat16; this is "
+            f"{device} in {dtype}"
+        )
+    attach(llama, quantized_linears(path, arch))
 
 
 def _load_vision(model_dir: Path, dtype: torch.dtype, device: str) -> VisionModel | None:

@@ -19,6 +19,9 @@ from blockserve.platform import probe_host
 logger = logging.getLogger(__name__)
 
 TILE_MAX_ROWS = 128
+# The most rows a product takes a GGUF weight's blocks for: beyond, the tile copy's bf16 is
+# faster (benchmarks/bench_gguf_linear.py).
+GGUF_MAX_ROWS = 8
 MAX_COPY_BYTES = 2 << 30  # of all tile (or vector) copies of a model
 
 _LIBRARY = torch.library.Library("blockserve", "FRAGMENT")
@@ -78,6 +81,9 @@ class PackedLinear(nn.Module):
     vectors: torch.Tensor | None  # the weight in panel order (pack_for_vectors), or None
     vectors_isa: str | None  # the f32 build that packed `vectors`
     kernels: CpuKernels | None  # ours, which run over `tiles` or `vectors` (use_kernels)
+    gguf: torch.Tensor | None  # a GGUF file's blocks of this weight (gguf_weights.attach)
+    gguf_type: int  # their GGML type
+    gguf_packed: bool  # `gguf` is in our kernel's order (pack_for_gguf)
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -92,11 +98,20 @@ class PackedLinear(nn.Module):
         self.register_buffer("vectors", None, persistent=False)
         self.vectors_isa = None
         self.kernels = None
+        self.register_buffer("gguf", None, persistent=False)
+        self.gguf_type, self.gguf_packed = 0, False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if torch.compiler.is_compiling():
             out = torch.ops.blockserve.packed_linear(rows, self.packed, self.bias)
+        elif (
+            self.gguf_packed
+            and rows.shape[0] <= GGUF_MAX_ROWS
+            and self.kernels is not None
+            and (gguf_linear := self.kernels.gguf_linear(rows)) is not None
+        ):
+            out = gguf_linear(rows, self.gguf, self.gguf_type, self.bias)
         elif (
             self.tiles is not None
             and rows.shape[0] <= TILE_MAX_ROWS
@@ -156,6 +171,19 @@ def pack_for_tiles(model: nn.Module, ops: Any) -> int:
     return len(linears)
 
 
+def pack_for_gguf(model: nn.Module, ops: Any) -> int:
+    """Put each GGUF weight's blocks under `model` into the order our kernel reads (`ops`: our
+    loaded bf16 operators); returns how many."""
+    linears = [
+        m
+        for m in model.modules()
+        if isinstance(m, PackedLinear) and m.gguf is not None and not m.gguf_packed
+    ]
+    for linear in linears:
+        linear.gguf, linear.gguf_packed = ops.gguf_pack(linear.gguf, linear.gguf_type), True
+    return len(linears)
+
+
 def pack_for_vectors(model: nn.Module, ops: Any, isa: str) -> int:
     """Give each `PackedLinear` under `model` that our float32 vector kernel takes a copy of
     its weight in panel order (`ops`: the loaded f32 build, named `isa`), unless the copies
@@ -177,14 +205,15 @@ def pack_once_loaded(
     model: weakref.ref[nn.Module], kernels: CpuKernels, dtype: torch.dtype
 ) -> Callable[[Any], None]:
     """What to run once `kernels` has `dtype`'s library loaded (on its loader's thread, given
-    its operators): the tile copies (bf16) or the panel copies for the build loaded (float32)
-    of the model's weights, unless the model is gone by then."""
+    its operators): the tile copies and GGUF blocks (bf16) or the panel copies for the build
+    loaded (float32) of the model's weights, unless the model is gone by then."""
 
     def pack(ops: Any) -> None:
         if (alive := model()) is None:
             return
         if dtype == torch.bfloat16:
             pack_for_tiles(alive, ops)
+            pack_for_gguf(alive, ops)
         elif (isa := kernels.loader.isa(torch.float32)) is not None:
             pack_for_vectors(alive, ops, isa)
 

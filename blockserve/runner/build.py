@@ -109,6 +109,7 @@ def runner_parts(
         sources=TokenizerSources(
             model_config.tokenizer, model_config.download_dir, model_config.chat_template
         ),
+        quantization=model_config.quantization,
     )
     if kv_pages is not None:
         keep_freed_memory()  # for the steps' temporaries; the loading's are gone

@@ -71,7 +71,7 @@ _FLAGS = """
     --override-generation-config --per-request-spec-decode-metrics --performance-mode
     --pipeline-parallel-size --pooler-config --prefill-context-parallel-size
     --prefill-schedule-interval --prefix-cache-retention-interval --prefix-match-unit
-    --profiler-config --pt-load-map-location --quantization --quantization-config
+    --profiler-config --pt-load-map-location --quantization-config
     --ray-workers-use-nsight --reasoning-config --reasoning-parser --reasoning-parser-plugin
     --renderer-num-workers --replayssm-buffer-len --return-sampling-mask
     --return-tokens-as-token-ids --root-path --runner --safetensors-load-strategy
@@ -93,8 +93,6 @@ VLLM_ONLY_FLAGS = frozenset(_FLAGS.split())
 # What blockserve does instead, for the flags a vLLM user reaches for first.
 INSTEAD = {
     "--kv-cache-dtype": "the KV cache is kept in --dtype",
-    "--quantization": "weights run in --dtype; a .gguf model's quantized weights are "
-    "dequantized when it loads",
     "--pipeline-parallel-size": "one device per replica; serve more as replicas (--replicas N)",
     "--data-parallel-size": "one device per replica; serve more as replicas (--replicas N)",
     "--cpu-offload-gb": "blocks, not weights, go to host memory (--kv-offloading-size GiB)",

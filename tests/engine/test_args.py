@@ -50,6 +50,7 @@ GOOD: dict[str, tuple[object, list[str]]] = {
     "allowed_local_media_path": ("/srv/images", ["--allowed-local-media-path", "/srv/images"]),
     "mm_hasher_algorithm": ("sha256", ["--mm-hasher-algorithm", "sha256"]),
     "mm_processor_cache_gb": (0.5, ["--mm-processor-cache-gb", "0.5"]),
+    "quantization": ("gguf", ["--quantization", "gguf"]),
     "max_num_batched_tokens": (512, ["--max-num-batched-tokens", "512"]),
     "max_n": (4, ["--max-n", "4"]),
     "encoder_cache_size": (4096, ["--encoder-cache-size", "4096"]),
@@ -147,6 +148,7 @@ BAD: dict[str, list[tuple[object, list[str] | None]]] = {
     "allowed_local_media_path": [("", ["--allowed-local-media-path", ""])],
     "mm_hasher_algorithm": [("md5", ["--mm-hasher-algorithm", "md5"])],
     "mm_processor_cache_gb": [(-1.0, ["--mm-processor-cache-gb", "-1"])],
+    "quantization": [("awq", ["--quantization", "awq"])],
     "limit_mm_per_prompt": [
         ('{"video": 1}', ["--limit-mm-per-prompt", '{"video": 1}']),
         ({"image": -1}, ["--limit-mm-per-prompt", '{"image": -1}']),

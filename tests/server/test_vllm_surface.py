@@ -43,12 +43,7 @@ def serve_flags() -> set[str]:
             "--kv-cache-dtype is a vLLM option blockserve does not "
             "support yet (the KV cache is kept in --dtype)",
         ),
-        (
-            "--quantization",
-            "--quantization is a vLLM option blockserve does not support yet "
-            "(weights run in --dtype; a .gguf model's quantized weights are dequantized when it "
-            "loads)",
-        ),
+        ("--quantization", None),  # ours: gguf
         ("--max-num-seqs", None),  # ours
         ("--made-up", None),  # nobody's
     ],

@@ -1,0 +1,143 @@
+"""One user's decode, blockserve against llama.cpp (`bench_vs_vllm.py --workload one-stream`).
+
+The GGUF file the default model ships as (SmolLM2-135M-Instruct, Q4_1 layers, a Q8_0
+embedding) in three engines, each in its own process, taking turns `repeats` times:
+  blockserve       the file dequantized to --dtype at load (the default);
+  blockserve-gguf  `--quantization gguf`: the file's blocks read as they are for decode steps;
+  llama.cpp        llama-cpp-python from .peer-llamacpp (`make peer-llamacpp`), 2 threads.
+The same chat prompt's token ids, greedy. A run's figure: decode tokens/s = (128 − 1) tokens
+over the wall time of a 128-token request less that of a 1-token one (its prefill), both the
+median of 3; every engine is measured the same way. Also: the tokens each blockserve engine
+shares with llama.cpp's before the first difference.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+PROMPT = "Write a long story about a lighthouse keeper and the sea."
+TOKENS = 128
+ENGINES = ("blockserve", "blockserve-gguf", "llama.cpp")
+PYTHONS = {"blockserve": ".venv/bin/python", "llama.cpp": ".peer-llamacpp/bin/python"}
+
+
+def prompt_ids() -> list[int]:
+    from blockserve.model.loader import load_tokenizer, resolve_model_dir
+
+    tokenizer = load_tokenizer(resolve_model_dir(None))
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": PROMPT}], add_generation_prompt=True
+    )
+    return list(ids)
+
+
+def _timed(generate: Any) -> tuple[float, list[int]]:
+    """The median wall time of three calls of `generate`, and the tokens of the last."""
+    times, tokens = [], []
+    for _ in range(3):
+        start = time.perf_counter()
+        tokens = generate()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), tokens
+
+
+def run_engine(engine: str, ids: list[int], gguf: str) -> dict[str, Any]:
+    """In this process: one engine's decode tokens/s and its 128 tokens."""
+    if engine == "llama.cpp":
+        from llama_cpp import Llama
+
+        llama = Llama(model_path=gguf, n_threads=os.cpu_count(),
+                      n_ctx=1024, verbose=False)  # fmt: skip
+
+        def generate(n: int) -> list[int]:
+            llama.reset()
+            out: list[int] = []
+            for token in llama.generate(ids, temp=0.0, top_k=1, reset=True):
+                out.append(token)
+                if len(out) == n:
+                    break
+            return out
+    else:
+        from blockserve import LLM, SamplingParams
+
+        kwargs = {"quantization": "gguf"} if engine == "blockserve-gguf" else {}
+        # No prefix caching: every request computes its prompt, as llama.cpp's do here.
+        llm = LLM(enable_prefix_caching=False, **kwargs)
+        llm.engine.core.runner.kernels.loader.wait()  # built or loaded, the weights packed
+
+        def generate(n: int) -> list[int]:
+            params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+            (out,) = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+            return list(out.outputs[0].token_ids)
+
+    generate(TOKENS)  # warm-up
+    prefill, _ = _timed(lambda: generate(1))
+    whole, tokens = _timed(lambda: generate(TOKENS))
+    return {
+        "decode_tokens_per_s": round((TOKENS - 1) / (whole - prefill), 2),
+        "request_tokens_per_s": round(TOKENS / whole, 2),
+        "prefill_s": round(prefill, 4),
+        "tokens": tokens,
+    }
+
+
+def launch(engine: str, ids: list[int], gguf: str) -> dict[str, Any]:
+    python = Path(PYTHONS["llama.cpp" if engine == "llama.cpp" else "blockserve"])
+    if not python.exists():
+        raise SystemExit(f"{python} is missing: run `make peer-llamacpp` first")
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    done = subprocess.run(
+        [str(python), __file__, engine, json.dumps(ids), gguf],
+        env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        raise SystemExit(f"{engine} failed:\n{done.stderr[-3000:]}")
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def _shared_prefix(a: list[int], b: list[int]) -> int:
+    differ = (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
+    return next(differ, min(len(a), len(b)))
+
+
+def race(repeats: int, engines: tuple[str, ...] = ENGINES) -> dict[str, Any]:
+    """Every engine `repeats` times, taking turns; each one's median run and every run."""
+    from blockserve.model.loader import default_model_path
+
+    ids, gguf = prompt_ids(), str(default_model_path())
+    runs: dict[str, list[dict[str, Any]]] = {engine: [] for engine in engines}
+    for _ in range(repeats):
+        for engine in engines:
+            runs[engine].append(launch(engine, ids, gguf))
+            print(engine, runs[engine][-1]["decode_tokens_per_s"], "tokens/s", flush=True)
+    result: dict[str, Any] = {"prompt_tokens": len(ids), "output_tokens": TOKENS}
+    for engine, done in runs.items():
+        rates = [run["decode_tokens_per_s"] for run in done]
+        result[engine] = {
+            "decode_tokens_per_s": statistics.median(rates),
+            "decode_ms_per_token": round(1000 / statistics.median(rates), 3),
+            "decode_tokens_per_s_runs": rates,
+            "request_tokens_per_s": statistics.median(r["request_tokens_per_s"] for r in done),
+            "tokens": done[-1]["tokens"],
+        }
+    if "llama.cpp" in runs:
+        peer = result["llama.cpp"]
+        for engine in (e for e in engines if e != "llama.cpp"):
+            mine = result[engine]
+            ratio = mine["decode_tokens_per_s"] / peer["decode_tokens_per_s"]
+            mine["vs_llama_cpp"] = round(ratio, 3)
+            mine["tokens_equal_to_llama_cpp"] = _shared_prefix(mine["tokens"], peer["tokens"])
+    return result
+
+
+if __name__ == "__main__":
+    engine, ids, gguf = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+    print("RESULT " + json.dumps(run_engine(engine, ids, gguf)), flush=True)
