@@ -8,7 +8,8 @@ Each engine runs in its own process: blockserve from .venv, vLLM from .peer (`ma
 one process per workload, a warm-up request first; the figure is the wall time of one
 `generate` over the workload. Both run the dtype `--dtype auto` picks for this host
 (platform.py). vLLM is given both cores (VLLM_CPU_OMP_THREADS_BIND=0-<n-1>; its default
-keeps one for itself and roughly halves its speed on 2 cores), its AOT compile cache off (it
+keeps one for itself and roughly halves its speed on 2 cores; `--threads default` races each
+engine at its own default instead, offline), its AOT compile cache off (it
 fails to load on CPU in 0.32.0) and a 4 GiB KV cache. Each offline run records `peak_rss_mb`,
 the most memory its worker and that worker's children held together. The model is the embedded
 SmolLM2-135M-Instruct as the Hugging Face directory blockserve converts it to.
@@ -140,25 +141,31 @@ def worker(args: argparse.Namespace) -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def engine_env(engine: str) -> dict[str, str]:
-    """The environment both halves run in: vLLM's settings (harmless to blockserve)."""
+def engine_env(engine: str, bound: bool = True) -> dict[str, str]:
+    """The environment both halves run in: vLLM's settings (harmless to blockserve). `bound`:
+    both engines' compute threads on every core, one each (VLLM_CPU_OMP_THREADS_BIND, which
+    both read); else each engine's default (vLLM's keeps a core for itself; blockserve's
+    adapts its thread count to the cores other processes leave it)."""
     python = Path(".venv/bin/python") if engine == "blockserve" else Path(".peer/bin/python")
     if not python.exists():
         raise SystemExit(f"{python} is missing: run `make setup` / `make peer-vllm` first")
     cores = os.cpu_count() or 1
-    return {
-        **os.environ,
-        "VLLM_CPU_KVCACHE_SPACE": "4",
-        "VLLM_USE_AOT_COMPILE": "0",
-        "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}",
-    }
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_USE_AOT_COMPILE": "0"}
+    env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+    return env | ({"VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}"} if bound else {})
 
 
 def launch(
-    engine: str, workload: str, model_dir: str, dtype: str, prompts: Path, flags: list[str]
+    engine: str,
+    workload: str,
+    model_dir: str,
+    dtype: str,
+    prompts: Path,
+    flags: list[str],
+    bound: bool = True,
 ) -> dict:
     python = Path(".venv/bin/python") if engine == "blockserve" else Path(".peer/bin/python")
-    env = engine_env(engine)
+    env = engine_env(engine, bound)
     command = [
         str(python),
         __file__,
@@ -241,17 +248,19 @@ def race_offline(
     dry_run: bool,
     flags: list[str],
     repeats: int = 1,
+    bound: bool = True,
 ) -> dict[str, Any]:
     """Each engine `repeats` times, taking turns (A B A B ...), so that a host that speeds up
     or slows down during the race weighs on both; each engine's median run, with every run's
-    wall time, and the ratio of the medians."""
+    wall time, and the ratio of the medians. `bound`: engine_env's."""
     done: dict[str, list[dict[str, Any]]] = {e: [] for e in engines}
     with tempfile.TemporaryDirectory() as scratch:
         prompts = Path(scratch) / f"{workload}.json"
         prompts.write_text(json.dumps(make_prompts(workload, dry_run)))
         for _ in range(repeats):
             for engine in engines:
-                done[engine].append(launch(engine, workload, model_dir, dtype, prompts, flags))
+                run = launch(engine, workload, model_dir, dtype, prompts, flags, bound)
+                done[engine].append(run)
     runs: dict[str, Any] = {}
     for engine, results in done.items():
         ordered = sorted(results, key=lambda r: r["wall_s"])
@@ -355,6 +364,13 @@ def main() -> None:
         help="offline and one-stream: each engine this many times, taking turns; medians "
         "(default 1)",
     )
+    parser.add_argument(
+        "--threads",
+        choices=["bound", "default"],
+        default="bound",
+        help="offline: both engines' threads one per core (bound, the default), or each "
+        "engine's own default",
+    )
     args = parser.parse_args()
     if args.worker:
         worker(args)
@@ -376,6 +392,7 @@ def main() -> None:
     engines = ("blockserve",) if args.dry_run else ("blockserve", "vllm")
     flags = ["--compile"] if args.compile else []
     results: dict[str, Any] = {
+        "threads": args.threads,
         "dtype": dtype,
         "model_dir": model_dir,
         "blockserve_flags": flags,
@@ -391,8 +408,9 @@ def main() -> None:
 
             runs = race(args.repeats)
         else:
+            bound = args.threads == "bound"
             runs = race_offline(
-                workload, model_dir, dtype, engines, args.dry_run, flags, args.repeats
+                workload, model_dir, dtype, engines, args.dry_run, flags, args.repeats, bound
             )
         results["workloads"][workload] = runs
         print(workload, json.dumps(runs), flush=True)

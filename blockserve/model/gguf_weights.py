@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from blockserve.errors import InvalidConfigError
 from blockserve.model.arch import LlamaArchConfig
 from blockserve.model.gguf_llama import TensorInfo, read_header, unpermute
 from blockserve.model.packed import PackedLinear
@@ -34,15 +35,22 @@ def quantized_linears(path: Path, arch: LlamaArchConfig) -> dict[str, tuple[int,
     """For each linear layer of the model (by module name) whose GGUF tensors share one type
     our kernel reads: that type and the blocks, uint8 [out_features, bytes per row], q and k
     rows put back in Hugging Face's order as the dequantized weights are. Other layers are
-    left out (they run on the dequantized weights)."""
-    wanted = {
-        f"model.layers.{i}.{name}": tuple(f"blk.{i}.{part}.weight" for part in parts)
-        for i in range(arch.num_layers)
-        for name, parts in _LAYER_PARTS.items()
-    }
+    left out (they run on the dequantized weights). InvalidConfigError for a file of another
+    architecture than Llama."""
     with path.open("rb") as file:
         meta, infos, start, buffer = read_header(file)
         try:
+            if meta.get("general.architecture") != "llama":
+                # Other architectures' q/k rows are ordered otherwise in the file.
+                raise InvalidConfigError(
+                    f"--quantization gguf serves Llama GGUF files; {path.name} is "
+                    f"{meta.get('general.architecture')!r}"
+                )
+            wanted = {
+                f"model.layers.{i}.{name}": tuple(f"blk.{i}.{part}.weight" for part in parts)
+                for i in range(arch.num_layers)
+                for name, parts in _LAYER_PARTS.items()
+            }
             by_name = {info.name: info for info in infos}
             # Tied embeddings: the LM head is the token embedding's matrix.
             head = "output.weight" if "output.weight" in by_name else "token_embd.weight"

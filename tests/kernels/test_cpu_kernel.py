@@ -141,7 +141,12 @@ AVX512_HOST = {**AVX2_HOST, "avx512_f": True, "avx512_bw": True, "avx512_vl": Tr
     [
         (AVX2_HOST, ["avx2"], []),
         (AVX512_HOST, ["avx512", "avx2"], []),
-        ({**AVX512_HOST, "avx512_bf16": True}, ["avx512", "avx2"], ["avx512-bf16"]),
+        (
+            {**AVX512_HOST, "avx512_bf16": True, "avx512_vnni": True, "f16c": True},
+            ["avx512", "avx2"],
+            ["avx512-bf16"],
+        ),
+        ({**AVX512_HOST, "avx512_bf16": True}, ["avx512", "avx2"], []),  # no VNNI, F16C
         ({"avx": True, "avx512_f": True}, [], []),  # no AVX2 and FMA: neither build
         ({}, [], []),  # not an x86 CPU
     ],

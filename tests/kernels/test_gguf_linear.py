@@ -5,6 +5,7 @@ default model serves every layer from the file's blocks, with dense's greedy tok
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -168,6 +169,16 @@ def test_quantization_gguf_needs_a_gguf_model() -> None:
         _serve_gguf_blocks(None, "/x/model", None, torch.bfloat16, "cpu")  # type: ignore[arg-type]
     with pytest.raises(InvalidConfigError, match="runs on a CPU with AVX512-BF16, in bfloat16"):
         _serve_gguf_blocks(None, None, None, torch.float32, "cpu")  # type: ignore[arg-type]
+
+
+def test_quantization_gguf_serves_llama_files_alone(tmp_path: Path) -> None:
+    """Another architecture orders its q/k rows otherwise: refused, not served wrong."""
+    from blockserve.model.gguf_weights import quantized_linears
+    from tests.model.test_gguf_llama import write_gguf
+
+    write_gguf(tmp_path / "qwen.gguf", "qwen2", "blk.0.attn_q.weight")
+    with pytest.raises(InvalidConfigError, match=r"serves Llama GGUF files; qwen\.gguf is 'qwen2'"):
+        quantized_linears(tmp_path / "qwen.gguf", None)  # type: ignore[arg-type]
 
 
 @needs_bf16
