@@ -375,8 +375,8 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    if args.dry_run and not args.model_dir:
-        parser.error("--dry-run needs --model-dir")
+    if args.dry_run and not args.model_dir and set(args.workload) != {"one-stream"}:
+        parser.error("--dry-run needs --model-dir (one-stream runs the default model)")
     import torch
     from model_shapes import SHAPES
     from model_shapes import model_dir as shaped_model_dir
@@ -406,7 +406,7 @@ def main() -> None:
         elif workload == "one-stream":
             from vs_llama_cpp import race
 
-            runs = race(args.repeats)
+            runs = race(args.repeats, args.dry_run)
         else:
             bound = args.threads == "bound"
             runs = race_offline(

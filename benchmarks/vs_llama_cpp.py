@@ -4,11 +4,12 @@ The GGUF file the default model ships as (SmolLM2-135M-Instruct, Q4_1 layers, a 
 embedding) in three engines, each in its own process, taking turns `repeats` times:
   blockserve       the file dequantized to --dtype at load (the default);
   blockserve-gguf  `--quantization gguf`: the file's blocks read as they are for decode steps;
-  llama.cpp        llama-cpp-python from .peer-llamacpp (`make peer-llamacpp`), 2 threads.
+  llama.cpp        llama-cpp-python from .peer-llamacpp (`make peer-llamacpp`), a thread a CPU.
 The same chat prompt's token ids, greedy. A run's figure: decode tokens/s = (128 − 1) tokens
 over the wall time of a 128-token request less that of a 1-token one (its prefill), both the
 median of 3; every engine is measured the same way. Also: the tokens each blockserve engine
-shares with llama.cpp's before the first difference.
+shares with llama.cpp's before the first difference. `--dry-run`: blockserve's engines alone
+(the gguf one where the host runs its kernel), 8 tokens.
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ def _timed(generate: Any) -> tuple[float, list[int]]:
     return statistics.median(times), tokens
 
 
-def run_engine(engine: str, ids: list[int], gguf: str) -> dict[str, Any]:
-    """In this process: one engine's decode tokens/s and its 128 tokens."""
+def run_engine(engine: str, ids: list[int], gguf: str, tokens: int = TOKENS) -> dict[str, Any]:
+    """In this process: one engine's decode tokens/s and its `tokens` tokens."""
     if engine == "llama.cpp":
         from llama_cpp import Llama
 
@@ -77,24 +78,24 @@ def run_engine(engine: str, ids: list[int], gguf: str) -> dict[str, Any]:
             (out,) = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
             return list(out.outputs[0].token_ids)
 
-    generate(TOKENS)  # warm-up
+    generate(tokens)  # warm-up
     prefill, _ = _timed(lambda: generate(1))
-    whole, tokens = _timed(lambda: generate(TOKENS))
+    whole, out = _timed(lambda: generate(tokens))
     return {
-        "decode_tokens_per_s": round((TOKENS - 1) / (whole - prefill), 2),
-        "request_tokens_per_s": round(TOKENS / whole, 2),
+        "decode_tokens_per_s": round((tokens - 1) / (whole - prefill), 2),
+        "request_tokens_per_s": round(tokens / whole, 2),
         "prefill_s": round(prefill, 4),
-        "tokens": tokens,
+        "tokens": out,
     }
 
 
-def launch(engine: str, ids: list[int], gguf: str) -> dict[str, Any]:
+def launch(engine: str, ids: list[int], gguf: str, tokens: int) -> dict[str, Any]:
     python = Path(PYTHONS["llama.cpp" if engine == "llama.cpp" else "blockserve"])
     if not python.exists():
         raise SystemExit(f"{python} is missing: run `make peer-llamacpp` first")
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     done = subprocess.run(
-        [str(python), __file__, engine, json.dumps(ids), gguf],
+        [str(python), __file__, engine, json.dumps(ids), gguf, str(tokens)],
         env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
@@ -108,17 +109,26 @@ def _shared_prefix(a: list[int], b: list[int]) -> int:
     return next(differ, min(len(a), len(b)))
 
 
-def race(repeats: int, engines: tuple[str, ...] = ENGINES) -> dict[str, Any]:
-    """Every engine `repeats` times, taking turns; each one's median run and every run."""
+def race(repeats: int, dry_run: bool = False) -> dict[str, Any]:
+    """Every engine `repeats` times, taking turns; each one's median run and every run.
+    `dry_run`: blockserve's engines alone (the gguf one where this host runs its kernel), 8
+    tokens."""
+    import torch
+
+    from blockserve.kernels.build import can_build
     from blockserve.model.loader import default_model_path
+
+    engines, tokens = ENGINES, TOKENS
+    if dry_run:
+        engines, tokens = ENGINES[:2] if can_build(torch.bfloat16) else ENGINES[:1], 8
 
     ids, gguf = prompt_ids(), str(default_model_path())
     runs: dict[str, list[dict[str, Any]]] = {engine: [] for engine in engines}
     for _ in range(repeats):
         for engine in engines:
-            runs[engine].append(launch(engine, ids, gguf))
+            runs[engine].append(launch(engine, ids, gguf, tokens))
             print(engine, runs[engine][-1]["decode_tokens_per_s"], "tokens/s", flush=True)
-    result: dict[str, Any] = {"prompt_tokens": len(ids), "output_tokens": TOKENS}
+    result: dict[str, Any] = {"prompt_tokens": len(ids), "output_tokens": tokens}
     for engine, done in runs.items():
         rates = [run["decode_tokens_per_s"] for run in done]
         result[engine] = {
@@ -139,5 +149,5 @@ def race(repeats: int, engines: tuple[str, ...] = ENGINES) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    engine, ids, gguf = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
-    print("RESULT " + json.dumps(run_engine(engine, ids, gguf)), flush=True)
+    engine, ids, gguf, tokens = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], sys.argv[4]
+    print("RESULT " + json.dumps(run_engine(engine, ids, gguf, int(tokens))), flush=True)

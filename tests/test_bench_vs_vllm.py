@@ -61,3 +61,26 @@ def test_dry_run_serves_the_image_chat_load(tmp_path: Path) -> None:
     (run,) = chats["blockserve"]["rates"].values()
     assert run["requests"] == 2 * 2
     assert run["cached_tokens_reported"] >= 2 * 80  # the picture's blocks, and the text's before
+
+
+@pytest.mark.slow
+def test_dry_run_races_one_stream_on_the_default_model(tmp_path: Path) -> None:
+    """blockserve's one-stream engines (dense, and --quantization gguf where the host runs its
+    kernel), 8 greedy tokens each from the same prompt ids, no llama.cpp half."""
+    import torch
+
+    from blockserve.kernels.build import can_build
+
+    out = tmp_path / "vs_vllm.json"
+    command = [sys.executable, "benchmarks/bench_vs_vllm.py", "--dry-run"]
+    command += ["--workload", "one-stream", "--out", str(out)]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    race = json.loads(out.read_text())["workloads"]["one-stream"]
+    engines = {"blockserve", "blockserve-gguf"} if can_build(torch.bfloat16) else {"blockserve"}
+    assert set(race) == {"prompt_tokens", "output_tokens"} | engines
+    assert race["output_tokens"] == 8
+    for engine in engines:
+        assert len(race[engine]["tokens"]) == 8
+        assert race[engine]["decode_tokens_per_s"] > 0
+        assert "vs_llama_cpp" not in race[engine]
