@@ -13,8 +13,9 @@
 // gguf_pack reorders the file's blocks once, keeping every bit of them: per 16 columns and
 // block of 32, one record of the 16 scales (f16), the 16 offsets (f16; Q4) or the 16 sums of
 // the weights (int32; Q8_0, which needs them to take x as unsigned bytes), then the weights,
-// four k of one column in each 32-bit lane, so one load serves sixteen columns. The records of
-// 16 columns are one sequential run; threads take runs of 16-column groups.
+// four k of one column in each 32-bit lane, so one load serves sixteen columns, its nibbles
+// unpacked once for up to eight rows of x. The records of 16 columns are one sequential run;
+// threads take runs of 16-column groups.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -34,7 +35,7 @@ using namespace blockserve_cpu;
 
 constexpr int64_t kBlock = 32;  // weights per block, in every type here
 constexpr int64_t kGroup = 16;  // columns per record
-constexpr int64_t kRowGroup = 4;  // rows of x per pass over a record
+constexpr int64_t kRowGroup = 8;  // rows of x per pass over a record
 constexpr int64_t kPrefetchBytes = 4096;  // how far ahead of its products a stream is fetched
 
 // GGML's type numbers.
@@ -225,7 +226,11 @@ void groups(const uint8_t* w, int64_t blocks, int64_t g_begin, int64_t g_end, co
         case 1: group<QType, 1>(wg, blocks, q, d, s, k, acc); break;
         case 2: group<QType, 2>(wg, blocks, q, d, s, k, acc); break;
         case 3: group<QType, 3>(wg, blocks, q, d, s, k, acc); break;
-        default: group<QType, 4>(wg, blocks, q, d, s, k, acc); break;
+        case 4: group<QType, 4>(wg, blocks, q, d, s, k, acc); break;
+        case 5: group<QType, 5>(wg, blocks, q, d, s, k, acc); break;
+        case 6: group<QType, 6>(wg, blocks, q, d, s, k, acc); break;
+        case 7: group<QType, 7>(wg, blocks, q, d, s, k, acc); break;
+        default: group<QType, 8>(wg, blocks, q, d, s, k, acc); break;
       }
       for (int64_t r = 0; r < count; ++r)
         store_bf16(y + (r0 + r) * n + g * kGroup, _mm512_add_ps(acc[r], add));

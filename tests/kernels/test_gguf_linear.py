@@ -76,12 +76,12 @@ def ops(kernels: CpuKernels) -> Any:
 
 @needs_bf16
 @pytest.mark.parametrize("name", TYPES)
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])
+@pytest.mark.parametrize("rows", [1, 3, 5, 8, 9, 13])
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_product_is_the_exact_one_rounded_once(
     ops: Any, name: str, rows: int, bias: bool
 ) -> None:
-    """Rows in passes of 4 (and a remainder), 18 blocks along k, 6 groups of 16 columns."""
+    """Rows in passes of 8 (and a remainder), 18 blocks along k, 6 groups of 16 columns."""
     qtype = TYPES[name]
     raw, weight = blocks(qtype, 96, 576, seed=qtype)
     x = exact_rows(rows, 576, seed=rows)
