@@ -6,9 +6,9 @@ rates this host reaches, with nothing else in a step:
   - R_flops: the best bf16 product rate measured here on the model's four layer products at
     a prefill chunk's 2,048 rows, each shape by whichever of oneDNN's prepacked weight
     (the engine's prefill path), `F.linear` over the plain weight, or our AMX tile kernel is
-    fastest on it (the best of 5 calls);
+    fastest on it (the best of 10 calls);
   - R_bytes: the best read rate measured here: a float32 sum over 1 GiB, or our AMX tile
-    kernel's decode products (16 rows) over every layer's weights (the best of 5 each);
+    kernel's decode products (16 rows) over every layer's weights (the best of 10 each);
   - FLOPs: 2 per weight per token in the linear layers (the LM head's only for the rows
     sampled), and causal attention's 4 · heads · head_dim per (query, key) pair;
   - bytes: every weight once per step, and each decode row's K and V.
@@ -29,12 +29,12 @@ import functools
 import json
 import statistics
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from bench_gemm_peers import best_seconds
 from bench_vs_vllm import OUTPUT_TOKENS, WORKLOADS, make_prompts, run_blockserve
 from report import emit
 
@@ -43,16 +43,6 @@ from blockserve.kernels.loader import KernelLoader
 from blockserve.model.loader import read_arch, resolve_model_dir
 
 CHUNK = 2048  # tokens a step (max_num_batched_tokens)
-
-
-def best_seconds(call: Callable[[], Any], repeats: int = 5) -> float:
-    call()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - started)
-    return min(times)
 
 
 def product_rates(shapes: list[tuple[int, int]], rows: int) -> dict[str, Any]:
