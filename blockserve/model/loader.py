@@ -302,8 +302,9 @@ def load_model(
     arch = read_arch(model_dir)
     torch_dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype)
     llama = _load_weights(model_dir, arch, backend, torch_dtype, device, kernels)
-    if quantization == "gguf":
-        _serve_gguf_blocks(llama, model, arch, torch_dtype, device)
+    if quantization == "gguf":  # the linear layers take the file's blocks too
+        path = check_gguf_quantization(model, torch_dtype, device)
+        attach(llama, quantized_linears(path, arch))
     tokenizer = load_tokenizer(sources.directory() or model_dir, cache_dir)
     if sources.chat_template is not None:
         tokenizer.chat_template = chat_template_text(sources.chat_template)
@@ -329,15 +330,9 @@ def gguf_file(model: str | None) -> Path | None:
     return path if path.is_file() and path.suffix == ".gguf" else None
 
 
-def _serve_gguf_blocks(
-    llama: LlamaForCausalLM,
-    model: str | None,
-    arch: LlamaArchConfig,
-    dtype: torch.dtype,
-    device: str,
-) -> None:
-    """`--quantization gguf`: the model's linear layers take the file's blocks, for our
-    kernel's few-row products (AVX512-BF16 and VNNI, bf16 activations)."""
+def check_gguf_quantization(model: str | None, dtype: torch.dtype, device: str) -> Path:
+    """The GGUF file `--quantization gguf` serves `model` from; InvalidConfigError for a model
+    that is not one, or a device or dtype our kernel does not run in."""
     path = gguf_file(model)
     if path is None:
         raise InvalidConfigError(f"--quantization gguf serves a .gguf model, not {model}")
@@ -346,7 +341,7 @@ def _serve_gguf_blocks(
             "--quantization gguf runs on a CPU with AVX512-BF16, in bfloat16; this is "
             f"{device} in {dtype}"
         )
-    attach(llama, quantized_linears(path, arch))
+    return path
 
 
 def _load_vision(model_dir: Path, dtype: torch.dtype, device: str) -> VisionModel | None:

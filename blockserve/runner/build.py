@@ -28,6 +28,7 @@ from blockserve.model.compile import compile_forward
 from blockserve.model.loader import (
     LoadedModel,
     TokenizerSources,
+    check_gguf_quantization,
     load_model,
     read_arch,
     resolve_dtype,
@@ -87,6 +88,8 @@ def runner_parts(
         model_config.model, revision=model_config.revision, download_dir=model_config.download_dir
     )
     arch = read_arch(model_dir)
+    if model_config.quantization == "gguf":  # before anything is allocated
+        check_gguf_quantization(model_config.model, dtype, name)
     block_size = cache_config.block_size
     num_blocks = _fixed_num_blocks(cache_config, arch, block_size, dtype, device)
     largest = largest_step or LargestStep()
@@ -99,18 +102,23 @@ def runner_parts(
     if num_blocks is not None and device.type == "cpu" and kv_blocks_per_step > 0:
         kv_pages = KVPagePopulator(kv_caches, ahead=2 * kv_blocks_per_step)  # while loading
     ours = fits_model(device, dtype, arch.head_dim)  # our CPU kernels run this model
-    loaded = load_model(
-        model_config.model,
-        backend,
-        dtype,
-        name,
-        model_dir=model_dir,
-        kernels=_layer_ops(device, kernels if ours else None),
-        sources=TokenizerSources(
-            model_config.tokenizer, model_config.download_dir, model_config.chat_template
-        ),
-        quantization=model_config.quantization,
-    )
+    try:
+        loaded = load_model(
+            model_config.model,
+            backend,
+            dtype,
+            name,
+            model_dir=model_dir,
+            kernels=_layer_ops(device, kernels if ours else None),
+            sources=TokenizerSources(
+                model_config.tokenizer, model_config.download_dir, model_config.chat_template
+            ),
+            quantization=model_config.quantization,
+        )
+    except BaseException:
+        if kv_pages is not None:  # its thread must not be mapping pages as the process exits
+            kv_pages.close()
+        raise
     if kv_pages is not None:
         keep_freed_memory()  # for the steps' temporaries; the loading's are gone
         kv_pages.map_now(kv_blocks_per_step)  # the first step writes mapped memory

@@ -162,13 +162,20 @@ def test_packed_linear_takes_the_blocks_for_few_rows(kernels: CpuKernels, ops: A
     assert torch.equal(layer(many), exact(many.double(), weight, None).to(torch.bfloat16))
 
 
-def test_quantization_gguf_needs_a_gguf_model() -> None:
-    from blockserve.model.loader import _serve_gguf_blocks
+def test_quantization_gguf_needs_a_gguf_model(tiny_llama_dir: Path) -> None:
+    """Refused before the engine allocates anything: another model, or a dtype the kernel does
+    not run in."""
+    from blockserve.config import CacheConfig, ModelConfig
+    from blockserve.model.loader import check_gguf_quantization
+    from blockserve.runner.build import build_runner
 
     with pytest.raises(InvalidConfigError, match=r"serves a \.gguf model, not /x/model"):
-        _serve_gguf_blocks(None, "/x/model", None, torch.bfloat16, "cpu")  # type: ignore[arg-type]
+        check_gguf_quantization("/x/model", torch.bfloat16, "cpu")
     with pytest.raises(InvalidConfigError, match="runs on a CPU with AVX512-BF16, in bfloat16"):
-        _serve_gguf_blocks(None, None, None, torch.float32, "cpu")  # type: ignore[arg-type]
+        check_gguf_quantization(None, torch.float32, "cpu")
+    config = ModelConfig(model=str(tiny_llama_dir), quantization="gguf", device="cpu")
+    with pytest.raises(InvalidConfigError, match=f"not {tiny_llama_dir}"):
+        build_runner(config, CacheConfig(num_gpu_blocks_override=8))
 
 
 def test_quantization_gguf_serves_llama_files_alone(tmp_path: Path) -> None:
