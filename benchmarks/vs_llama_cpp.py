@@ -58,7 +58,7 @@ def run_engine(engine: str, ids: list[int], gguf: str, tokens: int = TOKENS) -> 
                       n_ctx=1024, verbose=False)  # fmt: skip
 
         def generate(n: int) -> list[int]:
-            llama.reset()
+            llama.reset()  # else generate() reuses the last call's prompt from its cache
             out: list[int] = []
             for token in llama.generate(ids, temp=0.0, top_k=1, reset=True):
                 out.append(token)

@@ -95,7 +95,7 @@ def test_the_product_is_the_exact_one_rounded_once(
 @pytest.mark.parametrize("name", TYPES)
 def test_x_is_rounded_to_8_bits_per_block_of_32(ops: Any, name: str) -> None:
     """Any x: its rounded values times the weight, within a bf16 step (the float32 sums'
-    order), and nearer to that than to x's own product."""
+    order); a zero block of x gives zeros."""
     qtype = TYPES[name]
     raw, weight = blocks(qtype, 64, 256, seed=5)
     x = torch.randn(6, 256, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
