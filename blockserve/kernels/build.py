@@ -81,7 +81,7 @@ LIBRARIES = {
             name="bf16",
             dtype=torch.bfloat16,
             sources=("attention_bf16.cpp", "layer_ops_bf16.cpp", "linear_bf16.cpp",
-                     "linear_gguf.cpp", "bf16.h", "exp2.h", "amx.h", "attention.h",
+                     "linear_gguf.cpp", "bf16.h", "exp2.h", "amx.h", "attention.h", "tasks.h",
                      "layer_ops.h", "lora.h"),
             targets=(BF16_TARGET,),
         ),
@@ -89,7 +89,7 @@ LIBRARIES = {
             name="f32",
             dtype=torch.float32,
             sources=("attention_f32.cpp", "layer_ops_f32.cpp", "linear_f32.cpp", "f32.h",
-                     "exp2.h", "attention.h", "layer_ops.h", "lora.h"),
+                     "exp2.h", "attention.h", "tasks.h", "layer_ops.h", "lora.h"),
             targets=F32_TARGETS,
         ),
     )

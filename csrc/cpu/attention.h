@@ -15,6 +15,8 @@
 //                                       G query rows through 1 to 16 keys read in place
 //   Scope (optional)                    held by each thread around its dense and prefix tasks
 //
+// Tasks are split across threads by tasks.h (a thread whose run is done takes others' tasks).
+//
 // Three operators: `dense_attention`, many query rows against one set of keys, each row
 // seeing a prefix of them (all, or its own count: a causal or padded row);
 // `prefix_attention`, the same with every row seeing all keys of whole blocks read from the
@@ -37,6 +39,8 @@
 #include <limits>
 #include <optional>
 #include <tuple>
+
+#include "tasks.h"
 
 namespace blockserve_cpu {
 namespace {
@@ -157,13 +161,14 @@ void attend_task(const Shapes& n, int64_t b, int64_t h, int64_t row_start, const
 // What a thread holds around its tasks: the policy's K::Scope where it has one (AMX's tile
 // configuration), else nothing.
 template <class K>
-auto task_scope() {
-  if constexpr (requires { typename K::Scope; }) {
-    return std::optional<typename K::Scope>(std::in_place);
-  } else {
-    return 0;
-  }
-}
+struct ScopeOf {
+  using type = NoScope;
+};
+template <class K>
+  requires requires { typename K::Scope; }
+struct ScopeOf<K> {
+  using type = typename K::Scope;
+};
 
 // Each head's K and V packed by `pack(head, values, out)`: [2 (K, V), heads, padded * 64].
 template <class K, typename Pack>
@@ -172,9 +177,8 @@ at::Tensor pack_heads(const at::TensorOptions& options, const Shapes& n, const P
   const int64_t heads = n.batch * n.heads, size = n.padded * kDim;
   at::Tensor packed = at::empty({2, heads, size}, options);
   auto* pp = reinterpret_cast<Elem*>(packed.data_ptr());
-  at::parallel_for(0, 2 * heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t)  // K of head t / 2, or its V
-      pack(t / 2, t % 2 == 1, pp + ((t % 2) * heads + t / 2) * size);
+  parallel_tasks(2 * heads, [&](int64_t t) {  // K of head t / 2, or its V
+    pack(t / 2, t % 2 == 1, pp + ((t % 2) * heads + t / 2) * size);
   });
   return packed;
 }
@@ -197,13 +201,12 @@ std::tuple<at::Tensor, at::Tensor> attend_packed(const at::TensorOptions& option
   float* lsep = lse.data_ptr<float>();
   const int64_t per_head = (n.rows + K::kTaskRows - 1) / K::kTaskRows;
   const auto fscale = static_cast<float>(scale);
-  at::parallel_for(0, heads * per_head, 1, [&](int64_t begin, int64_t end) {
-    [[maybe_unused]] const auto scope = task_scope<K>();
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t head = t / per_head;
-      attend_task<K>(n, head / n.heads, head % n.heads, (t % per_head) * K::kTaskRows, q_row,
-                     kpp, vpp, lp, prior, fscale, outp, lsep);
-    }
+  // The last row blocks first: a causal or padded row block costs more the later it lies,
+  // and the costliest tasks taken first leave the least for one thread to finish alone.
+  parallel_tasks<typename ScopeOf<K>::type>(heads * per_head, [&](int64_t t) {
+    const int64_t head = t % heads, block = per_head - 1 - t / heads;
+    attend_task<K>(n, head / n.heads, head % n.heads, block * K::kTaskRows, q_row, kpp, vpp, lp,
+                   prior, fscale, outp, lsep);
   });
   return {out, lse};
 }
@@ -444,13 +447,11 @@ void decode_all(const PagedShapes& n, int64_t seqs, const typename K::Elem* q,
                 const typename K::Elem* kc, const typename K::Elem* vc, const int64_t* table,
                 const int64_t* lengths, const Prior& prior, float scale, float* out,
                 float* lse) {
-  at::parallel_for(0, seqs * n.kv_heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t s = t / n.kv_heads, h = t % n.kv_heads;
-      const int64_t row = (s * n.kv_heads + h) * G;  // the first of its query heads
-      decode_task<K, G>(n, q + row * kDim, kc, vc, table + s * n.table_stride, lengths[s], s, h,
-                        prior, scale, out + row * kDim, lse + row);
-    }
+  parallel_tasks(seqs * n.kv_heads, [&](int64_t t) {
+    const int64_t s = t / n.kv_heads, h = t % n.kv_heads;
+    const int64_t row = (s * n.kv_heads + h) * G;  // the first of its query heads
+    decode_task<K, G>(n, q + row * kDim, kc, vc, table + s * n.table_stride, lengths[s], s, h,
+                      prior, scale, out + row * kDim, lse + row);
   });
 }
 

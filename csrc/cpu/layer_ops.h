@@ -36,19 +36,23 @@
 #include <cstdint>
 #include <cstring>
 
+#include "tasks.h"
+
 namespace blockserve_cpu {
 namespace {
 
 constexpr int64_t kRowGrain = 1 << 15;  // elements a thread should have before work is split
 constexpr int64_t kRotaryDim = 64, kRotaryHalf = kRotaryDim / 2;
 
-// Rows of `width` elements, split across threads in runs of at least kRowGrain elements.
+// Rows of `width` elements, split across threads in runs of at least kRowGrain elements
+// (tasks.h: a thread takes the next run when it finishes one).
 template <typename F>
 void for_rows(int64_t rows, int64_t width, const F& body) {
-  at::parallel_for(0, rows, std::max<int64_t>(1, kRowGrain / width),
-                   [&](int64_t begin, int64_t end) {
-                     for (int64_t row = begin; row < end; ++row) body(row);
-                   });
+  const int64_t per_run = std::max<int64_t>(1, kRowGrain / width);
+  parallel_tasks((rows + per_run - 1) / per_run, [&](int64_t run) {
+    const int64_t end = std::min(rows, (run + 1) * per_run);
+    for (int64_t row = run * per_run; row < end; ++row) body(row);
+  });
 }
 
 // The checks, for tensors of `type` (named `type_name` in errors).

@@ -7,7 +7,7 @@
 // Here the weight is repacked once into tile order, [N/16][K/32][16 pairs of k][16
 // columns][2], so that each B tile (16 columns × 32 k) is one contiguous kilobyte and a
 // thread's share of the weight one sequential stream, fetched into L2 a few tiles ahead.
-// Each thread takes a run of 32-column blocks: per 32 of k, two A tiles (32 rows of x, read
+// Each thread takes a run of 32-column blocks (tasks.h): per 32 of k, two A tiles (32 rows of x, read
 // where x lies) and two B tiles make four tile products into four 16×16 float32 results, so
 // each loaded tile serves two products. Rows past 32 take further passes over the same
 // columns, whose tiles are then in cache. The next step's tiles are loaded while this one's
@@ -21,6 +21,7 @@
 #include <cstdint>
 
 #include "amx.h"
+#include "tasks.h"
 
 namespace {
 
@@ -131,25 +132,22 @@ at::Tensor tile_linear(const at::Tensor& x, const at::Tensor& packed,
   const float* bs = bias ? bias_f32.data_ptr<float>() : nullptr;
   auto* ys = reinterpret_cast<uint16_t*>(out.data_ptr());
   const int64_t block_elems = k / kTileK * kTileElems;  // one 16-column block of W
-  at::parallel_for(0, n / kColumnBlock, 1, [&](int64_t begin, int64_t end) {
-    TileScope scope;
+  parallel_tasks<TileScope>(n / kColumnBlock, [&](int64_t task) {
     alignas(64) float acc[4][16][16];
-    for (int64_t task = begin; task < end; ++task) {
-      const uint16_t* b0 = ws + 2 * task * block_elems;
-      for (int64_t row0 = 0; row0 < padded; row0 += 32) {
-        const bool first = row0 == 0;  // later passes find the tiles in cache
-        if (padded == 16)
-          tile_block<1>(xs, k, b0, b0 + block_elems, first, acc);
-        else
-          tile_block<2>(xs + row0 * k, k, b0, b0 + block_elems, first, acc);
-        for (int64_t r = 0; r < 32 && row0 + r < rows; ++r) {
-          uint16_t* y = ys + (row0 + r) * n + task * kColumnBlock;
-          for (int64_t half = 0; half < 2; ++half) {
-            __m512 v = _mm512_load_ps(acc[(r / 16) * 2 + half][r % 16]);
-            if (bs) v = _mm512_add_ps(v, _mm512_loadu_ps(bs + task * kColumnBlock + half * 16));
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + half * 16),
-                                reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
-          }
+    const uint16_t* b0 = ws + 2 * task * block_elems;
+    for (int64_t row0 = 0; row0 < padded; row0 += 32) {
+      const bool first = row0 == 0;  // later passes find the tiles in cache
+      if (padded == 16)
+        tile_block<1>(xs, k, b0, b0 + block_elems, first, acc);
+      else
+        tile_block<2>(xs + row0 * k, k, b0, b0 + block_elems, first, acc);
+      for (int64_t r = 0; r < 32 && row0 + r < rows; ++r) {
+        uint16_t* y = ys + (row0 + r) * n + task * kColumnBlock;
+        for (int64_t half = 0; half < 2; ++half) {
+          __m512 v = _mm512_load_ps(acc[(r / 16) * 2 + half][r % 16]);
+          if (bs) v = _mm512_add_ps(v, _mm512_loadu_ps(bs + task * kColumnBlock + half * 16));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + half * 16),
+                              reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
         }
       }
     }

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "bf16.h"
+#include "tasks.h"
 
 namespace {
 
@@ -261,11 +262,11 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& packed, int64_t qt
   const float* bp = bias ? bias_f32.data_ptr<float>() : nullptr;
   const auto* wp = packed.data_ptr<uint8_t>();
   auto* yp = reinterpret_cast<uint16_t*>(out.data_ptr());
-  at::parallel_for(0, n / kGroup, 1, [&](int64_t begin, int64_t end) {
+  parallel_tasks(n / kGroup, [&](int64_t g) {
     switch (qtype) {
-      case kQ4_0: groups<kQ4_0>(wp, blocks, begin, end, xq, rows, k, bp, n, yp); break;
-      case kQ4_1: groups<kQ4_1>(wp, blocks, begin, end, xq, rows, k, bp, n, yp); break;
-      default: groups<kQ8_0>(wp, blocks, begin, end, xq, rows, k, bp, n, yp); break;
+      case kQ4_0: groups<kQ4_0>(wp, blocks, g, g + 1, xq, rows, k, bp, n, yp); break;
+      case kQ4_1: groups<kQ4_1>(wp, blocks, g, g + 1, xq, rows, k, bp, n, yp); break;
+      default: groups<kQ8_0>(wp, blocks, g, g + 1, xq, rows, k, bp, n, yp); break;
     }
   });
   return out;
