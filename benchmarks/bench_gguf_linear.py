@@ -4,8 +4,11 @@ each layer its own weight so that the step reads them from memory as the engine 
 GGUF kernel over the blocks (`gguf_linear`, --quantization gguf) against our AMX tile kernel
 over bf16 (`tile_linear`, the dense path), at 1 to 16 rows. Seeded random weights quantized
 by the gguf package; the median of 3 rounds of 10 steps, the two kernels taking turns.
+`--kernels tile` times the tile kernel alone, at any row count up to 128 (a mixed step's
+prefill and decode rows).
 
-    .venv/bin/python benchmarks/bench_gguf_linear.py [--rows 1 2 4 8 16] [--out FILE]
+    .venv/bin/python benchmarks/bench_gguf_linear.py [--rows 1 2 4 8 16] [--kernels gguf tile]
+        [--out FILE]
 """
 
 from __future__ import annotations
@@ -42,12 +45,13 @@ def weights(ops: Any) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
     return made
 
 
-def step_ms(ops: Any, made: list, rows: int) -> dict[str, float]:
+def step_ms(ops: Any, made: list, rows: int, kernels: list[str]) -> dict[str, float]:
     xs = {k: torch.randn(rows, k).bfloat16() for k in {k for k, *_ in made}}
     runs = {
         "gguf": lambda: [ops.gguf_linear(xs[k], b, q, None) for k, q, b, _ in made],
         "tile": lambda: [ops.tile_linear(xs[k], t, None) for k, _, _, t in made],
     }
+    runs = {name: run for name, run in runs.items() if name in kernels}
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(3):
         for name, run in runs.items():
@@ -62,6 +66,7 @@ def step_ms(ops: Any, made: list, rows: int) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8, 16])
+    parser.add_argument("--kernels", nargs="+", choices=["gguf", "tile"], default=["gguf", "tile"])
     parser.add_argument(
         "--out", type=Path, default=Path("benchmarks/results/gguf_linear/gguf_linear.json")
     )
@@ -71,12 +76,13 @@ def main() -> None:
         raise SystemExit("needs our bf16 kernels on a CPU with AMX-BF16")
     made = weights(ops)
     results: dict[str, Any] = {
+        "kernels": args.kernels,
         "gguf_bytes": sum(b.numel() for _, _, b, _ in made),
         "bf16_bytes": sum(t.numel() * 2 for *_, t in made),
         "rows": {},
     }
     for rows in args.rows:
-        results["rows"][str(rows)] = step_ms(ops, made, rows)
+        results["rows"][str(rows)] = step_ms(ops, made, rows, args.kernels)
         print(rows, results["rows"][str(rows)], flush=True)
     emit(results, args.out)
 

@@ -69,8 +69,9 @@ def attend_prefills(
         start, end = prefill.token_start, prefill.token_end
         if kernel is not None:
             slots = prefill.context_slots
-            k3 = key[start:end] if slots is None else key_cache[slots]  # [context, kv, dim]
-            v3 = value[start:end] if slots is None else value_cache[slots]
+            # index_select, not key_cache[slots]: a quarter of advanced indexing's time on CPU.
+            k3 = key[start:end] if slots is None else key_cache.index_select(0, slots)
+            v3 = value[start:end] if slots is None else value_cache.index_select(0, slots)
             output[start:end] = attend_causal(kernel, query[start:end], k3, v3)
             continue
         q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, heads, query_len, dim]
@@ -79,8 +80,9 @@ def attend_prefills(
             v = value[start:end].transpose(0, 1).unsqueeze(0)
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
-            k = key_cache[prefill.context_slots].transpose(0, 1).unsqueeze(0)  # [1, kv, ctx, d]
-            v = value_cache[prefill.context_slots].transpose(0, 1).unsqueeze(0)
+            k = key_cache.index_select(0, prefill.context_slots)  # [ctx, kv, d]
+            v = value_cache.index_select(0, prefill.context_slots)
+            k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # [1, kv, ctx, d]
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=prefill.mask, enable_gqa=True)
         output[start:end] = out[0].transpose(0, 1)
 

@@ -91,8 +91,8 @@ def attend_common_blocks(
         packed = None if kept is None else kept[0].get(pack, kv_cache, kept[1], block_ids)
         return kernel(q, kv_cache[0], kv_cache[1], block_ids, head_dim**-0.5, packed)
     rows = q.permute(1, 0, 2, 3).reshape(1, num_kv_heads, -1, head_dim)
-    k = kv_cache[0, block_ids].reshape(-1, num_kv_heads, head_dim).transpose(0, 1)
-    v = kv_cache[1, block_ids].reshape(-1, num_kv_heads, head_dim).transpose(0, 1)
+    k = kv_cache[0].index_select(0, block_ids).reshape(-1, num_kv_heads, head_dim).transpose(0, 1)
+    v = kv_cache[1].index_select(0, block_ids).reshape(-1, num_kv_heads, head_dim).transpose(0, 1)
     out, lse = attend_heads(rows, k[None], v[None], kernels=kernels)
     return out[0], lse[0]
 

@@ -8,10 +8,11 @@
 // columns][2], so that each B tile (16 columns × 32 k) is one contiguous kilobyte and a
 // thread's share of the weight one sequential stream, fetched into L2 a few tiles ahead.
 // Each thread takes a run of 32-column blocks (tasks.h): per 32 of k, two A tiles (32 rows of x, read
-// where x lies) and two B tiles make four tile products into four 16×16 float32 results, so
+// where x lies, a last partial tile from a zero-padded copy) and two B tiles make four tile products into four 16×16 float32 results, so
 // each loaded tile serves two products. Rows past 32 take further passes over the same
-// columns, whose tiles are then in cache. The next step's tiles are loaded while this one's
-// last products run.
+// columns, whose tiles are then in cache: 32 rows a pass, the last 16 or fewer in a pass of
+// one row tile (33 rows cost 48 rows' products, not 64). The next step's tiles are loaded
+// while this one's last products run.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -19,6 +20,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <cstring>
 
 #include "amx.h"
 #include "tasks.h"
@@ -60,23 +62,29 @@ at::Tensor tile_pack(const at::Tensor& weight) {
   return packed;
 }
 
-// 16 × RowTiles rows of x (stride `k` elements) times the 32 columns whose tiles start at b0
-// (b1 = the next 16 columns): four (or two) 16×16 float32 results into acc. Tiles 0-3 hold
-// the results (0, 1: rows 0-15; 2, 3: rows 16-31), 4-5 x, 6-7 W.
+// One row tile of x: 16 rows of k values, `stride` bytes apart.
+struct RowTile {
+  const uint16_t* rows;
+  int64_t stride;
+};
+
+// RowTiles tiles of x's rows (x0, then x1) times the 32 columns whose tiles start at b0 (b1 =
+// the next 16 columns), k deep: four (or two) 16×16 float32 results into acc. Tiles 0-3 hold
+// the results (0, 1: x0's rows; 2, 3: x1's), 4-5 x, 6-7 W.
 template <int RowTiles>
-void tile_block(const uint16_t* x, int64_t k, const uint16_t* b0, const uint16_t* b1,
+void tile_block(RowTile x0, RowTile x1, int64_t k, const uint16_t* b0, const uint16_t* b1,
                 bool prefetch, float (*acc)[16][16]) {
-  const int64_t steps = k / kTileK, stride = k * sizeof(uint16_t);
+  const int64_t steps = k / kTileK;
   _tile_zero(0);
   _tile_zero(1);
   if constexpr (RowTiles == 2) {
     _tile_zero(2);
     _tile_zero(3);
   }
-  _tile_loadd(4, x, stride);
+  _tile_loadd(4, x0.rows, x0.stride);
   _tile_loadd(6, b0, 64);
   _tile_loadd(7, b1, 64);
-  if constexpr (RowTiles == 2) _tile_loadd(5, x + 16 * k, stride);
+  if constexpr (RowTiles == 2) _tile_loadd(5, x1.rows, x1.stride);
   for (int64_t s = 0; s < steps; ++s) {
     if (prefetch) {
       const char* ahead0 = reinterpret_cast<const char*>(b0 + s * kTileElems) + kPrefetchBytes;
@@ -92,11 +100,11 @@ void tile_block(const uint16_t* x, int64_t k, const uint16_t* b0, const uint16_t
     if constexpr (RowTiles == 2) _tile_dpbf16ps(2, 5, 6);
     if (more) _tile_loadd(6, b0 + next, 64);
     _tile_dpbf16ps(1, 4, 7);
-    if (more) _tile_loadd(4, x + (s + 1) * kTileK, stride);
+    if (more) _tile_loadd(4, x0.rows + (s + 1) * kTileK, x0.stride);
     if constexpr (RowTiles == 2) _tile_dpbf16ps(3, 5, 7);
     if (more) {
       _tile_loadd(7, b1 + next, 64);
-      if constexpr (RowTiles == 2) _tile_loadd(5, x + 16 * k + (s + 1) * kTileK, stride);
+      if constexpr (RowTiles == 2) _tile_loadd(5, x1.rows + (s + 1) * kTileK, x1.stride);
     }
   }
   _tile_stored(0, acc[0], 64);
@@ -122,12 +130,29 @@ at::Tensor tile_linear(const at::Tensor& x, const at::Tensor& packed,
               n, "]");
   at::Tensor out = at::empty({rows, n}, x.options());
   if (rows == 0) return out;
-  // Whole tiles of rows: 16 for one row tile, else 32 per pass; padding rows are zero.
-  const int64_t padded = rows <= 16 ? 16 : (rows + 31) / 32 * 32;
-  at::Tensor left = x.contiguous();
-  if (padded != rows) left = at::cat({left, at::zeros({padded - rows, k}, x.options())});
-  const at::Tensor bias_f32 = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  // Whole tiles of rows, 16 each, read where x lies; the rows of a last partial tile are
+  // copied into a tile padded with zero rows.
+  const int64_t padded = (rows + 15) / 16 * 16, whole = rows / 16 * 16;
+  const at::Tensor left = x.stride(1) == 1 ? x : x.contiguous();
   const auto* xs = reinterpret_cast<const uint16_t*>(left.data_ptr());
+  at::Tensor tail;
+  if (padded != rows) {
+    tail = at::empty({16, k}, x.options());
+    auto* tp = reinterpret_cast<uint16_t*>(tail.data_ptr());
+    const size_t row_bytes = k * sizeof(uint16_t);
+    for (int64_t r = 0; r < 16; ++r)
+      if (whole + r < rows)
+        std::memcpy(tp + r * k, xs + (whole + r) * left.stride(0), row_bytes);
+      else
+        std::memset(tp + r * k, 0, row_bytes);
+  }
+  const int64_t x_stride = left.stride(0) * static_cast<int64_t>(sizeof(uint16_t));
+  const auto row_tile = [&](int64_t row0) {
+    return row0 < whole ? RowTile{xs + row0 * left.stride(0), x_stride}
+                        : RowTile{reinterpret_cast<const uint16_t*>(tail.data_ptr()),
+                                  k * static_cast<int64_t>(sizeof(uint16_t))};
+  };
+  const at::Tensor bias_f32 = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
   const auto* ws = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   const float* bs = bias ? bias_f32.data_ptr<float>() : nullptr;
   auto* ys = reinterpret_cast<uint16_t*>(out.data_ptr());
@@ -137,10 +162,10 @@ at::Tensor tile_linear(const at::Tensor& x, const at::Tensor& packed,
     const uint16_t* b0 = ws + 2 * task * block_elems;
     for (int64_t row0 = 0; row0 < padded; row0 += 32) {
       const bool first = row0 == 0;  // later passes find the tiles in cache
-      if (padded == 16)
-        tile_block<1>(xs, k, b0, b0 + block_elems, first, acc);
+      if (padded - row0 == 16)  // one row tile left
+        tile_block<1>(row_tile(row0), {}, k, b0, b0 + block_elems, first, acc);
       else
-        tile_block<2>(xs + row0 * k, k, b0, b0 + block_elems, first, acc);
+        tile_block<2>(row_tile(row0), row_tile(row0 + 16), k, b0, b0 + block_elems, first, acc);
       for (int64_t r = 0; r < 32 && row0 + r < rows; ++r) {
         uint16_t* y = ys + (row0 + r) * n + task * kColumnBlock;
         for (int64_t half = 0; half < 2; ++half) {

@@ -41,11 +41,12 @@ def small_ints(*shape: int, seed: int) -> torch.Tensor:
     return products.small_ints(*shape, seed=seed, dtype=torch.bfloat16)
 
 
-@pytest.mark.parametrize("rows", [0, 1, 5, 16, 17, 32, 33, 64, 100])
+@pytest.mark.parametrize("rows", [0, 1, 5, 16, 17, 32, 33, 48, 49, 64, 100])
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_product_is_the_exact_one_rounded_once(ops: Any, rows: int, bias: bool) -> None:
-    """No rows, one row tile (up to 16 rows) or passes of 32, padding rows never written; 5
-    steps of 32 along k, 3 blocks of 32 columns shared by 2 threads."""
+    """No rows, one row tile (up to 16 rows), or passes of 32 rows with a last pass of one
+    row tile where 16 or fewer are left (33, 48, 100), padding rows never written; 5 steps of
+    32 along k, 3 blocks of 32 columns shared by 2 threads."""
     weight = small_ints(96, 160, seed=1)
     bias_value = small_ints(96, seed=2) if bias else None
     x = small_ints(rows, 2 * 160, seed=rows)[:, 160:]  # rows of a wider tensor: a view
