@@ -39,6 +39,7 @@
 #include <limits>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include "tasks.h"
 
@@ -394,13 +395,15 @@ struct HeadState {
   alignas(64) float acc[G][kDim];
 };
 
-// Sequence s, KV head h: its G query rows through `num_keys` keys, chunk by chunk, with the
-// lines of the next kChunksAhead chunks requested before each is worked on, continuing from
-// `prior` if it has one. q, out and lse point at the head's first query row.
+// Sequence s, KV head h: its G query rows through keys `begin` .. `num_keys` - 1, chunk by
+// chunk, with the lines of the next kChunksAhead chunks requested before each is worked on,
+// continuing from `prior` if it has one (pass an empty Prior for all but a sequence's first
+// range). q, out and lse point at the head's first query row.
 template <class K, int G>
 void decode_task(const PagedShapes& n, const typename K::Elem* q, const typename K::Elem* kc,
-                 const typename K::Elem* vc, const int64_t* table, int64_t num_keys, int64_t s,
-                 int64_t h, const Prior& prior, float scale, float* out, float* lse) {
+                 const typename K::Elem* vc, const int64_t* table, int64_t begin,
+                 int64_t num_keys, int64_t s, int64_t h, const Prior& prior, float scale,
+                 float* out, float* lse) {
   HeadState<G> state;
   std::memset(state.acc, 0, sizeof(state.acc));
   for (int r = 0; r < G; ++r) {
@@ -418,9 +421,9 @@ void decode_task(const PagedShapes& n, const typename K::Elem* q, const typename
   // the hardware prefetcher cannot follow them, and one chunk's lines do not cover DRAM's
   // latency.
   constexpr int64_t kLine = 64 / sizeof(typename K::Elem);  // elements per cache line
-  int64_t ahead = 0, requested = 0;
+  int64_t ahead = begin, requested = 0;
   int64_t first = 0;
-  for (int64_t start = 0, count = 0; start < num_keys; start += count) {
+  for (int64_t start = begin, count = 0; start < num_keys; start += count) {
     for (; ahead < num_keys && requested <= kChunksAhead; ++requested) {
       int64_t at = 0;
       const int64_t length = chunk_at(ahead, at);
@@ -442,17 +445,69 @@ void decode_task(const PagedShapes& n, const typename K::Elem* q, const typename
   }
 }
 
+// Few (sequence, KV head) tasks with long keys split each one's keys into ranges, run as
+// tasks of their own and merged after: one user's decode has 3 KV heads, which would keep one
+// of two threads waiting on the third. How many ranges depends on the shapes alone, never on
+// the thread count (which adapts to the host's load): the same bits on any count.
+constexpr int64_t kSplitBelow = 16;     // tasks under which keys are split
+constexpr int64_t kSplitMinKeys = 256;  // keys a range holds at least
+
+inline int64_t key_ranges(int64_t tasks, int64_t longest) {
+  if (tasks >= kSplitBelow) return 1;
+  return std::clamp<int64_t>(
+      std::min((kSplitBelow + tasks - 1) / tasks, longest / kSplitMinKeys), 1, kSplitBelow);
+}
+
 template <class K, int G>
 void decode_all(const PagedShapes& n, int64_t seqs, const typename K::Elem* q,
                 const typename K::Elem* kc, const typename K::Elem* vc, const int64_t* table,
                 const int64_t* lengths, const Prior& prior, float scale, float* out,
                 float* lse) {
-  parallel_tasks(seqs * n.kv_heads, [&](int64_t t) {
-    const int64_t s = t / n.kv_heads, h = t % n.kv_heads;
-    const int64_t row = (s * n.kv_heads + h) * G;  // the first of its query heads
-    decode_task<K, G>(n, q + row * kDim, kc, vc, table + s * n.table_stride, lengths[s], s, h,
-                      prior, scale, out + row * kDim, lse + row);
+  const int64_t tasks = seqs * n.kv_heads;
+  const int64_t longest = seqs > 0 ? *std::max_element(lengths, lengths + seqs) : 0;
+  const int64_t ranges = key_ranges(tasks, longest);
+  if (ranges == 1) {
+    parallel_tasks(tasks, [&](int64_t t) {
+      const int64_t s = t / n.kv_heads, h = t % n.kv_heads;
+      const int64_t row = (s * n.kv_heads + h) * G;  // the first of its query heads
+      decode_task<K, G>(n, q + row * kDim, kc, vc, table + s * n.table_stride, 0, lengths[s], s,
+                        h, prior, scale, out + row * kDim, lse + row);
+    });
+    return;
+  }
+  // Each range's rows into scratch ([range][sequence, KV head][G]), then merged as softmax
+  // partials are: out = sum of exp(lse_i - lse) * out_i, lse = log of the sum of exp(lse_i).
+  std::vector<float> part_out(ranges * tasks * G * kDim), part_lse(ranges * tasks * G);
+  parallel_tasks(ranges * tasks, [&](int64_t t) {
+    const int64_t range = t / tasks, task = t % tasks;
+    const int64_t s = task / n.kv_heads, h = task % n.kv_heads;
+    const int64_t row = (s * n.kv_heads + h) * G, part = range * tasks * G + task * G;
+    const int64_t chunks = (lengths[s] + 15) / 16;  // ranges start on 16-key boundaries
+    const int64_t begin = std::min(lengths[s], range * chunks / ranges * 16);
+    const int64_t end = std::min(lengths[s], (range + 1) * chunks / ranges * 16);
+    decode_task<K, G>(n, q + row * kDim, kc, vc, table + s * n.table_stride, begin, end, s, h,
+                      range == 0 ? prior : Prior(), scale, part_out.data() + part * kDim,
+                      part_lse.data() + part);
   });
+  for (int64_t row = 0; row < tasks * G; ++row) {
+    float top = kNegInf;
+    for (int64_t r = 0; r < ranges; ++r) top = std::max(top, part_lse[r * tasks * G + row]);
+    float* o = out + row * kDim;
+    std::fill(o, o + kDim, 0.0f);
+    if (top == kNegInf) {  // no key, no prior: as an unsplit task leaves it
+      lse[row] = kNegInf;
+      continue;
+    }
+    float total = 0.0f;
+    for (int64_t r = 0; r < ranges; ++r) {
+      const float weight = std::exp(part_lse[r * tasks * G + row] - top);
+      const float* p = part_out.data() + (r * tasks * G + row) * kDim;
+      for (int64_t d = 0; d < kDim; ++d) o[d] += weight * p[d];
+      total += weight;
+    }
+    for (int64_t d = 0; d < kDim; ++d) o[d] /= total;
+    lse[row] = top + std::log(total);
+  }
 }
 
 template <class K>

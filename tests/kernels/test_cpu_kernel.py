@@ -501,6 +501,7 @@ def paged_reference(q, k_cache, v_cache, tables, lengths, scale: float):
         (5, 2, 4, 4, 40),  # 4-token blocks: a chunk of 16 keys never crosses a block
         (3, 1, 8, 16, 9),  # the largest group it takes
         (64, 3, 3, 16, 70),
+        (2, 3, 3, 16, 64),  # 6 tasks of up to 1,024 keys: split into ranges, merged after
     ],
 )
 def test_paged_decode_equals_float64_attention(
@@ -565,6 +566,35 @@ def test_paged_decode_continues_from_a_prior(
     )  # fmt: skip
     alone = paged(q, k_cache, v_cache, tables, lengths, 0.125)
     assert all(torch.equal(a, b) for a, b in zip(empty, alone, strict=True))
+
+
+@pytest.mark.parametrize("own", [1, 300, 700])
+def test_one_sequence_split_into_ranges_continues_from_a_prior(
+    prefix: Kernel, paged: Kernel, dtype: torch.dtype, own: int
+) -> None:
+    """One sequence's 3 KV heads are too few tasks: its keys are split into ranges (700 keys:
+    two of up to 352), the first continuing from the prior, then merged; a single key or
+    fewer than 512 keep one range. Either way attention over the common blocks and its own."""
+    kv_heads, group, blocks = 3, 3, 50
+    generator = torch.Generator().manual_seed(own)
+    k_cache, v_cache = shuffled_cache(generator, blocks + 3, kv_heads, dtype)
+    common = torch.tensor([blocks, blocks + 1, blocks + 2])
+    tables = torch.randperm(blocks, generator=generator).view(1, blocks)
+    lengths = torch.tensor([own])
+    q = (torch.randn(1, kv_heads * group, 64, generator=generator) * 1.5).to(dtype)
+    prior_out, prior_lse = prefix(q.view(1, kv_heads, group, 64), k_cache, v_cache, common, 0.125)
+    prior_out = prior_out.view(kv_heads, 1, group, 64).transpose(0, 1)
+    prior_lse = prior_lse.view(kv_heads, 1, group).transpose(0, 1)
+    out, lse = paged(q, k_cache, v_cache, tables, lengths, 0.125, prior_out, prior_lse)
+    whole = torch.cat([common.expand(1, -1), tables], dim=1)
+    expected_out, expected_lse = paged_reference(q, k_cache, v_cache, whole, lengths + 48, 0.125)
+    bound = ROUNDING[dtype] * v_cache.abs().max().item()  # the common part's, as above
+    assert (out.double() - expected_out).abs().max().item() < bound
+    assert (lse.double() - expected_lse).abs().max().item() < 1e-5
+    alone_out, alone_lse = paged(q, k_cache, v_cache, tables, lengths, 0.125)
+    expected_out, expected_lse = paged_reference(q, k_cache, v_cache, tables, lengths, 0.125)
+    assert (alone_out.double() - expected_out).abs().max().item() < 1e-5
+    assert (alone_lse.double() - expected_lse).abs().max().item() < 1e-5
 
 
 @pytest.mark.parametrize(

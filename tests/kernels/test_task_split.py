@@ -78,6 +78,23 @@ def test_paged_decode_is_the_same_on_any_thread_count(
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_a_decode_split_into_key_ranges_is_the_same_on_any_thread_count(
+    kernels: CpuKernels, dtype: torch.dtype, restore_threads: None
+) -> None:
+    """One sequence of 1,000 keys: its 3 (sequence, KV head) tasks split into 3 ranges each,
+    by the shapes alone, so the merge adds the same partials in the same order."""
+    ops = kernels.loader.ops(dtype)
+    kv_heads, group, blocks = 3, 3, 63
+    k_cache, v_cache = (randn(blocks, 16, kv_heads, 64, seed=s, dtype=dtype) for s in (11, 12))
+    q = randn(1, kv_heads * group, 64, seed=13, dtype=dtype)
+    tables = torch.randperm(blocks, generator=torch.Generator().manual_seed(14)).view(1, blocks)
+    results = on_each_thread_count(
+        lambda: ops.paged_decode(q, k_cache, v_cache, tables, torch.tensor([1000]), 0.125)
+    )
+    assert same_bits(results)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_add_rms_norm_adds_each_row_once_on_any_thread_count(
     kernels: CpuKernels, dtype: torch.dtype, restore_threads: None
 ) -> None:
