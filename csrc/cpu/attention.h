@@ -395,14 +395,14 @@ struct HeadState {
   alignas(64) float acc[G][kDim];
 };
 
-// Sequence s, KV head h: its G query rows through keys `begin` .. `num_keys` - 1, chunk by
+// Sequence s, KV head h: its G query rows through keys `begin` .. `end` - 1, chunk by
 // chunk, with the lines of the next kChunksAhead chunks requested before each is worked on,
 // continuing from `prior` if it has one (pass an empty Prior for all but a sequence's first
 // range). q, out and lse point at the head's first query row.
 template <class K, int G>
 void decode_task(const PagedShapes& n, const typename K::Elem* q, const typename K::Elem* kc,
                  const typename K::Elem* vc, const int64_t* table, int64_t begin,
-                 int64_t num_keys, int64_t s, int64_t h, const Prior& prior, float scale,
+                 int64_t end, int64_t s, int64_t h, const Prior& prior, float scale,
                  float* out, float* lse) {
   HeadState<G> state;
   std::memset(state.acc, 0, sizeof(state.acc));
@@ -415,7 +415,7 @@ void decode_task(const PagedShapes& n, const typename K::Elem* q, const typename
   const auto chunk_at = [&](int64_t start, int64_t& first) {  // its first element; its length
     const int64_t offset = start % n.block_size;
     first = (table[start / n.block_size] * n.block_size + offset) * stride + h * kDim;
-    return std::min({int64_t{16}, n.block_size - offset, num_keys - start});
+    return std::min({int64_t{16}, n.block_size - offset, end - start});
   };
   // Chunks requested ahead of the one being worked on: a sequence's blocks lie anywhere, so
   // the hardware prefetcher cannot follow them, and one chunk's lines do not cover DRAM's
@@ -423,8 +423,8 @@ void decode_task(const PagedShapes& n, const typename K::Elem* q, const typename
   constexpr int64_t kLine = 64 / sizeof(typename K::Elem);  // elements per cache line
   int64_t ahead = begin, requested = 0;
   int64_t first = 0;
-  for (int64_t start = begin, count = 0; start < num_keys; start += count) {
-    for (; ahead < num_keys && requested <= kChunksAhead; ++requested) {
+  for (int64_t start = begin, count = 0; start < end; start += count) {
+    for (; ahead < end && requested <= kChunksAhead; ++requested) {
       int64_t at = 0;
       const int64_t length = chunk_at(ahead, at);
       for (int64_t t = 0; t < length; ++t)

@@ -7,12 +7,13 @@
 // Here the weight is repacked once into tile order, [N/16][K/32][16 pairs of k][16
 // columns][2], so that each B tile (16 columns × 32 k) is one contiguous kilobyte and a
 // thread's share of the weight one sequential stream, fetched into L2 a few tiles ahead.
-// Each thread takes a run of 32-column blocks (tasks.h): per 32 of k, two A tiles (32 rows of x, read
-// where x lies, a last partial tile from a zero-padded copy) and two B tiles make four tile products into four 16×16 float32 results, so
-// each loaded tile serves two products. Rows past 32 take further passes over the same
-// columns, whose tiles are then in cache: 32 rows a pass, the last 16 or fewer in a pass of
-// one row tile (33 rows cost 48 rows' products, not 64). The next step's tiles are loaded
-// while this one's last products run.
+// Each thread takes a run of 32-column blocks (tasks.h): per 32 of k, two A tiles (32 rows
+// of x, read where x lies, a last partial tile from a zero-padded copy) and two B tiles make
+// four tile products into four 16×16 float32 results, so each loaded tile serves two
+// products. Rows past 32 take further passes over the same columns, whose tiles are then in
+// cache: 32 rows a pass, the last 16 or fewer in a pass of one row tile (33 rows cost 48
+// rows' products, not 64). The next step's tiles are loaded while this one's last products
+// run.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
