@@ -158,7 +158,7 @@ class TorchAttentionBackend:
             for cache, written in zip(kv_cache, (key, value), strict=True):
                 cache.view(-1, num_kv_heads, head_dim).index_copy_(0, plan.slot_mapping, written)
 
-        if plan.decode is not None and len(plan.decode.token_indices) == query.shape[0]:
+        if plan.decode is not None and plan.decode.token_indices.shape[0] == query.shape[0]:
             return self._decode(query, kv_cache, plan.decode)  # decodes only: rows in order
         output = torch.empty_like(query)
         if plan.decode is not None:
@@ -198,17 +198,18 @@ class TorchAttentionBackend:
         num_decodes, num_heads, head_dim = query.shape
         num_kv_heads = kv_cache.shape[3]
         group = num_heads // num_kv_heads
-        q = query.view(num_decodes, num_kv_heads, group, head_dim)
         fused = self.kernels.decode_attention(query)
         if fused is not None and group <= MAX_DECODE_GROUP:
             # Our kernels, in one call: the common blocks read once for every decode (packed
             # as kept across steps), then each sequence's own blocks read in place (no
             # gather), continuing from that result (no merge).
-            packed, pack = None, self.kernels.pack_common(query)
-            if plan.common_block_ids is not None and pack is not None:
-                packed = self.common_blocks.get(
-                    pack, kv_cache, plan.common_set, plan.common_block_ids
-                )
+            packed = None
+            if plan.common_block_ids is not None:
+                pack = self.kernels.pack_common(query)
+                if pack is not None:
+                    packed = self.common_blocks.get(
+                        pack, kv_cache, plan.common_set, plan.common_block_ids
+                    )
             return fused(
                 query,
                 kv_cache[0],
@@ -219,6 +220,7 @@ class TorchAttentionBackend:
                 plan.common_block_ids,
                 packed,
             )
+        q = query.view(num_decodes, num_kv_heads, group, head_dim)
         context = plan.mask.shape[-1]
         gathered = self._gather_blocks(kv_cache, plan.own_tables.view(-1))
         # [num_decodes, context, kv_heads, dim] → [num_decodes, kv_heads, context, dim]

@@ -137,7 +137,10 @@ class CpuKernels:
             or kv_cache.device.type != "cpu"
             or not kv_cache.is_contiguous()
             or slots.dtype != torch.int64
-            or any(t.stride(-1) != 1 or t.stride(-2) != t.shape[-1] for t in (key, value))
+            or key.stride(-1) != 1
+            or key.stride(-2) != key.shape[-1]
+            or value.stride(-1) != 1
+            or value.stride(-2) != value.shape[-1]
         ):
             return None
         ops = self.loader.ops(key.dtype)

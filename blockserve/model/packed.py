@@ -102,32 +102,39 @@ class PackedLinear(nn.Module):
         self.gguf_type, self.gguf_packed = 0, False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
+        # A decode step calls this some hundred times, so it costs what it can spare: no
+        # reshape of rows that are rows already, the buffers read from their dict (a module's
+        # __getattr__ is slower).
+        flat = x.dim() == 2
+        rows = x if flat else x.reshape(-1, self.in_features)
         if torch.compiler.is_compiling():
             out = torch.ops.blockserve.packed_linear(rows, self.packed, self.bias)
-        elif (
+            return out if flat else out.view(*x.shape[:-1], self.out_features)
+        buffers, kernels, num_rows = self._buffers, self.kernels, rows.shape[0]
+        bias = buffers["bias"]
+        if (
             self.gguf_packed
-            and rows.shape[0] <= GGUF_MAX_ROWS
-            and self.kernels is not None
-            and (gguf_linear := self.kernels.gguf_linear(rows)) is not None
+            and num_rows <= GGUF_MAX_ROWS
+            and kernels is not None
+            and (gguf_linear := kernels.gguf_linear(rows)) is not None
         ):
-            out = gguf_linear(rows, self.gguf, self.gguf_type, self.bias)
+            out = gguf_linear(rows, buffers["gguf"], self.gguf_type, bias)
         elif (
-            self.tiles is not None
-            and rows.shape[0] <= TILE_MAX_ROWS
-            and self.kernels is not None
-            and (tile_linear := self.kernels.tile_linear(rows)) is not None
+            (tiles := buffers["tiles"]) is not None
+            and num_rows <= TILE_MAX_ROWS
+            and kernels is not None
+            and (tile_linear := kernels.tile_linear(rows)) is not None
         ):
-            out = tile_linear(rows, self.tiles, self.bias)
+            out = tile_linear(rows, tiles, bias)
         elif (
-            self.vectors is not None
-            and self.kernels is not None
-            and (vector_linear := self.kernels.vector_linear(rows, self.vectors_isa)) is not None
+            (vectors := buffers["vectors"]) is not None
+            and kernels is not None
+            and (vector_linear := kernels.vector_linear(rows, self.vectors_isa)) is not None
         ):
-            out = vector_linear(rows, self.vectors, self.bias)
+            out = vector_linear(rows, vectors, bias)
         else:
-            out = _packed_linear(rows, self.packed, self.bias)
-        return out.view(*x.shape[:-1], self.out_features)
+            out = _packed_linear(rows, self.packed, bias)
+        return out if flat else out.view(*x.shape[:-1], self.out_features)
 
     def tileable(self) -> bool:
         """Whether our tile kernel takes this layer: bf16, both sizes multiples of 32."""
