@@ -45,7 +45,8 @@ class KernelSwitches:
 
 class CpuKernels:
     """Our kernels for one runner: a loader and the switches. A fresh one has nothing loaded
-    and gives None everywhere (torch serves)."""
+    and gives None everywhere (torch serves). The lookups run for every layer of every step,
+    so they test `is_cpu` rather than build a tensor's device to read its type."""
 
     def __init__(self, loader: KernelLoader | None = None) -> None:
         self.loader = loader if loader is not None else KernelLoader()
@@ -118,7 +119,7 @@ class CpuKernels:
         NaN) for [rows, n] tensors, n ≥ 1, unit stride along it."""
         if (
             not self.switches.layer
-            or x.device.type != "cpu"
+            or not x.is_cpu
             or x.dim() != 2
             or x.shape[1] == 0
             or x.stride(1) != 1
@@ -134,7 +135,7 @@ class CpuKernels:
         contiguous CPU cache at int64 `slots` in one call."""
         if (
             not self.switches.layer
-            or kv_cache.device.type != "cpu"
+            or not kv_cache.is_cpu
             or not kv_cache.is_contiguous()
             or slots.dtype != torch.int64
             or key.stride(-1) != 1
@@ -152,7 +153,7 @@ class CpuKernels:
             not self.loader.has_tiles
             or not (self.switches.tiles and self.switches.products)
             or x.dtype != torch.bfloat16
-            or x.device.type != "cpu"
+            or not x.is_cpu
         ):
             return None
         return self.loader.ops(torch.bfloat16).tile_linear
@@ -160,7 +161,7 @@ class CpuKernels:
     def gguf_linear(self, x: torch.Tensor) -> Callable[..., torch.Tensor] | None:
         """The bf16 product of few rows over a GGUF weight's blocks (Q4_0, Q4_1, Q8_0), x
         rounded to 8 bits per block of 32 (csrc/cpu/linear_gguf.cpp)."""
-        if not self.switches.products or x.dtype != torch.bfloat16 or x.device.type != "cpu":
+        if not self.switches.products or x.dtype != torch.bfloat16 or not x.is_cpu:
             return None
         ops = self.loader.ops(torch.bfloat16)
         return None if ops is None else ops.gguf_linear
@@ -168,7 +169,7 @@ class CpuKernels:
     def lora_add(self, x: torch.Tensor) -> Callable[..., None] | None:
         """LoRA's grouped shrink and expand of one projection, added to its output in place
         (csrc/cpu/lora.h), for CPU rows like `x` of unit stride."""
-        if not self.switches.lora or x.device.type != "cpu" or x.stride(-1) != 1:
+        if not self.switches.lora or not x.is_cpu or x.stride(-1) != 1:
             return None
         ops = self.loader.ops(x.dtype)
         return None if ops is None else ops.lora_add_
@@ -181,7 +182,7 @@ class CpuKernels:
             ops is None
             or not self.switches.products
             or x.dtype != torch.float32
-            or x.device.type != "cpu"
+            or not x.is_cpu
             or isa is None
             or self.loader.isa(torch.float32) != isa
             or x.shape[0] > self.switches.vector_max_rows
