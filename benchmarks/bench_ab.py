@@ -1,0 +1,255 @@
+"""This tree against a git revision, taking turns on one measure: for a host whose speed moves
+by half within minutes, where separate runs cannot show a change of a few percent.
+
+The revision is checked out into a worktree in a temporary folder and its kernels are built
+into a cache of their own (two trees sharing one cache would rebuild each other's libraries).
+Each tree runs as one persistent worker process, the same script in `--worker` mode; each
+round asks both for one measurement, the order swapped every round, so that both see the same
+minutes of the host. The result: each tree's median, the median of the per-round ratios
+(this tree ÷ the revision: below 1, this tree is faster) and in how many rounds this tree was
+the faster. The workers inherit the environment: bind the threads
+(VLLM_CPU_OMP_THREADS_BIND=0-<cores - 1>, recorded in the result) or the adaptive thread count
+adds its own noise.
+
+Measures (each measurement a median of several calls):
+  one-stream     the median engine step of a 64-token greedy request on the default model,
+                 one sequence (`--quantization gguf` with --gguf)
+  dense-544      `dense_attention` over one causal 544-token prompt, 9 query heads over 3
+  paged-decode   `paged_decode` of 16 sequences × 560 keys, per layer over 30 layers' caches
+
+    .venv/bin/python benchmarks/bench_ab.py REV MEASURE [--gguf] [--rounds 24] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+ROOT = Path(__file__).resolve().parent.parent
+MEASURES = ("one-stream", "dense-544", "paged-decode")
+
+
+def summarize(here: list[float], there: list[float]) -> dict[str, Any]:
+    """Both trees' measurements, round by round (seconds) → medians (ms), the median ratio
+    here ÷ there, and the rounds in which here was the faster."""
+    ratios = [a / b for a, b in zip(here, there, strict=True)]
+    return {
+        "rounds": len(ratios),
+        "here_ms": round(statistics.median(here) * 1e3, 4),
+        "revision_ms": round(statistics.median(there) * 1e3, 4),
+        "ratio": round(statistics.median(ratios), 4),
+        "here_faster_rounds": sum(r < 1 for r in ratios),
+    }
+
+
+def take_turns(
+    here: Callable[[], float], there: Callable[[], float], rounds: int
+) -> tuple[list[float], list[float]]:
+    """`rounds` measurements from each side, here first in even rounds, there first in odd."""
+    measured: tuple[list[float], list[float]] = ([], [])
+    sides = (here, there)
+    for round_ in range(rounds):
+        for side in (0, 1) if round_ % 2 == 0 else (1, 0):
+            measured[side].append(sides[side]())
+    return measured
+
+
+# ---- the workers: each builds its measure once, then answers one line per round ----------
+
+
+def _median_of(fn: Callable[[], object], calls: int) -> float:
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _one_stream(gguf: bool) -> Callable[[], float]:
+    from blockserve import LLM, SamplingParams
+
+    llm = LLM(enable_prefix_caching=True, **({"quantization": "gguf"} if gguf else {}))
+    llm.engine.core.runner.kernels.loader.wait()
+    engine, steps = llm.engine, []
+    step = engine.step
+
+    def timed_step(**kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return step(**kwargs)
+        finally:
+            steps.append(time.perf_counter() - start)
+
+    engine.step = timed_step
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    prompt = [100 + i for i in range(32)]
+
+    def measure() -> float:
+        steps.clear()
+        llm.generate([prompt], params, use_tqdm=False)
+        return statistics.median(steps[1:])  # the decode steps; the first is the prefill
+
+    return measure
+
+
+def _kernels() -> Any:
+    import torch
+
+    from blockserve.config import default_cache_dir
+    from blockserve.kernels.loader import KernelLoader
+
+    ops = KernelLoader().load(default_cache_dir(), torch.bfloat16)
+    if ops is None:
+        raise SystemExit("the bf16 kernels do not load on this host (AVX512-BF16 needed)")
+    return ops
+
+
+def _dense_544() -> Callable[[], float]:
+    import torch
+
+    from blockserve.attention.prefill import causal_counts
+
+    ops, length = _kernels(), 544
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(length, h, 64, generator=generator).bfloat16() for h in (9, 3, 3))
+    rows = q.view(length, 3, 3, 64).permute(1, 2, 0, 3).reshape(1, 3, 3 * length, 64)
+    counts = causal_counts(length, length, 3, q.device)
+    keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+    return lambda: _median_of(
+        lambda: ops.dense_attention(rows, keys, values, counts, 0.125), calls=10
+    )
+
+
+def _paged_decode() -> Callable[[], float]:
+    import torch
+
+    ops, seqs, keys, layers = _kernels(), 16, 560, 30
+    generator = torch.Generator().manual_seed(0)
+    per_seq = (keys + 15) // 16
+    blocks = seqs * per_seq
+    caches = [
+        (
+            torch.randn(blocks, 16, 3, 64, generator=generator).bfloat16(),
+            torch.randn(blocks, 16, 3, 64, generator=generator).bfloat16(),
+        )
+        for _ in range(layers)
+    ]
+    table = torch.randperm(blocks, generator=generator).view(seqs, per_seq).to(torch.int32)
+    lengths = torch.full((seqs,), keys, dtype=torch.int32)
+    q = torch.randn(seqs, 9, 64, generator=generator).bfloat16()
+
+    def every_layer() -> None:
+        for k_cache, v_cache in caches:
+            ops.paged_decode(q, k_cache, v_cache, table, lengths, 0.125, None, None)
+
+    return lambda: _median_of(every_layer, calls=5) / layers
+
+
+def worker(measure_name: str, gguf: bool, stdin: IO[str], stdout: IO[str]) -> None:
+    """Build the measure, say `ready`, then answer each line of stdin with one measurement."""
+    measure = {
+        "one-stream": lambda: _one_stream(gguf),
+        "dense-544": _dense_544,
+        "paged-decode": _paged_decode,
+    }[measure_name]()
+    measure()  # warm
+    print("ready", file=stdout, flush=True)
+    for _ in stdin:
+        print(measure(), file=stdout, flush=True)
+
+
+# ---- the driver ----------------------------------------------------------------------------
+
+
+def start_worker(tree: Path, cache: Path | None, args: argparse.Namespace) -> subprocess.Popen:
+    """This script as a worker on `tree`'s blockserve (its kernels cached in `cache`, or the
+    default cache): the revision need not have this script."""
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    if cache is not None:
+        env["BLOCKSERVE_CACHE_DIR"] = str(cache)
+    command = [sys.executable, str(Path(__file__).resolve()), "--worker", args.measure]
+    process = subprocess.Popen(
+        command + (["--gguf"] if args.gguf else []),
+        cwd=tree,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stdout is not None
+    if process.stdout.readline().strip() != "ready":
+        raise SystemExit(f"the worker in {tree} did not start")
+    return process
+
+
+def ask(process: subprocess.Popen) -> float:
+    assert process.stdin is not None and process.stdout is not None
+    process.stdin.write("go\n")
+    process.stdin.flush()
+    return float(process.stdout.readline())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("revision", nargs="?", help="a git revision of this repository")
+    parser.add_argument("measure", nargs="?", choices=MEASURES)
+    parser.add_argument("--gguf", action="store_true", help="one-stream: --quantization gguf")
+    parser.add_argument("--rounds", type=int, default=24)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--worker", choices=MEASURES, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker is not None:
+        worker(args.worker, args.gguf, sys.stdin, sys.stdout)
+        return
+    if args.revision is None or args.measure is None:
+        parser.error("give a revision and a measure")
+    from report import emit
+
+    commit = subprocess.run(
+        ["git", "rev-parse", args.revision], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    with tempfile.TemporaryDirectory() as scratch:
+        checkout = Path(scratch) / "revision"
+        subprocess.run(
+            ["git", "worktree", "add", "--detach", str(checkout), commit],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+        )
+        try:
+            workers = [
+                start_worker(ROOT, None, args),
+                start_worker(checkout, Path(scratch) / "kernels", args),
+            ]
+            here, there = take_turns(lambda: ask(workers[0]), lambda: ask(workers[1]), args.rounds)
+            for process in workers:
+                assert process.stdin is not None
+                process.stdin.close()
+                process.wait()
+        finally:
+            subprocess.run(
+                ["git", "worktree", "remove", "--force", str(checkout)], cwd=ROOT, check=False
+            )
+    emit(
+        {
+            "benchmark": "ab",
+            "measure": args.measure + (" --gguf" if args.gguf else ""),
+            "revision": commit,
+            "threads_bound": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
+            **summarize(here, there),
+        },
+        args.out,
+    )
+
+
+if __name__ == "__main__":
+    main()
