@@ -16,6 +16,10 @@ Measures (each measurement a median of several calls):
                  one sequence (`--quantization gguf` with --gguf)
   dense-544      `dense_attention` over one causal 544-token prompt, 9 query heads over 3
   paged-decode   `paged_decode` of 16 sequences × 560 keys, per layer over 30 layers' caches
+  prefill-544    the engine step that prefills one 544-token prompt on the default model
+  prefill-2048   the same for a 2,048-token prompt: one full chunk of a prefill
+  no-sharing     the wall time of bench_vs_vllm.py's no-sharing workload (16 × 544 prompt
+                 tokens, 32 out, prefix caching off), new prompts each round (one measurement)
 
     .venv/bin/python benchmarks/bench_ab.py REV MEASURE [--gguf] [--rounds 24] [--out FILE]
 """
@@ -34,7 +38,7 @@ from pathlib import Path
 from typing import IO, Any
 
 ROOT = Path(__file__).resolve().parent.parent
-MEASURES = ("one-stream", "dense-544", "paged-decode")
+MEASURES = ("one-stream", "dense-544", "paged-decode", "prefill-544", "prefill-2048", "no-sharing")
 
 
 def summarize(here: list[float], there: list[float]) -> dict[str, Any]:
@@ -74,10 +78,11 @@ def _median_of(fn: Callable[[], object], calls: int) -> float:
     return statistics.median(times)
 
 
-def _one_stream(gguf: bool) -> Callable[[], float]:
-    from blockserve import LLM, SamplingParams
+def _timed_engine(**options: Any) -> tuple[Any, list[float]]:
+    """An `LLM` on the default model whose engine steps' times land in the list returned."""
+    from blockserve import LLM
 
-    llm = LLM(enable_prefix_caching=True, **({"quantization": "gguf"} if gguf else {}))
+    llm = LLM(**options)
     llm.engine.core.runner.kernels.loader.wait()
     engine, steps = llm.engine, []
     step = engine.step
@@ -90,6 +95,14 @@ def _one_stream(gguf: bool) -> Callable[[], float]:
             steps.append(time.perf_counter() - start)
 
     engine.step = timed_step
+    return llm, steps
+
+
+def _one_stream(gguf: bool) -> Callable[[], float]:
+    from blockserve import SamplingParams
+
+    options = {"quantization": "gguf"} if gguf else {}
+    llm, steps = _timed_engine(enable_prefix_caching=True, **options)
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     prompt = [100 + i for i in range(32)]
 
@@ -97,6 +110,51 @@ def _one_stream(gguf: bool) -> Callable[[], float]:
         steps.clear()
         llm.generate([prompt], params, use_tqdm=False)
         return statistics.median(steps[1:])  # the decode steps; the first is the prefill
+
+    return measure
+
+
+def _fresh_prompts(seed: int, count: int, length: int) -> list[list[int]]:
+    """`count` random prompts of `length` token ids, the same for both trees in a round."""
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 40000) for _ in range(length)] for _ in range(count)]
+
+
+def _prefill(length: int) -> Callable[[], float]:
+    from blockserve import SamplingParams
+
+    llm, steps = _timed_engine(enable_prefix_caching=False)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    seeds = iter(range(1 << 30))
+
+    def prefill() -> None:
+        steps.clear()
+        llm.generate(_fresh_prompts(next(seeds), 1, length), params, use_tqdm=False)
+
+    def measure() -> float:
+        times = []
+        for _ in range(5):
+            prefill()
+            times.append(steps[0])
+        return statistics.median(times)
+
+    return measure
+
+
+def _no_sharing() -> Callable[[], float]:
+    from blockserve import SamplingParams
+
+    llm, _ = _timed_engine(enable_prefix_caching=False, max_num_seqs=64)
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    seeds = iter(range(1 << 30))
+
+    def measure() -> float:
+        prompts = _fresh_prompts(next(seeds), 16, 544)
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - start
 
     return measure
 
@@ -160,6 +218,9 @@ def worker(measure_name: str, gguf: bool, stdin: IO[str], stdout: IO[str]) -> No
         "one-stream": lambda: _one_stream(gguf),
         "dense-544": _dense_544,
         "paged-decode": _paged_decode,
+        "prefill-544": lambda: _prefill(544),
+        "prefill-2048": lambda: _prefill(2048),
+        "no-sharing": _no_sharing,
     }[measure_name]()
     measure()  # warm
     print("ready", file=stdout, flush=True)

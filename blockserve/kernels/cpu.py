@@ -148,7 +148,17 @@ class CpuKernels:
         return None if ops is None else ops.write_kv_
 
     def tile_linear(self, x: torch.Tensor) -> Callable[..., torch.Tensor] | None:
-        """The bf16 product of few rows on AMX tiles, where the CPU has AMX-BF16."""
+        """The bf16 product on AMX tiles, where the CPU has AMX-BF16."""
+        ops = self._tile_ops(x)
+        return None if ops is None else ops.tile_linear
+
+    def tile_linear_silu(self, x: torch.Tensor) -> Callable[..., torch.Tensor] | None:
+        """The MLP's gate/up product on AMX tiles with SiLU(gate) · up applied to its
+        results (tile_linear, then silu_and_mul, in one pass), where the CPU has AMX-BF16."""
+        ops = self._tile_ops(x)
+        return None if ops is None else ops.tile_linear_silu
+
+    def _tile_ops(self, x: torch.Tensor) -> Any:
         if (
             not self.loader.has_tiles
             or not (self.switches.tiles and self.switches.products)
@@ -156,7 +166,7 @@ class CpuKernels:
             or not x.is_cpu
         ):
             return None
-        return self.loader.ops(torch.bfloat16).tile_linear
+        return self.loader.ops(torch.bfloat16)
 
     def gguf_linear(self, x: torch.Tensor) -> Callable[..., torch.Tensor] | None:
         """The bf16 product of few rows over a GGUF weight's blocks (Q4_0, Q4_1, Q8_0), x

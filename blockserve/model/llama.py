@@ -14,6 +14,7 @@ from blockserve.attention.metadata import AttentionBackend
 from blockserve.kernels import CpuKernels, LayerOpsSource
 from blockserve.model.arch import LlamaArchConfig
 from blockserve.model.attention_op import attend
+from blockserve.model.packed import PackedLinear
 from blockserve.model.rope import Rope, RotaryEmbedding, apply_rotary
 
 
@@ -91,10 +92,11 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, ops: Any = None) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
         if ops is not None:
-            return self.down_proj(ops.silu_and_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
+            if isinstance(self.gate_up_proj, PackedLinear):  # not one wrapped for LoRA
+                return self.down_proj(self.gate_up_proj.silu_and_mul(x, ops))
+            return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

@@ -1,4 +1,4 @@
-// Vector helpers shared by our AVX512-BF16 kernels (attention_bf16.cpp, layer_ops_bf16.cpp);
+// Vector helpers shared by our AVX512-BF16 kernels (attention, layer operators, products);
 // their exponentials are in exp2.h.
 #pragma once
 
@@ -26,6 +26,17 @@ inline void store_bf16(uint16_t* p, __m512 v) {
 inline __m512 round_bf16(__m512 v) {
   const __m256i half = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+// silu(g) = g · sigmoid(g), sigmoid from exp(−|g|) so that exp never overflows.
+inline __m512 silu(__m512 g) {
+  const __m512 magnitude = _mm512_abs_ps(g);
+  const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), magnitude));
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512 inverse = _mm512_div_ps(one, _mm512_add_ps(one, e));
+  const __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+  const __m512 sigmoid = _mm512_mask_mul_ps(inverse, negative, inverse, e);
+  return _mm512_mul_ps(g, sigmoid);
 }
 
 }  // namespace blockserve_cpu

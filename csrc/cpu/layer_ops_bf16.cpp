@@ -30,17 +30,6 @@ using namespace blockserve_cpu;
 
 constexpr int64_t kLanes = 16;
 
-// silu(g) = g · sigmoid(g), sigmoid from exp(−|g|) so that exp never overflows.
-inline __m512 silu(__m512 g) {
-  const __m512 magnitude = _mm512_abs_ps(g);
-  const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), magnitude));
-  const __m512 one = _mm512_set1_ps(1.0f);
-  const __m512 inverse = _mm512_div_ps(one, _mm512_add_ps(one, e));
-  const __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
-  const __m512 sigmoid = _mm512_mask_mul_ps(inverse, negative, inverse, e);
-  return _mm512_mul_ps(g, sigmoid);
-}
-
 struct Bf16Layer {
   using Elem = uint16_t;
   static constexpr LayerChecks kCheck{at::kBFloat16, "bfloat16"};

@@ -1,10 +1,12 @@
-"""Our few-row products on AMX tiles (csrc/cpu/linear_bf16.cpp) and the `PackedLinear`
-path to them: exact where the float32 sums are, refusing what they do not handle, taken for
-up to `TILE_MAX_ROWS` rows of a layer that has its tile copy (oneDNN's products otherwise),
-and the copies made for a bf16 model once our kernels are loaded."""
+"""Our products on AMX tiles (csrc/cpu/linear_bf16.cpp), the gate/up product fused with
+SiLU · up, and the `PackedLinear` path to them: exact where the float32 sums are, refusing
+what they do not handle, taken for any rows of a layer whose tile copy is small, up to
+`TILE_MAX_ROWS` rows of a larger one (oneDNN's products otherwise), and the copies made for a
+bf16 model once our kernels are loaded."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -55,6 +57,32 @@ def test_the_product_is_the_exact_one_rounded_once(ops: Any, rows: int, bias: bo
     assert torch.equal(got, exact(x, weight, bias_value))
 
 
+@pytest.mark.parametrize("rows", [585, 640])
+def test_rows_past_the_chunk_size_are_cut_into_chunks_each_thread_its_own(
+    ops: Any, rows: int
+) -> None:
+    """x of 1,024 columns: 256 rows fill a chunk (512 KB). On 2 threads, 585 rows are 3
+    chunks' worth, rounded up to 4, of 160 rows, the last 112 (its last pass one row tile);
+    640 rows: 4 chunks of 160."""
+    weight = small_ints(64, 1024, seed=11)
+    x = small_ints(rows, 1024, seed=12)
+    got = ops.tile_linear(x, ops.tile_pack(weight), None)
+    assert torch.equal(got, exact(x, weight, None))
+
+
+@pytest.mark.parametrize("rows", [0, 1, 17, 33, 585])
+def test_the_fused_gate_up_product_is_silu_and_mul_of_the_product(ops: Any, rows: int) -> None:
+    """SiLU of the first half of the product's columns times the second half, each rounded
+    as `silu_and_mul` rounds the product it reads: the same bits. 32 output columns: gate
+    blocks 0-1 paired with up blocks 2-3."""
+    weight = small_ints(64, 1024, seed=13)
+    x = small_ints(rows, 1024, seed=14)
+    tiles = ops.tile_pack(weight)
+    got = ops.tile_linear_silu(x, tiles)
+    assert got.shape == (rows, 32) and got.dtype == torch.bfloat16
+    assert torch.equal(got, ops.silu_and_mul(exact(x, weight, None)))
+
+
 def test_packing_puts_each_32_k_by_16_columns_in_one_kilobyte(ops: Any) -> None:
     """The layout the kernel reads: block b, step s at (b * K/32 + s) * 512, row p holding
     the pairs (W[n][32s + 2p], W[n][32s + 2p + 1]) of the block's 16 columns n."""
@@ -80,6 +108,8 @@ def bf16(*shape: int) -> torch.Tensor:
         (lambda o: o.tile_linear(torch.zeros(2, 64), o.tile_pack(bf16(64, 64)), None), "bfloat16"),
         (lambda o: o.tile_linear(bf16(2, 64), o.tile_pack(bf16(64, 64)), bf16(32)), "bias"),
         (lambda o: o.tile_linear(bf16(2, 64), bf16(64, 128)[:, :64], None), "columns"),
+        (lambda o: o.tile_linear_silu(bf16(2, 32), o.tile_pack(bf16(64, 64))), "columns"),
+        (lambda o: o.tile_linear_silu(bf16(2, 64), o.tile_pack(bf16(48, 64))), "multiple of"),
     ],
 )
 def test_refuses_what_it_does_not_handle(ops: Any, call: Callable[[Any], Any], message: str):
@@ -97,34 +127,68 @@ def tile_calls(monkeypatch: pytest.MonkeyPatch, kernels: CpuKernels) -> list[int
     return products.spy_on_rows(monkeypatch, kernels, "tile_linear")
 
 
-def test_a_packed_linear_takes_the_tiles_for_few_rows_only(
-    kernels: CpuKernels, ops: Any, tile_calls: list[int]
+def test_a_packed_linear_takes_the_tiles_for_any_rows_of_a_small_weight_few_of_a_large_one(
+    kernels: CpuKernels, ops: Any, tile_calls: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     linear = int_linear(160, 96, seed=3)
     weight, bias = linear.weight.detach().clone(), linear.bias.detach().clone()
-    layer = PackedLinear(linear)
-    use_kernels(layer, kernels)
-    assert layer.tiles is None
+    small, large = PackedLinear(linear), PackedLinear(int_linear(160, 96, seed=3))
+    use_kernels(nn.ModuleList([small, large]), kernels)
+    assert small.tiles is None
     x = small_ints(packed.TILE_MAX_ROWS + 1, 160, seed=4)
-    assert torch.equal(layer(x[:3]), exact(x[:3], weight, bias)) and tile_calls == []
+    assert torch.equal(small(x[:3]), exact(x[:3], weight, bias)) and tile_calls == []
 
-    assert pack_for_tiles(layer, ops) == 1 and layer.tiles is not None
-    for rows in (1, packed.TILE_MAX_ROWS, packed.TILE_MAX_ROWS + 1):
-        assert torch.equal(layer(x[:rows]), exact(x[:rows], weight, bias))
-    assert torch.equal(layer(x[:6].view(2, 3, 160)), exact(x[:6], weight, bias).view(2, 3, 96))
-    assert tile_calls == [1, packed.TILE_MAX_ROWS, 6]  # more rows: oneDNN's product
+    assert pack_for_tiles(small, ops) == 1 and small.tiles is not None
+    monkeypatch.setattr(packed, "TILE_ANY_ROWS_BYTES", 160 * 96 * 2 - 1)
+    assert pack_for_tiles(large, ops) == 1 and large.tiles is not None
+    assert (small.tile_rows, large.tile_rows) == (sys.maxsize, packed.TILE_MAX_ROWS)
+    for layer in (small, large):
+        for rows in (1, packed.TILE_MAX_ROWS, packed.TILE_MAX_ROWS + 1):
+            assert torch.equal(layer(x[:rows]), exact(x[:rows], weight, bias))
+    assert torch.equal(large(x[:6].view(2, 3, 160)), exact(x[:6], weight, bias).view(2, 3, 96))
+    limit = packed.TILE_MAX_ROWS  # more rows of the large weight: oneDNN's product
+    assert tile_calls == [1, limit, limit + 1, 1, limit, 6]
 
     assert not kernels.use_amx(False)
-    assert torch.equal(layer(x[:3]), exact(x[:3], weight, bias))
+    assert torch.equal(large(x[:3]), exact(x[:3], weight, bias))
     assert kernels.use_amx(True)
     kernels.set_enabled(True, products=False)  # oneDNN's products, the other kernels ours
     try:
-        assert torch.equal(layer(x[:3]), exact(x[:3], weight, bias))
+        assert torch.equal(large(x[:3]), exact(x[:3], weight, bias))
     finally:
         kernels.set_enabled(True)
-    assert tile_calls == [1, packed.TILE_MAX_ROWS, 6]
-    assert torch.equal(layer(x[:3]), exact(x[:3], weight, bias))
-    assert tile_calls == [1, packed.TILE_MAX_ROWS, 6, 3]
+    assert tile_calls == [1, limit, limit + 1, 1, limit, 6]
+    assert torch.equal(large(x[:3]), exact(x[:3], weight, bias))
+    assert tile_calls == [1, limit, limit + 1, 1, limit, 6, 3]
+
+
+def test_a_gate_up_projection_fuses_its_silu_where_its_product_takes_the_tiles(
+    kernels: CpuKernels, ops: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`PackedLinear.silu_and_mul` is `silu_and_mul` of its product either way: one fused call
+    where the product would run on the tiles; the product, then `silu_and_mul`, where not
+    (no tile copy, past the large weight's rows, the tiles switched off)."""
+    fused = products.spy_on_rows(monkeypatch, kernels, "tile_linear_silu")
+    linear = int_linear(160, 96, seed=15)
+    weight = linear.weight.detach().clone()
+    linear.bias = None
+    layer = PackedLinear(linear)
+    use_kernels(layer, kernels)
+    x = small_ints(packed.TILE_MAX_ROWS + 1, 160, seed=16)
+    expected = ops.silu_and_mul(exact(x, weight, None))
+    assert torch.equal(layer.silu_and_mul(x[:5], ops), expected[:5]) and fused == []
+    monkeypatch.setattr(packed, "TILE_ANY_ROWS_BYTES", 0)
+    pack_for_tiles(layer, ops)
+    assert torch.equal(layer.silu_and_mul(x[:5], ops), expected[:5])
+    assert torch.equal(layer.silu_and_mul(x, ops), expected)
+    assert torch.equal(layer.silu_and_mul(x[:4].view(2, 2, 160), ops), expected[:4].view(2, 2, 48))
+    assert fused == [5, 4]
+    kernels.use_amx(False)
+    try:
+        assert torch.equal(layer.silu_and_mul(x[:5], ops), expected[:5])
+    finally:
+        kernels.use_amx(True)
+    assert fused == [5, 4]
 
 
 def test_copies_only_layers_it_takes_within_the_memory_limit(
@@ -147,8 +211,9 @@ def test_a_bf16_model_gets_its_copies_and_decodes_as_with_onednn(
     ops: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A tiny Llama whose projections are multiples of 32 wide: once the runner's kernels are
-    loaded, each layer the kernel takes has its copy; a decode batch
-    of 8 rows runs them on the tiles, its logits within bf16 rounding of oneDNN's."""
+    loaded, each layer the kernel takes has its copy; a decode batch of 8 rows runs them on
+    the tiles (the MLP's SiLU fused with its gate/up product), within bf16 rounding of
+    oneDNN's."""
     model_dir = save_tiny_model(
         tmp_path, hidden_size=128, intermediate_size=256, num_attention_heads=2,
         num_key_value_heads=1,
@@ -158,19 +223,21 @@ def test_a_bf16_model_gets_its_copies_and_decodes_as_with_onednn(
     )
     assert runner.kernels.loader.wait(timeout=600)
     tile_calls = products.spy_on_rows(monkeypatch, runner.kernels, "tile_linear")
+    fused_calls = products.spy_on_rows(monkeypatch, runner.kernels, "tile_linear_silu")
     linears = [m for m in runner.model.modules() if isinstance(m, PackedLinear)]
     assert [m.tiles is not None for m in linears] == [m.out_features % 32 == 0 for m in linears]
     # 2 layers' 4 projections, and the LM head where the vocabulary is a multiple of 32
     assert sum(m.tiles is not None for m in linears) == 8 + (runner.arch.vocab_size % 32 == 0)
     hidden = torch.randn(8, 128, generator=torch.Generator().manual_seed(8)).bfloat16()
     layer = runner.model.model.layers[0]
+    layer_ops = runner.kernels.layer_ops(hidden, head_dim=64)
     with torch.inference_mode():
-        tiles = layer.mlp(hidden)
-        assert tile_calls == [8, 8]  # gate_up, down
+        tiles = layer.mlp(hidden, layer_ops)
+        assert (fused_calls, tile_calls) == ([8], [8])  # gate_up with SiLU · up, down
         runner.kernels.use_amx(False)
         try:
-            onednn = layer.mlp(hidden)
+            onednn = layer.mlp(hidden, layer_ops)
         finally:
             runner.kernels.use_amx(True)
-    assert tile_calls == [8, 8]
+    assert (fused_calls, tile_calls) == ([8], [8])
     assert (tiles.float() - onednn.float()).abs().max() <= 2**-7 * onednn.float().abs().max()
