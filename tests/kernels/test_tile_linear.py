@@ -1,12 +1,10 @@
 """Our products on AMX tiles (csrc/cpu/linear_bf16.cpp), the gate/up product fused with
 SiLU · up, and the `PackedLinear` path to them: exact where the float32 sums are, refusing
-what they do not handle, taken for any rows of a layer whose tile copy is small, up to
-`TILE_MAX_ROWS` rows of a larger one (oneDNN's products otherwise), and the copies made for a
-bf16 model once our kernels are loaded."""
+what they do not handle, taken for any rows of a layer that has its tile copy (oneDNN's
+products otherwise), and the copies made for a bf16 model once our kernels are loaded."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -127,39 +125,34 @@ def tile_calls(monkeypatch: pytest.MonkeyPatch, kernels: CpuKernels) -> list[int
     return products.spy_on_rows(monkeypatch, kernels, "tile_linear")
 
 
-def test_a_packed_linear_takes_the_tiles_for_any_rows_of_a_small_weight_few_of_a_large_one(
-    kernels: CpuKernels, ops: Any, tile_calls: list[int], monkeypatch: pytest.MonkeyPatch
+def test_a_packed_linear_takes_the_tiles_once_it_has_its_copy(
+    kernels: CpuKernels, ops: Any, tile_calls: list[int]
 ) -> None:
     linear = int_linear(160, 96, seed=3)
     weight, bias = linear.weight.detach().clone(), linear.bias.detach().clone()
-    small, large = PackedLinear(linear), PackedLinear(int_linear(160, 96, seed=3))
-    use_kernels(nn.ModuleList([small, large]), kernels)
-    assert small.tiles is None
-    x = small_ints(packed.TILE_MAX_ROWS + 1, 160, seed=4)
-    assert torch.equal(small(x[:3]), exact(x[:3], weight, bias)) and tile_calls == []
+    layer = PackedLinear(linear)
+    use_kernels(layer, kernels)
+    assert layer.tiles is None
+    x = small_ints(600, 160, seed=4)
+    assert torch.equal(layer(x[:3]), exact(x[:3], weight, bias)) and tile_calls == []
 
-    assert pack_for_tiles(small, ops) == 1 and small.tiles is not None
-    monkeypatch.setattr(packed, "TILE_ANY_ROWS_BYTES", 160 * 96 * 2 - 1)
-    assert pack_for_tiles(large, ops) == 1 and large.tiles is not None
-    assert (small.tile_rows, large.tile_rows) == (sys.maxsize, packed.TILE_MAX_ROWS)
-    for layer in (small, large):
-        for rows in (1, packed.TILE_MAX_ROWS, packed.TILE_MAX_ROWS + 1):
-            assert torch.equal(layer(x[:rows]), exact(x[:rows], weight, bias))
-    assert torch.equal(large(x[:6].view(2, 3, 160)), exact(x[:6], weight, bias).view(2, 3, 96))
-    limit = packed.TILE_MAX_ROWS  # more rows of the large weight: oneDNN's product
-    assert tile_calls == [1, limit, limit + 1, 1, limit, 6]
+    assert pack_for_tiles(layer, ops) == 1 and layer.tiles is not None
+    for rows in (1, 128, 600):  # a decode step's rows to a prefill's
+        assert torch.equal(layer(x[:rows]), exact(x[:rows], weight, bias))
+    assert torch.equal(layer(x[:6].view(2, 3, 160)), exact(x[:6], weight, bias).view(2, 3, 96))
+    assert tile_calls == [1, 128, 600, 6]
 
     assert not kernels.use_amx(False)
-    assert torch.equal(large(x[:3]), exact(x[:3], weight, bias))
+    assert torch.equal(layer(x[:3]), exact(x[:3], weight, bias))
     assert kernels.use_amx(True)
     kernels.set_enabled(True, products=False)  # oneDNN's products, the other kernels ours
     try:
-        assert torch.equal(large(x[:3]), exact(x[:3], weight, bias))
+        assert torch.equal(layer(x[:3]), exact(x[:3], weight, bias))
     finally:
         kernels.set_enabled(True)
-    assert tile_calls == [1, limit, limit + 1, 1, limit, 6]
-    assert torch.equal(large(x[:3]), exact(x[:3], weight, bias))
-    assert tile_calls == [1, limit, limit + 1, 1, limit, 6, 3]
+    assert tile_calls == [1, 128, 600, 6]
+    assert torch.equal(layer(x[:3]), exact(x[:3], weight, bias))
+    assert tile_calls == [1, 128, 600, 6, 3]
 
 
 def test_a_gate_up_projection_fuses_its_silu_where_its_product_takes_the_tiles(
@@ -167,28 +160,27 @@ def test_a_gate_up_projection_fuses_its_silu_where_its_product_takes_the_tiles(
 ) -> None:
     """`PackedLinear.silu_and_mul` is `silu_and_mul` of its product either way: one fused call
     where the product would run on the tiles; the product, then `silu_and_mul`, where not
-    (no tile copy, past the large weight's rows, the tiles switched off)."""
+    (no tile copy yet, the tiles switched off)."""
     fused = products.spy_on_rows(monkeypatch, kernels, "tile_linear_silu")
     linear = int_linear(160, 96, seed=15)
     weight = linear.weight.detach().clone()
     linear.bias = None
     layer = PackedLinear(linear)
     use_kernels(layer, kernels)
-    x = small_ints(packed.TILE_MAX_ROWS + 1, 160, seed=16)
+    x = small_ints(600, 160, seed=16)
     expected = ops.silu_and_mul(exact(x, weight, None))
     assert torch.equal(layer.silu_and_mul(x[:5], ops), expected[:5]) and fused == []
-    monkeypatch.setattr(packed, "TILE_ANY_ROWS_BYTES", 0)
     pack_for_tiles(layer, ops)
     assert torch.equal(layer.silu_and_mul(x[:5], ops), expected[:5])
     assert torch.equal(layer.silu_and_mul(x, ops), expected)
     assert torch.equal(layer.silu_and_mul(x[:4].view(2, 2, 160), ops), expected[:4].view(2, 2, 48))
-    assert fused == [5, 4]
+    assert fused == [5, 600, 4]
     kernels.use_amx(False)
     try:
         assert torch.equal(layer.silu_and_mul(x[:5], ops), expected[:5])
     finally:
         kernels.use_amx(True)
-    assert fused == [5, 4]
+    assert fused == [5, 600, 4]
 
 
 def test_copies_only_layers_it_takes_within_the_memory_limit(
