@@ -15,10 +15,10 @@
 // products, not 64). The next step's tiles are loaded while this one's last products run.
 //
 // A prefill's x is larger than L2 (2,048 rows of 576 are 2.3 MB): its rows are cut into
-// chunks of at most kChunkBytes, a task is one chunk's rows against one pair of blocks, and
-// the tasks run chunk by chunk, so that each thread keeps its chunk of x in its own cache
-// while the weight streams past, and reads the rows the layer's previous operator wrote on
-// the same core (that operator split the rows across threads the same way).
+// chunks of at most kChunkBytes, as many as a multiple of the threads, and a task is one
+// chunk's rows against one pair of blocks, numbered chunk by chunk: each thread starts on
+// chunks of its own, keeps them in its own cache while the weight streams past, and reads the
+// rows the layer's previous operator wrote on the same core (it split the rows the same way).
 //
 // The fused gate/up product pairs gate block j with up block j + n/32 in a task, rounds both
 // to bf16 as the unfused product would, and writes bf16(bf16(silu(gate)) · up): the same bits
