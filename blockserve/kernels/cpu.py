@@ -16,6 +16,11 @@ from blockserve.kernels.loader import KernelLoader
 
 HEAD_DIM = 64
 VECTOR_MAX_ROWS = 128  # the most rows a float32 product takes our vector kernel for
+# The fewest rows a bf16 product is widened to float32 for, where that pays (model/packed.py):
+# fewer rows are bound by reading the weight, twice the bytes in float32 (at 16 rows over a
+# 135M model's layers the widened products took 1.23x as long, at 64 rows 0.75x: 2 vCPUs, an
+# AVX512-BF16 Xeon without AMX).
+WIDE_MIN_ROWS = 64
 MAX_DECODE_GROUP = 8  # query heads per KV head that paged_decode takes
 
 
@@ -37,10 +42,11 @@ class KernelSwitches:
     attention: bool = True  # dense and prefix attention
     paged: bool = True  # the decodes' one-call attention
     layer: bool = True  # RMSNorm, rotary, SiLU, argmax, the K/V write
-    products: bool = True  # few-row products (bf16 on AMX tiles, float32 on vectors)
+    products: bool = True  # our products (bf16 on AMX tiles, float32 on vectors, widened bf16)
     tiles: bool = True  # AMX tiles where the CPU has them
     lora: bool = True  # LoRA's grouped products (else torch's bmm)
     vector_max_rows: int = VECTOR_MAX_ROWS
+    wide_min_rows: int = WIDE_MIN_ROWS
 
 
 class CpuKernels:
@@ -176,6 +182,11 @@ class CpuKernels:
         ops = self.loader.ops(torch.bfloat16)
         return None if ops is None else ops.gguf_linear
 
+    def widens(self, x: torch.Tensor) -> bool:
+        """Whether a bf16 product of the rows `x` runs widened to float32, over its layer's
+        wide copy (made where that pays: model/packed.py): `wide_min_rows` rows or more."""
+        return self.switches.products and x.shape[0] >= self.switches.wide_min_rows
+
     def lora_add(self, x: torch.Tensor) -> Callable[..., None] | None:
         """LoRA's grouped shrink and expand of one projection, added to its output in place
         (csrc/cpu/lora.h), for CPU rows like `x` of unit stride."""
@@ -185,17 +196,24 @@ class CpuKernels:
         return None if ops is None else ops.lora_add_
 
     def vector_linear(self, x: torch.Tensor, isa: str | None) -> Callable[..., torch.Tensor] | None:
-        """The float32 product of at most `vector_max_rows` rows over a weight packed by the
-        `isa` build (each build packs for its own vector width), that build being loaded."""
-        ops = self.loader.ops(torch.float32)
+        """The product of few rows over a weight packed by the `isa` build, that build being
+        loaded: float32 (each build packs for its own vector width) up to `vector_max_rows`
+        rows; bf16 widened to float32 as it is read, fewer than `wide_min_rows` (more take the
+        wide copy), where widening pays (model/packed.py)."""
+        if x.dtype == torch.float32:
+            most = self.switches.vector_max_rows
+        elif x.dtype == torch.bfloat16:
+            most = self.switches.wide_min_rows - 1
+        else:
+            return None
+        ops = self.loader.ops(x.dtype)
         if (
             ops is None
             or not self.switches.products
-            or x.dtype != torch.float32
             or not x.is_cpu
             or isa is None
-            or self.loader.isa(torch.float32) != isa
-            or x.shape[0] > self.switches.vector_max_rows
+            or self.loader.isa(x.dtype) != isa
+            or x.shape[0] > most
         ):
             return None
         return ops.vector_linear

@@ -1,7 +1,7 @@
 """Linear layers over weights reordered once into oneDNN's blocked layout (CPU), equal to
-`F.linear` (to the bit in bf16). Our tile (bf16, AMX, any rows) and vector (float32, few
-rows) kernels run products over a second copy of each weight made once they load; compiled
-graphs use oneDNN's, through `blockserve::packed_linear` (docs/cpu-kernels.md)."""
+`F.linear` (to the bit in bf16). Our tile (bf16, AMX) and vector (float32, few rows) kernels,
+and bf16 prefills widened to float32 where a CPU's FMAs outrun its bf16 dot products, run over
+a second copy of each weight; compiled graphs use oneDNN's (docs/cpu-kernels.md)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,13 @@ logger = logging.getLogger(__name__)
 # The most rows a product takes a GGUF weight's blocks for: beyond, the tile copy's bf16 is
 # faster (benchmarks/bench_gguf_linear.py).
 GGUF_MAX_ROWS = 8
-MAX_COPY_BYTES = 2 << 30  # of all tile (or vector) copies of a model
+MAX_COPY_BYTES = 2 << 30  # of all tile (or vector, or wide) copies of a model
+# A bf16 product runs over its weight widened to float32 (a "wide" copy) where this core's
+# float32 FMAs outrun its bf16 dot products by WIDE_GAIN (csrc/cpu/dot_rates.cpp), for a
+# prefill's rows, bound by arithmetic (CpuKernels.widens): on a 2-vCPU AVX512-BF16 Xeon without
+# AMX the dot products ran at 84 GFLOP/s a core, the FMAs at 172, oneDNN's products at
+# 148-166 in bf16 and 252-323 widened (2,048 rows of SmolLM2-135M's layers).
+WIDE_GAIN = 1.25
 
 _LIBRARY = torch.library.Library("blockserve", "FRAGMENT")
 _LIBRARY.define("packed_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor")
@@ -78,7 +84,8 @@ class PackedLinear(nn.Module):
     bias: torch.Tensor | None
     tiles: torch.Tensor | None  # the weight in tile order (pack_for_tiles), or None
     vectors: torch.Tensor | None  # the weight in panel order (pack_for_vectors), or None
-    vectors_isa: str | None  # the f32 build that packed `vectors`
+    vectors_isa: str | None  # the build that packed `vectors`
+    wide: torch.Tensor | None  # the bf16 weight widened to float32, for oneDNN (pack_wide)
     kernels: CpuKernels | None  # ours, which run over `tiles` or `vectors` (use_kernels)
     gguf: torch.Tensor | None  # a GGUF file's blocks of this weight (gguf_weights.attach)
     gguf_type: int  # their GGML type
@@ -96,6 +103,7 @@ class PackedLinear(nn.Module):
         self.register_buffer("tiles", None, persistent=False)
         self.register_buffer("vectors", None, persistent=False)
         self.vectors_isa = None
+        self.register_buffer("wide", None, persistent=False)
         self.kernels = None
         self.register_buffer("gguf", None, persistent=False)
         self.gguf_type, self.gguf_packed = 0, False
@@ -130,6 +138,9 @@ class PackedLinear(nn.Module):
             and (vector_linear := kernels.vector_linear(rows, self.vectors_isa)) is not None
         ):
             out = vector_linear(rows, vectors, bias)
+        elif (wide := buffers["wide"]) is not None and kernels is not None and kernels.widens(rows):
+            wide_bias = None if bias is None else bias.float()
+            out = _packed_linear(rows.float(), wide, wide_bias).to(rows.dtype)
         else:
             out = _packed_linear(rows, self.packed, bias)
         return out if flat else out.view(*x.shape[:-1], self.out_features)
@@ -164,9 +175,17 @@ class PackedLinear(nn.Module):
         """The weight as a plain row-major [out, in] tensor (what the copies are made from)."""
         return self.packed.to_dense() if self.packed.is_mkldnn else self.packed
 
+    def widenable(self) -> bool:
+        """Whether this layer's products can be widened: its weight is bf16."""
+        return self.packed.dtype == torch.bfloat16
+
     def vectorizable(self) -> bool:
-        """Whether our float32 vector kernel takes this layer: out_features a multiple of 32."""
-        return self.packed.dtype == torch.float32 and self.out_features % 32 == 0
+        """Whether our vector kernels take this layer: out_features a multiple of 32, float32,
+        or bf16 of even in_features."""
+        if self.out_features % 32 != 0:
+            return False
+        dtype = self.packed.dtype
+        return dtype == torch.float32 or (dtype == torch.bfloat16 and self.in_features % 2 == 0)
 
 
 def prepack_linears(model: nn.Module) -> int:
@@ -194,6 +213,34 @@ def pack_for_tiles(model: nn.Module, ops: Any) -> int:
     return len(linears)
 
 
+def widening_pays(ops: Any) -> bool:
+    """Whether this CPU's bf16 prefill products run faster widened to float32 (`ops`: our
+    loaded bf16 operators): it has no AMX tiles, and its float32 FMAs outrun its bf16 dot
+    products by `WIDE_GAIN` (the rates of one core, measured now in about 2 ms)."""
+    if ops.has_amx():
+        return False
+    bf16, f32 = ops.dot_rates()
+    pays = f32 >= WIDE_GAIN * bf16
+    logger.info(
+        "bf16 dot products %.0f GFLOP/s, float32 FMAs %.0f a core: prefill products in %s",
+        bf16,
+        f32,
+        "float32" if pays else "bf16",
+    )
+    return pays
+
+
+def pack_wide(model: nn.Module) -> int:
+    """Give each bf16 `PackedLinear` under `model` a copy of its weight widened to float32 in
+    oneDNN's layout, for the products of many rows (`CpuKernels.widens`), unless the copies
+    would pass `MAX_COPY_BYTES`; returns how many got one."""
+    linears = _to_copy(model, PackedLinear.widenable, "wide", bytes_per_weight=4)
+    for linear in linears:
+        widened = linear.dense_weight().float()
+        linear.wide = torch.ops.mkldnn._reorder_linear_weight(widened, None)
+    return len(linears)
+
+
 def pack_for_gguf(model: nn.Module, ops: Any) -> int:
     """Put each GGUF weight's blocks under `model` into the order our kernel reads (`ops`: our
     loaded bf16 operators); returns how many."""
@@ -208,9 +255,9 @@ def pack_for_gguf(model: nn.Module, ops: Any) -> int:
 
 
 def pack_for_vectors(model: nn.Module, ops: Any, isa: str) -> int:
-    """Give each `PackedLinear` under `model` that our float32 vector kernel takes a copy of
-    its weight in panel order (`ops`: the loaded f32 build, named `isa`), unless the copies
-    would pass `MAX_COPY_BYTES`; returns how many got one."""
+    """Give each `PackedLinear` under `model` that our vector kernels take a copy of its weight
+    in panel order (`ops`: the loaded build of the model's dtype, named `isa`), unless the
+    copies would pass `MAX_COPY_BYTES`; returns how many got one."""
     linears = _to_copy(model, PackedLinear.vectorizable, "vector")
     for linear in linears:
         linear.vectors, linear.vectors_isa = ops.vector_pack(linear.dense_weight()), isa
@@ -228,28 +275,36 @@ def pack_once_loaded(
     model: weakref.ref[nn.Module], kernels: CpuKernels, dtype: torch.dtype
 ) -> Callable[[Any], None]:
     """What to run once `kernels` has `dtype`'s library loaded (on its loader's thread, given
-    its operators): the tile copies and GGUF blocks (bf16) or the panel copies for the build
-    loaded (float32) of the model's weights, unless the model is gone by then."""
+    its operators): the tile copies and GGUF blocks (bf16; and where widening pays, the wide
+    and panel copies) or the panel copies for the build loaded (float32) of the model's
+    weights, unless the model is gone by then."""
 
     def pack(ops: Any) -> None:
         if (alive := model()) is None:
             return
+        isa = kernels.loader.isa(dtype)
         if dtype == torch.bfloat16:
             pack_for_tiles(alive, ops)
             pack_for_gguf(alive, ops)
-        elif (isa := kernels.loader.isa(torch.float32)) is not None:
+            if isa is not None and widening_pays(ops):
+                pack_wide(alive)
+                pack_for_vectors(alive, ops, isa)
+        elif isa is not None:
             pack_for_vectors(alive, ops, isa)
 
     return pack
 
 
 def _to_copy(
-    model: nn.Module, takes: Callable[[PackedLinear], bool], kind: str
+    model: nn.Module,
+    takes: Callable[[PackedLinear], bool],
+    kind: str,
+    bytes_per_weight: int | None = None,
 ) -> list[PackedLinear]:
     """The `PackedLinear`s under `model` a kernel `takes`; none (logged) if copies of their
-    weights would pass `MAX_COPY_BYTES`."""
+    weights, `bytes_per_weight` each (default: the weights' own), would pass `MAX_COPY_BYTES`."""
     linears = [m for m in model.modules() if isinstance(m, PackedLinear) and takes(m)]
-    size = sum(m.packed.numel() * m.packed.element_size() for m in linears)
+    size = sum(m.packed.numel() * (bytes_per_weight or m.packed.element_size()) for m in linears)
     if size > MAX_COPY_BYTES:
         logger.info(
             "linear weights of %.1f GiB: no %s copies (at most %.1f GiB)",

@@ -24,7 +24,7 @@ from tests.kernels.test_cpu_kernel import AMX
 from tests.tiny_models import save_tiny_model
 
 pytestmark = pytest.mark.skipif(
-    not AMX, reason="needs an x86 CPU with AMX-BF16 (elsewhere oneDNN serves every product)"
+    not AMX, reason="needs an x86 CPU with AMX-BF16 (elsewhere oneDNN or our vectors serve)"
 )
 
 

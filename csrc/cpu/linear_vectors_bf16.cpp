@@ -1,0 +1,151 @@
+// Linear layers of few rows (decode steps) in bf16 on float32 FMAs: y = x · Wᵀ (+ bias),
+// bfloat16 in and out, float32 sums rounded once, for CPUs without AMX whose FMAs outrun their
+// bf16 dot products (dot_rates.cpp; blockserve/model/packed.py chooses).
+//
+// On a 2-vCPU AVX512-BF16 Xeon without AMX, oneDNN's bf16 products of a decode step's 16 rows
+// over SmolLM2-135M's weights read them at about 5 GB/s, where a plain read reaches 22: its
+// vdpbf16ps issues once for two FMAs there, so 16 rows are already bound by arithmetic.
+// Here the weight is repacked once into panels of 32 columns, [N / 32][K][32 bf16], a 64-byte
+// line for each k holding column c in the low half of 32-bit lane c and column 16 + c in its
+// high half: a shift and a mask widen it into the two float32 vectors of the panel's columns,
+// exactly. x is widened once a call; each of its rows then takes a broadcast and two FMAs per
+// k and panel, kRows rows a pass (a register tile of kRows × 2 vectors), the first pass
+// reading the panel from memory, the later ones from cache, the next panel fetched into L2
+// meanwhile (as in linear_f32.cpp, whose float32 weights this kernel halves).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+
+#include "bf16.h"
+
+namespace {
+
+using namespace blockserve_cpu;
+
+constexpr int64_t kPanel = 16;  // columns of W a panel holds
+constexpr int64_t kRows = 16;   // the most rows of a pass: 16 accumulators
+
+// W [N, K] row-major bf16 → panels of k pairs: W[p · 16 + c][2j + h] at
+// ((p · K / 2 + j) · 16 + c) · 2 + h, a 64-byte line per pair j (vdpbf16ps's order).
+at::Tensor vector_pack(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16,
+              "vector_pack: the weight must be 2-D bfloat16");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  TORCH_CHECK(n % 32 == 0 && k % 2 == 0, "vector_pack: [", n, ", ", k,
+              "]: rows must be a multiple of 32, columns even");
+  const at::Tensor w = weight.contiguous();
+  at::Tensor packed = at::empty_like(w);
+  const auto* src = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  auto* dst = reinterpret_cast<uint16_t*>(packed.data_ptr());
+  at::parallel_for(0, n / kPanel, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t i = 0; i < k; ++i)
+        for (int64_t c = 0; c < kPanel; ++c)
+          dst[((p * k / 2 + i / 2) * kPanel + c) * 2 + i % 2] = src[(p * kPanel + c) * k + i];
+  });
+  return packed;
+}
+
+// Where a pass is: x widened and transposed ([k][rows]) at the pass's first row, the panel,
+// the next panel to fetch (or none) and which share of its lines this pass fetches.
+struct Pass {
+  const float* x;
+  int64_t rows;  // of the whole x: the stride of its k
+  const uint16_t* panel;
+  const uint16_t* next;
+  int64_t k, passes, pass;
+};
+
+// y[R][16] = x[R][k] · panel (+ bias), rounded to bf16: R rows of one pass. A line holds 16
+// columns' values at k = 2j (the low halves of its 32-bit lanes) and 2j + 1 (the high ones).
+template <int R>
+void pass_rows(const Pass& at, const float* bias, uint16_t* y, int64_t y_stride) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  // This pass fetches the next panel's lines pass, pass + passes, ...: a countdown to each.
+  int64_t until_fetch = at.next != nullptr ? at.pass : at.k;
+  for (int64_t j = 0; j < at.k / 2; ++j) {
+    const __m512i line = _mm512_loadu_si512(at.panel + j * 2 * kPanel);
+    const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(line, 16));
+    const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(line, high));
+    if (until_fetch-- == 0) {  // the next panel's line j
+      _mm_prefetch(reinterpret_cast<const char*>(at.next + j * 2 * kPanel), _MM_HINT_T1);
+      until_fetch = at.passes - 1;
+    }
+    const float* x0 = at.x + 2 * j * at.rows;
+    const float* x1 = x0 + at.rows;
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x0[r]), even, acc[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x1[r]), odd, acc[r]);
+    }
+  }
+  const __m512 shift = bias != nullptr ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) store_bf16(y + r * y_stride, _mm512_add_ps(acc[r], shift));
+}
+
+// A pass of `rows` (1 to R) rows.
+template <int R>
+void pass_any(int64_t rows, const Pass& at, const float* bias, uint16_t* y, int64_t y_stride) {
+  if constexpr (R > 1) {
+    if (rows < R) return pass_any<R - 1>(rows, at, bias, y, y_stride);
+  }
+  pass_rows<R>(at, bias, y, y_stride);
+}
+
+//   x [rows, k] bf16 (rows of any stride, unit along k), packed: vector_pack(W) for W [n, k],
+//   bias [n] bf16 or none → [rows, n] bf16.
+at::Tensor vector_linear(const at::Tensor& x, const at::Tensor& packed,
+                         const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && packed.dim() == 2 &&
+                  packed.scalar_type() == at::kBFloat16,
+              "vector_linear: x [rows, k] and the packed weight [n, k] must be bfloat16");
+  const int64_t rows = x.size(0), k = x.size(1), n = packed.size(0);
+  TORCH_CHECK(packed.size(1) == k && packed.is_contiguous(), "vector_linear: x has ", k,
+              " columns, the weight ", packed.size(1));
+  TORCH_CHECK(n % 32 == 0 && k % 2 == 0, "vector_linear: [", n, ", ", k,
+              "]: rows must be a multiple of 32, columns even");
+  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == n &&
+                        bias->scalar_type() == at::kBFloat16),
+              "vector_linear: bias must be bfloat16 [", n, "]");
+  at::Tensor out = at::empty({rows, n}, x.options());
+  if (rows == 0) return out;
+  const at::Tensor columns = x.t().to(at::kFloat).contiguous();  // [k][rows], exact
+  const at::Tensor shift = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  const float* xs = columns.data_ptr<float>();
+  const auto* ws = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  const float* bs = bias ? shift.data_ptr<float>() : nullptr;
+  auto* ys = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const int64_t passes = (rows + kRows - 1) / kRows;
+  at::parallel_for(0, n / kPanel, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const uint16_t* panel = ws + p * k * kPanel;
+      const uint16_t* next = p + 1 < end ? panel + k * kPanel : nullptr;
+      for (int64_t pass = 0; pass < passes; ++pass) {
+        const int64_t row0 = pass * kRows;
+        const Pass at{xs + row0, rows, panel, next, k, passes, pass};
+        pass_any<kRows>(std::min(kRows, rows - row0), at, bs ? bs + p * kPanel : nullptr,
+                        ys + row0 * n + p * kPanel, n);
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(blockserve_cpu, m) {
+  m.def("vector_pack(Tensor weight) -> Tensor");
+  m.def("vector_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(blockserve_cpu, CPU, m) {
+  m.impl("vector_pack", &vector_pack);
+  m.impl("vector_linear", &vector_linear);
+}
