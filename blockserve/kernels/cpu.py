@@ -16,11 +16,11 @@ from blockserve.kernels.loader import KernelLoader
 
 HEAD_DIM = 64
 VECTOR_MAX_ROWS = 128  # the most rows a float32 product takes our vector kernel for
-# The fewest rows a bf16 product is widened to float32 for, where that pays (model/packed.py):
-# fewer rows are bound by reading the weight, twice the bytes in float32 (at 16 rows over a
-# 135M model's layers the widened products took 1.23x as long, at 64 rows 0.75x: 2 vCPUs, an
-# AVX512-BF16 Xeon without AMX).
-WIDE_MIN_ROWS = 64
+# The fewest rows a bf16 product is widened to float32 for over its wide copy, where widening
+# pays (model/packed.py); fewer take our bf16 vector kernel. Over SmolLM2-135M's 121 layers in
+# the engine (2 vCPUs, an AVX512-BF16 Xeon without AMX) a step of products took 98.3 ms on the
+# vectors and 108.3 on the wide copies at 64 rows, 144.3 and 136.2 at 96.
+WIDE_MIN_ROWS = 80
 MAX_DECODE_GROUP = 8  # query heads per KV head that paged_decode takes
 
 
