@@ -34,6 +34,7 @@ def main() -> None:
     args = parser.parse_args()
     model = str(shaped_model_dir(args.model)) if args.model in SHAPES else args.model
     llm = LLM(model=model)
+    llm.engine.core.runner.kernels.loader.wait()  # a first start builds them meanwhile
     shared = list(range(100, 1124))
     prompts = [shared + [2000 + i * 32 + j for j in range(32)] for i in range(64)]
     llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=2), use_tqdm=False)

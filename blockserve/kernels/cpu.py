@@ -18,8 +18,9 @@ HEAD_DIM = 64
 VECTOR_MAX_ROWS = 128  # the most rows a float32 product takes our vector kernel for
 # The fewest rows a bf16 product is widened to float32 for over its wide copy, where widening
 # pays (model/packed.py); fewer take our bf16 vector kernel. Over SmolLM2-135M's 121 layers in
-# the engine (2 vCPUs, an AVX512-BF16 Xeon without AMX) a step of products took 98.3 ms on the
-# vectors and 108.3 on the wide copies at 64 rows, 144.3 and 136.2 at 96.
+# the engine (benchmarks/bench_wide_products.py; 2 vCPUs, an AVX512-BF16 Xeon without AMX) a
+# step of products took 127.7 ms on the vectors and 134.9 on the wide copies at 64 rows, 189.5
+# and 175.0 at 96.
 WIDE_MIN_ROWS = 80
 MAX_DECODE_GROUP = 8  # query heads per KV head that paged_decode takes
 

@@ -24,9 +24,10 @@ GGUF_MAX_ROWS = 8
 MAX_COPY_BYTES = 2 << 30  # of all tile (or vector, or wide) copies of a model
 # A bf16 product runs over its weight widened to float32 (a "wide" copy) where this core's
 # float32 FMAs outrun its bf16 dot products by WIDE_GAIN (csrc/cpu/dot_rates.cpp), for a
-# prefill's rows, bound by arithmetic (CpuKernels.widens): on a 2-vCPU AVX512-BF16 Xeon without
-# AMX the dot products ran at 84 GFLOP/s a core, the FMAs at 172, oneDNN's products at
-# 148-166 in bf16 and 252-323 widened (2,048 rows of SmolLM2-135M's layers).
+# prefill's rows, bound by arithmetic (CpuKernels.widens); fewer rows take our vector kernel
+# over a bf16 panel copy. On a 2-vCPU AVX512-BF16 Xeon without AMX the dot products ran at
+# 64-89 GFLOP/s a core, the FMAs at 162-179, and oneDNN's products of 2,048 rows of
+# SmolLM2-135M's layers at 169-172 in bf16 and 258-291 widened (benchmarks/bench_floor.py).
 WIDE_GAIN = 1.25
 
 _LIBRARY = torch.library.Library("blockserve", "FRAGMENT")

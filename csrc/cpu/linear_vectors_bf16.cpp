@@ -3,15 +3,17 @@
 // bf16 dot products (dot_rates.cpp; blockserve/model/packed.py chooses).
 //
 // On a 2-vCPU AVX512-BF16 Xeon without AMX, oneDNN's bf16 products of a decode step's 16 rows
-// over SmolLM2-135M's weights read them at about 5 GB/s, where a plain read reaches 22: its
-// vdpbf16ps issues once for two FMAs there, so 16 rows are already bound by arithmetic.
-// Here the weight is repacked once into panels of 32 columns, [N / 32][K][32 bf16], a 64-byte
-// line for each k holding column c in the low half of 32-bit lane c and column 16 + c in its
-// high half: a shift and a mask widen it into the two float32 vectors of the panel's columns,
-// exactly. x is widened once a call; each of its rows then takes a broadcast and two FMAs per
-// k and panel, kRows rows a pass (a register tile of kRows × 2 vectors), the first pass
-// reading the panel from memory, the later ones from cache, the next panel fetched into L2
-// meanwhile (as in linear_f32.cpp, whose float32 weights this kernel halves).
+// over SmolLM2-135M's weights took 54.4 ms, reading them at 5 GB/s where a plain read reaches
+// 22-25, and computing at half the rate vdpbf16ps allows there, which is itself half the
+// FMAs' (benchmarks/bench_wide_products.py).
+// Here the weight is repacked once into panels of 16 columns, [N / 16][K / 2][16][2 bf16]: a
+// 64-byte line for each pair of k holds column c's two values in 32-bit lane c, which a shift
+// (the even k) and a mask (the odd k) widen into two float32 vectors exactly. x is widened
+// once a call, transposed ([k][rows]) so that a pass's broadcasts are one stream; each row
+// then takes two broadcasts and two FMAs per line, up to kRows rows a pass (kRows
+// accumulators), the first pass reading the panel from memory, the later ones from cache, the
+// next panel fetched into L2 meanwhile (as in linear_f32.cpp, whose float32 weights this
+// kernel halves).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

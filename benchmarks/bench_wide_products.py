@@ -1,0 +1,90 @@
+"""Where widening bf16 products to float32 pays, and from how many rows: this core's bf16 dot
+product and float32 FMA rates (our library's `dot_rates`), then one step's products over every
+linear layer of the loaded model (the engine's `PackedLinear`s, each weight its own), timed
+three ways in the same process taking turns: our vector kernel over the bf16 panels, oneDNN's
+over the float32 wide copies, oneDNN's bf16 (ms a step, the median of --repeats after one
+warm-up), at 16 to 192 rows. Where widening does not pay here, the model has no copies and only
+the rates are reported.
+
+    .venv/bin/python benchmarks/bench_wide_products.py [--model DIR] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import emit
+
+ROWS = (16, 32, 48, 64, 96, 128, 192)
+
+
+def step_ms(layers: list[Any], rows: int, repeats: int, kernels: Any) -> dict[str, float]:
+    """One step's products of `rows` rows on each path, the median ms of `repeats` turns."""
+    import torch
+
+    xs = [torch.randn(rows, layer.in_features).bfloat16() for layer in layers]
+    paths = {  # (our products on, wide_min_rows)
+        "vectors": (True, 1 << 30),
+        "wide": (True, 1),
+        "onednn_bf16": (False, 1 << 30),
+    }
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    saved = kernels.switches.products, kernels.switches.wide_min_rows
+    try:
+        with torch.inference_mode():
+            for _ in range(repeats + 1):
+                for name, (products, wide_min_rows) in paths.items():
+                    kernels.switches.products = products
+                    kernels.switches.wide_min_rows = wide_min_rows
+                    started = time.perf_counter()
+                    for layer, x in zip(layers, xs, strict=True):
+                        layer(x)
+                    times[name].append(time.perf_counter() - started)
+    finally:
+        kernels.switches.products, kernels.switches.wide_min_rows = saved
+    return {name: round(statistics.median(t[1:]) * 1e3, 1) for name, t in times.items()}
+
+
+def main() -> None:
+    import torch
+
+    from blockserve import LLM
+    from blockserve.model.packed import PackedLinear
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None, help="default: the embedded model")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    llm = LLM(args.model, dtype="bfloat16")
+    kernels = llm.engine.core.runner.kernels
+    kernels.loader.wait()
+    ops = kernels.loader.ops(torch.bfloat16)
+    bf16, f32 = ops.dot_rates() if ops is not None else (None, None)
+    layers = [m for m in llm.engine.core.runner.model.modules() if isinstance(m, PackedLinear)]
+    widened = all(m.wide is not None for m in layers)
+    by_rows = {}
+    if widened:
+        by_rows = {rows: step_ms(layers, rows, args.repeats, kernels) for rows in ROWS}
+    emit(
+        {
+            "benchmark": "wide_products",
+            "model": args.model or "embedded SmolLM2-135M-Instruct",
+            "dot_rates_gflops_a_core": {"bf16_dot": bf16, "f32_fma": f32},
+            "layers": len(layers),
+            "widened": widened,
+            "wide_min_rows": kernels.switches.wide_min_rows,
+            "step_ms_by_rows": by_rows,
+        },
+        args.out,
+    )
+
+
+if __name__ == "__main__":
+    main()
