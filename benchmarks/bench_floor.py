@@ -42,6 +42,7 @@ from report import emit
 from blockserve.config import default_cache_dir
 from blockserve.kernels.loader import KernelLoader
 from blockserve.model.loader import read_arch, resolve_model_dir
+from blockserve.model.packed import wide_linear
 
 CHUNK = 2048  # tokens a step (max_num_batched_tokens)
 
@@ -64,18 +65,13 @@ def product_rates(shapes: list[tuple[int, int]], rows: int) -> dict[str, Any]:
         if ops is not None and ops.has_amx():
             paths["tile"] = functools.partial(ops.tile_linear, x, ops.tile_pack(weight), None)
         wide = torch.ops.mkldnn._reorder_linear_weight(weight.float(), None)
-        paths["wide"] = functools.partial(_wide_product, x, wide)
+        paths["wide"] = functools.partial(wide_linear, x, wide, None)
         times = {name: best_seconds(call) for name, call in paths.items()}
         best = min(times, key=times.__getitem__)
         per_shape[f"{n}x{k}"] = {"best": best, **{p: round(t * 1e3, 3) for p, t in times.items()}}
         flops += 2.0 * rows * n * k
         seconds += times[best]
     return {"rows": rows, "per_shape_ms": per_shape, "r_flops": flops / seconds}
-
-
-def _wide_product(x: torch.Tensor, wide: torch.Tensor) -> torch.Tensor:
-    """A bf16 product widened to float32, as PackedLinear runs it over a wide copy."""
-    return torch.ops.mkldnn._linear_pointwise(x.float(), wide, None, "none", [], "").bfloat16()
 
 
 def read_rates(shapes: list[tuple[int, int]], layers: int) -> dict[str, float]:

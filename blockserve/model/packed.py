@@ -42,6 +42,15 @@ def _packed_linear(
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def wide_linear(
+    x: torch.Tensor,  # [rows, in_features], bf16
+    wide: torch.Tensor,  # the weight widened to float32, in oneDNN's layout (pack_wide)
+    bias: torch.Tensor | None,
+) -> torch.Tensor:  # [rows, out_features], x's dtype: the float32 sums rounded once
+    wide_bias = None if bias is None else bias.float()
+    return _packed_linear(x.float(), wide, wide_bias).to(x.dtype)
+
+
 # A thin registration: torch.library.custom_op's wrapper costs more per call than the
 # decode-sized product can spare.
 _LIBRARY.impl("packed_linear", _packed_linear, "CompositeExplicitAutograd")
@@ -140,8 +149,7 @@ class PackedLinear(nn.Module):
         ):
             out = vector_linear(rows, vectors, bias)
         elif (wide := buffers["wide"]) is not None and kernels is not None and kernels.widens(rows):
-            wide_bias = None if bias is None else bias.float()
-            out = _packed_linear(rows.float(), wide, wide_bias).to(rows.dtype)
+            out = wide_linear(rows, wide, bias)
         else:
             out = _packed_linear(rows, self.packed, bias)
         return out if flat else out.view(*x.shape[:-1], self.out_features)
