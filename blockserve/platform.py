@@ -1,13 +1,14 @@
 """The host probe: what this host's device and CPU compute natively (`HostCapabilities`,
-`probe_host`), and what `--dtype auto` means there (`auto_dtype`, a pure function of the
-probe): bfloat16 only where the hardware computes it (CUDA with bf16, x86 with AVX512-BF16 or
-AMX, Arm with BF16), float32 elsewhere, where torch's bf16 matmul takes a far slower path."""
+`probe_host`), what `--dtype auto` means there (`auto_dtype`, a pure function of the probe:
+bfloat16 only where the hardware computes it, float32 elsewhere, where torch's bf16 matmul
+takes a far slower path), and the host's memory now (`host_memory`)."""
 
 from __future__ import annotations
 
 import logging
 import platform
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -88,3 +89,18 @@ def warn_if_slow(dtype: torch.dtype, capabilities: HostCapabilities) -> None:
             "here",
             capabilities.describe(),
         )
+
+
+@dataclass(frozen=True, slots=True)
+class Memory:
+    """Free and total bytes of a device (or of the host)."""
+
+    free: int
+    total: int
+
+
+def host_memory(meminfo: Path = Path("/proc/meminfo")) -> Memory:
+    """The host's memory: available (what the kernel can hand out without swapping) and total."""
+    fields = dict(line.split(":", 1) for line in meminfo.read_text().splitlines() if ":" in line)
+    kib = {name: int(value.split()[0]) * 1024 for name, value in fields.items()}
+    return Memory(free=kib["MemAvailable"], total=kib["MemTotal"])

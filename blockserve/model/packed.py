@@ -14,14 +14,17 @@ import torch
 from torch import nn
 
 from blockserve.kernels import CpuKernels
-from blockserve.platform import probe_host
+from blockserve.platform import host_memory, probe_host
 
 logger = logging.getLogger(__name__)
 
 # The most rows a product takes a GGUF weight's blocks for: beyond, the tile copy's bf16 is
 # faster (benchmarks/bench_gguf_linear.py).
 GGUF_MAX_ROWS = 8
-MAX_COPY_BYTES = 2 << 30  # of all tile (or vector, or wide) copies of a model
+# Each kind of copy of a model's weights (tile, vector or wide: all its layers or none) takes
+# at most this share of the memory the host has available when it is made (copy_budget): the
+# rest stays for activations, the KV cache and other processes.
+COPY_SHARE = 0.5
 # A bf16 product runs over its weight widened to float32 (a "wide" copy) where this core's
 # float32 FMAs outrun its bf16 dot products by WIDE_GAIN (csrc/cpu/dot_rates.cpp), for a
 # prefill's rows, bound by arithmetic (CpuKernels.widens); fewer rows take our vector kernel
@@ -213,7 +216,7 @@ def prepack_linears(model: nn.Module) -> int:
 def pack_for_tiles(model: nn.Module, ops: Any) -> int:
     """Give each `PackedLinear` under `model` that our tile kernel takes a copy of its weight
     in tile order (`ops`: our loaded bf16 operators), unless the CPU has no AMX-BF16 or the
-    copies would pass `MAX_COPY_BYTES`; returns how many got one."""
+    copies would pass `copy_budget()`; returns how many got one."""
     if not ops.has_amx():
         return 0
     linears = _to_copy(model, PackedLinear.tileable, "tile")
@@ -242,7 +245,7 @@ def widening_pays(ops: Any) -> bool:
 def pack_wide(model: nn.Module) -> int:
     """Give each bf16 `PackedLinear` under `model` a copy of its weight widened to float32 in
     oneDNN's layout, for the products of many rows (`CpuKernels.widens`), unless the copies
-    would pass `MAX_COPY_BYTES`; returns how many got one."""
+    would pass `copy_budget()`; returns how many got one."""
     linears = _to_copy(model, PackedLinear.widenable, "wide", bytes_per_weight=4)
     for linear in linears:
         widened = linear.dense_weight().float()
@@ -266,7 +269,7 @@ def pack_for_gguf(model: nn.Module, ops: Any) -> int:
 def pack_for_vectors(model: nn.Module, ops: Any, isa: str) -> int:
     """Give each `PackedLinear` under `model` that our vector kernels take a copy of its weight
     in panel order (`ops`: the loaded build of the model's dtype, named `isa`), unless the
-    copies would pass `MAX_COPY_BYTES`; returns how many got one."""
+    copies would pass `copy_budget()`; returns how many got one."""
     linears = _to_copy(model, PackedLinear.vectorizable, "vector")
     for linear in linears:
         linear.vectors, linear.vectors_isa = ops.vector_pack(linear.dense_weight()), isa
@@ -284,9 +287,9 @@ def pack_once_loaded(
     model: weakref.ref[nn.Module], kernels: CpuKernels, dtype: torch.dtype
 ) -> Callable[[Any], None]:
     """What to run once `kernels` has `dtype`'s library loaded (on its loader's thread, given
-    its operators): the tile copies and GGUF blocks (bf16; and where widening pays, the wide
-    and panel copies) or the panel copies for the build loaded (float32) of the model's
-    weights, unless the model is gone by then."""
+    its operators): the tile copies and GGUF blocks (bf16; and where widening pays, attention
+    widened, the panel and the wide copies) or the panel copies for the build loaded (float32)
+    of the model's weights, unless the model is gone by then."""
 
     def pack(ops: Any) -> None:
         if (alive := model()) is None:
@@ -296,12 +299,18 @@ def pack_once_loaded(
             pack_for_tiles(alive, ops)
             pack_for_gguf(alive, ops)
             if isa is not None and widening_pays(ops):
+                pack_for_vectors(alive, ops, isa)  # first: every request's decode runs on them
                 pack_wide(alive)
-                pack_for_vectors(alive, ops, isa)
         elif isa is not None:
             pack_for_vectors(alive, ops, isa)
 
     return pack
+
+
+def copy_budget() -> int:
+    """The most bytes one kind of copy of a model's weights may take now: `COPY_SHARE` of the
+    host's available memory."""
+    return int(COPY_SHARE * host_memory().free)
 
 
 def _to_copy(
@@ -311,15 +320,17 @@ def _to_copy(
     bytes_per_weight: int | None = None,
 ) -> list[PackedLinear]:
     """The `PackedLinear`s under `model` a kernel `takes`; none (logged) if copies of their
-    weights, `bytes_per_weight` each (default: the weights' own), would pass `MAX_COPY_BYTES`."""
+    weights, `bytes_per_weight` each (default: the weights' own), would pass `copy_budget()`."""
     linears = [m for m in model.modules() if isinstance(m, PackedLinear) and takes(m)]
     size = sum(m.packed.numel() * (bytes_per_weight or m.packed.element_size()) for m in linears)
-    if size > MAX_COPY_BYTES:
+    if size > (budget := copy_budget()):
         logger.info(
-            "linear weights of %.1f GiB: no %s copies (at most %.1f GiB)",
-            size / 2**30,
+            "%s copies of the linear weights would take %.1f GiB, past %.1f (%g of the memory "
+            "available): none made",
             kind,
-            MAX_COPY_BYTES / 2**30,
+            size / 2**30,
+            budget / 2**30,
+            COPY_SHARE,
         )
         return []
     return linears

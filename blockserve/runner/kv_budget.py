@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -15,6 +14,7 @@ import torch
 
 from blockserve.config import CacheConfig
 from blockserve.errors import InvalidConfigError
+from blockserve.platform import Memory, host_memory
 from blockserve.runner.dummy_steps import profile_run
 from blockserve.runner.kv_cache import (
     DEFAULT_CPU_KV_CACHE_BYTES,
@@ -35,14 +35,6 @@ class LargestStep(NamedTuple):
 
     tokens: int = 2048
     seqs: int = 64
-
-
-@dataclass(frozen=True, slots=True)
-class Memory:
-    """Free and total bytes of a device (or of the host)."""
-
-    free: int
-    total: int
 
 
 def fixed_kv_bytes(
@@ -91,12 +83,6 @@ def kv_bytes_left(requested: int, taken: int, where: str) -> int:
             f"{_gib(requested)} GiB --gpu-memory-utilization grants: raise it"
         )
     return left
-
-
-def host_memory(meminfo: Path = Path("/proc/meminfo")) -> Memory:
-    fields = dict(line.split(":", 1) for line in meminfo.read_text().splitlines() if ":" in line)
-    kib = {name: int(value.split()[0]) * 1024 for name, value in fields.items()}
-    return Memory(free=kib["MemAvailable"], total=kib["MemTotal"])
 
 
 def resident_bytes(status: Path = Path("/proc/self/status")) -> int:

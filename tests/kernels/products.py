@@ -1,5 +1,6 @@
 """What the tests of our few-row products share: integer operands whose products and sums are
-exact in float32, and a spy on the accessor that hands a product kernel out."""
+exact in float32, a spy on the accessor that hands a product kernel out, and a host whose
+memory lets the weights' copies take a given number of bytes."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import torch
 from torch import nn
 
 from blockserve.kernels import CpuKernels
+from blockserve.model import packed
+from blockserve.platform import Memory
 
 
 def small_ints(*shape: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
@@ -53,3 +56,10 @@ def spy_on_rows(monkeypatch: pytest.MonkeyPatch, kernels: CpuKernels, accessor: 
 
     monkeypatch.setattr(kernels, accessor, spying)
     return calls
+
+
+def copies_may_take(monkeypatch: pytest.MonkeyPatch, budget: int) -> None:
+    """Make the host's available memory what lets one kind of copy take `budget` bytes."""
+    free = round(budget / packed.COPY_SHARE)
+    monkeypatch.setattr(packed, "host_memory", lambda: Memory(free=free, total=2 * free))
+    assert packed.copy_budget() == budget

@@ -17,7 +17,6 @@ from torch import nn
 from blockserve.config import CacheConfig, ModelConfig
 from blockserve.kernels import CpuKernels
 from blockserve.kernels import build as cpu_build
-from blockserve.model import packed
 from blockserve.model.packed import PackedLinear, pack_for_vectors, use_kernels
 from blockserve.runner.build import build_runner
 from tests.kernels import products
@@ -146,9 +145,9 @@ def test_copies_only_layers_it_takes_within_the_memory_limit(
     weights = [(m.weight.detach().clone(), m.bias.detach().clone()) for m in (first, second)]
     model = nn.Sequential(PackedLinear(first), PackedLinear(second))
     use_kernels(model, kernels)
-    monkeypatch.setattr(packed, "MAX_COPY_BYTES", 160 * 96 * 4 - 1)
+    products.copies_may_take(monkeypatch, 160 * 96 * 4 - 1)
     assert pack_for_vectors(model, ops, isa) == 0 and model[0].vectors is None
-    monkeypatch.setattr(packed, "MAX_COPY_BYTES", 160 * 96 * 4)
+    products.copies_may_take(monkeypatch, 160 * 96 * 4)
     assert pack_for_vectors(model, ops, isa) == 1  # 100 columns: not a multiple of 32
     assert model[0].vectors is not None and model[1].vectors is None
     x = small_ints(4, 160, seed=7)

@@ -165,9 +165,9 @@ def test_products_of_many_rows_take_the_wide_copy_and_are_exact(
     model = nn.Sequential(PackedLinear(first), PackedLinear(second))
     kernels = CpuKernels()
     use_kernels(model, kernels)
-    monkeypatch.setattr(packed, "MAX_COPY_BYTES", (160 * 96 + 96 * 64) * 4 - 1)
+    products.copies_may_take(monkeypatch, (160 * 96 + 96 * 64) * 4 - 1)
     assert pack_wide(model) == 0 and model[0].wide is None
-    monkeypatch.setattr(packed, "MAX_COPY_BYTES", (160 * 96 + 96 * 64) * 4)
+    products.copies_may_take(monkeypatch, (160 * 96 + 96 * 64) * 4)
     assert pack_wide(model) == 2
     assert model[0].wide.dtype == torch.float32 and model[0].wide.shape == (96, 160)
     dtypes = spy_on_dtypes(monkeypatch)
