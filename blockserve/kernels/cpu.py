@@ -81,6 +81,13 @@ class CpuKernels:
         ops = self.loader.ops(torch.bfloat16)
         return ops is not None and bool(ops.use_amx(on))
 
+    def use_wide_attention(self, on: bool) -> bool:
+        """Run bf16 attention's products on float32 FMAs over the pairs widened (where they
+        outrun bf16 dot products: packed.widening_pays) or not (the default); whether they are
+        now in use: never where the tiles are."""
+        ops = self.loader.ops(torch.bfloat16)
+        return ops is not None and bool(ops.use_wide_attention(on))
+
     def _attention_ops(self, x: torch.Tensor, *, paged: bool = False) -> Any:
         """The loaded operators for tensors like `x` (head dimension last), or None."""
         if not self.switches.attention or (paged and not self.switches.paged):

@@ -299,6 +299,7 @@ def pack_once_loaded(
             pack_for_tiles(alive, ops)
             pack_for_gguf(alive, ops)
             if isa is not None and widening_pays(ops):
+                kernels.use_wide_attention(True)
                 pack_for_vectors(alive, ops, isa)  # first: every request's decode runs on them
                 pack_wide(alive)
         elif isa is not None:

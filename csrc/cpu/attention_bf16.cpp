@@ -10,7 +10,8 @@
 // load holds 16 dimensions of a key pair. Each task is
 // (batch, head, 16 rows), processed as 4-row tiles whose accumulators stay in registers; key
 // blocks past the task's longest row are skipped. Where the CPU has AMX-BF16, the same
-// operators run both products on AMX tiles instead (AmxKernel below: one task, one tile).
+// operators run both products on AMX tiles instead (AmxKernel below: one task, one tile);
+// where its float32 FMAs outrun `vdpbf16ps`, on FMAs over the pairs widened (WideKernel).
 //
 // Paged decode: per key, each query row's dot product is two `vdpbf16ps`, and a chunk's 16
 // keys' sums are reduced together (reduce_rows); probabilities stay float32 and V is widened
@@ -157,6 +158,7 @@ struct Bf16Kernel {
   static constexpr at::ScalarType kType = at::kBFloat16;
   static constexpr const char* kTypeName = "bfloat16";
   static constexpr int64_t kTileRows = ::kTileRows, kTaskRows = ::kTaskRows;
+  using Paged = Bf16Kernel;  // the policy of the decodes' paged attention (AMX keeps this)
 
   // K of one head as [key blocks of 16][32 pairs][16 keys][2]: padding keys are zero.
   // key_at(n) points at key n's 64 values. Each block is two 16×16 transposes of 32-bit
@@ -282,6 +284,14 @@ struct Bf16Kernel {
         dots[r][t] = _mm512_dpbf16_ps(dot, as_bh(query[r][1]), as_bh(k1));
       }
     }
+    finish_chunk<G>(dots, vc, first, count, stride, scale, state);
+  }
+
+  // The rest of decode_chunk once dots[r][t] holds row r's products with key t: the softmax
+  // update, then acc += probabilities · V.
+  template <int G>
+  static void finish_chunk(const __m512 (&dots)[G][16], const uint16_t* vc, int64_t first,
+                           int64_t count, int64_t stride, float scale, HeadState<G>& state) {
     const auto sum = [](__m512 x, __m512 y) { return _mm512_add_ps(x, y); };
     const __mmask16 keys = static_cast<__mmask16>((1u << count) - 1);
     alignas(64) float probs[G][16];
@@ -314,6 +324,126 @@ struct Bf16Kernel {
     }
     for (int r = 0; r < G; ++r)
       for (int64_t c = 0; c < kDim / 16; ++c) _mm512_store_ps(state.acc[r] + c * 16, acc[r][c]);
+  }
+};
+
+// ---- Widened ------------------------------------------------------------------------------
+// Where a core's float32 FMAs outrun its `vdpbf16ps` (a 2-vCPU AVX512-BF16 Xeon without AMX
+// issues one dot product of 64 FLOPs where it issues four FMAs of 32: csrc/cpu/dot_rates.cpp),
+// both products widen their bf16 pairs to float32 in registers and take two FMAs for each
+// dot product: the second elements' product, then the first's, as `vdpbf16ps` adds them, so
+// the bits are the same but for denormals (which it flushes). The layouts are Bf16Kernel's.
+
+struct WideKernel : Bf16Kernel {
+  using Paged = WideKernel;
+
+  // Each row's bf16 pairs as float32: firsts[r][i] and seconds[r][i] for pair i of row r.
+  template <int64_t Rows, int64_t Pairs>
+  static void widen_rows(const uint32_t* pairs, float (*firsts)[Pairs], float (*seconds)[Pairs]) {
+    for (int64_t r = 0; r < Rows; ++r)
+      for (int64_t i = 0; i < Pairs; i += 16) {
+        const __m512i words = _mm512_loadu_si512(pairs + r * Pairs + i);
+        _mm512_store_ps(firsts[r] + i, pair_firsts(words));
+        _mm512_store_ps(seconds[r] + i, pair_seconds(words));
+      }
+  }
+
+  // Bf16Kernel::tile_scores with each key group's pairs widened once for the tile's rows.
+  static void tile_scores(const uint32_t* q, const uint16_t* kblock,
+                          float scores[kTileRows][kKeyBlock]) {
+    alignas(64) float firsts[kTileRows][kPairs], seconds[kTileRows][kPairs];
+    widen_rows<kTileRows, kPairs>(q, firsts, seconds);
+    __m512 acc[kTileRows][kGroups];
+    for (auto& row : acc)
+      for (auto& a : row) a = _mm512_setzero_ps();
+    for (int64_t i = 0; i < kPairs; ++i) {
+      __m512 key_firsts[kGroups], key_seconds[kGroups];
+      for (int64_t g = 0; g < kGroups; ++g) {
+        const __m512i keys = _mm512_loadu_si512(kblock + (g * kPairs + i) * 32);
+        key_firsts[g] = pair_firsts(keys);
+        key_seconds[g] = pair_seconds(keys);
+      }
+      for (int64_t r = 0; r < kTileRows; ++r) {
+        const __m512 first = _mm512_set1_ps(firsts[r][i]), second = _mm512_set1_ps(seconds[r][i]);
+        for (int64_t g = 0; g < kGroups; ++g)
+          acc[r][g] = _mm512_fmadd_ps(first, key_firsts[g],
+                                      _mm512_fmadd_ps(second, key_seconds[g], acc[r][g]));
+      }
+    }
+    for (int64_t r = 0; r < kTileRows; ++r)
+      for (int64_t g = 0; g < kGroups; ++g) _mm512_storeu_ps(scores[r] + g * 16, acc[r][g]);
+  }
+
+  // Bf16Kernel::tile_block with both products widened.
+  static void tile_block(const uint16_t* q_bf16, const uint16_t* kblock, const uint16_t* vblock,
+                         const int64_t* valid, float scale, RowState<kTaskRows>& state,
+                         int64_t row0) {
+    alignas(64) float scores[kTileRows][kKeyBlock];
+    tile_scores(reinterpret_cast<const uint32_t*>(q_bf16), kblock, scores);
+    alignas(64) uint32_t probs[kTileRows][kKeyBlock / 2];  // bf16 pairs
+    float factor[kTileRows];
+    block_softmax<kTileRows>(scores, valid, scale, state, row0, probs, factor);
+    alignas(64) float firsts[kTileRows][kKeyBlock / 2], seconds[kTileRows][kKeyBlock / 2];
+    widen_rows<kTileRows, kKeyBlock / 2>(probs[0], firsts, seconds);
+    __m512 acc[kTileRows][kDim / 16];
+    for (int64_t r = 0; r < kTileRows; ++r) {
+      const __m512 scale_by = _mm512_set1_ps(factor[r]);
+      for (int64_t c = 0; c < kDim / 16; ++c)
+        acc[r][c] = _mm512_mul_ps(_mm512_load_ps(state.out[row0 + r] + c * 16), scale_by);
+    }
+    for (int64_t j = 0; j < kKeyBlock / 2; ++j) {
+      __m512 value_firsts[kDim / 16], value_seconds[kDim / 16];
+      for (int64_t c = 0; c < kDim / 16; ++c) {
+        const __m512i values = _mm512_loadu_si512(vblock + (j * kDim + c * 16) * 2);
+        value_firsts[c] = pair_firsts(values);
+        value_seconds[c] = pair_seconds(values);
+      }
+      for (int64_t r = 0; r < kTileRows; ++r) {
+        const __m512 first = _mm512_set1_ps(firsts[r][j]), second = _mm512_set1_ps(seconds[r][j]);
+        for (int64_t c = 0; c < kDim / 16; ++c)
+          acc[r][c] = _mm512_fmadd_ps(first, value_firsts[c],
+                                      _mm512_fmadd_ps(second, value_seconds[c], acc[r][c]));
+      }
+    }
+    for (int64_t r = 0; r < kTileRows; ++r)
+      for (int64_t c = 0; c < kDim / 16; ++c)
+        _mm512_store_ps(state.out[row0 + r] + c * 16, acc[r][c]);
+  }
+
+  // Bf16Kernel::decode_chunk with the scores' products widened (its second product is float32
+  // already): each key's 32 pairs widened once for the G rows.
+  template <int G>
+  static void decode_chunk(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, int64_t first,
+                           int64_t count, int64_t stride, float scale, HeadState<G>& state) {
+    __m512 query[G][2][2];  // [row][dimension half][pair firsts, pair seconds]
+    for (int r = 0; r < G; ++r)
+      for (int half = 0; half < 2; ++half) {
+        const __m512i words = _mm512_loadu_si512(q + r * kDim + half * 32);
+        query[r][half][0] = pair_firsts(words);
+        query[r][half][1] = pair_seconds(words);
+      }
+    __m512 dots[G][16];
+    for (int64_t t = 0; t < 16; ++t) {
+      if (t >= count) {
+        for (int r = 0; r < G; ++r) dots[r][t] = _mm512_setzero_ps();
+        continue;
+      }
+      const uint16_t* key = kc + first + t * stride;
+      __m512 widened[2][2];
+      for (int half = 0; half < 2; ++half) {
+        const __m512i words = _mm512_loadu_si512(key + half * 32);
+        widened[half][0] = pair_firsts(words);
+        widened[half][1] = pair_seconds(words);
+      }
+      for (int r = 0; r < G; ++r) {
+        __m512 dot = _mm512_setzero_ps();
+        for (int half = 0; half < 2; ++half)
+          dot = _mm512_fmadd_ps(query[r][half][0], widened[half][0],
+                                _mm512_fmadd_ps(query[r][half][1], widened[half][1], dot));
+        dots[r][t] = dot;
+      }
+    }
+    finish_chunk<G>(dots, vc, first, count, stride, scale, state);
   }
 };
 
@@ -378,21 +508,42 @@ struct AmxKernel : Bf16Kernel {
   }
 };
 
-// Dense and prefix attention on the tiles where they can be used, else on vdpbf16ps.
+// Widened products in use where wanted (use_wide_attention) and the tiles are not.
+std::atomic<bool> wide_wanted{false};
+
+// run(K{}) for the policy the bf16 products take now: AMX tiles, widened, or vdpbf16ps.
+template <class Run>
+decltype(auto) with_policy(const Run& run) {
+  if (use_tiles()) return run(AmxKernel{});
+  if (wide_wanted.load(std::memory_order_relaxed)) return run(WideKernel{});
+  return run(Bf16Kernel{});
+}
+
 std::tuple<at::Tensor, at::Tensor> dense_attention_bf16(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const std::optional<at::Tensor>& lengths, double scale,
     const std::optional<at::Tensor>& prior_out, const std::optional<at::Tensor>& prior_lse) {
-  return use_tiles() ? dense_attention<AmxKernel>(q, k, v, lengths, scale, prior_out, prior_lse)
-                     : dense_attention<Bf16Kernel>(q, k, v, lengths, scale, prior_out, prior_lse);
+  return with_policy([&]<class K>(K) {
+    return dense_attention<K>(q, k, v, lengths, scale, prior_out, prior_lse);
+  });
 }
 
 std::tuple<at::Tensor, at::Tensor> prefix_attention_bf16(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const at::Tensor& block_ids, double scale, const std::optional<at::Tensor>& packed) {
-  return use_tiles()
-             ? prefix_attention<AmxKernel>(q, k_cache, v_cache, block_ids, scale, packed)
-             : prefix_attention<Bf16Kernel>(q, k_cache, v_cache, block_ids, scale, packed);
+  return with_policy([&]<class K>(K) {
+    return prefix_attention<K>(q, k_cache, v_cache, block_ids, scale, packed);
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> paged_decode_bf16(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const at::Tensor& block_table, const at::Tensor& lengths, double scale,
+    const std::optional<at::Tensor>& prior_out, const std::optional<at::Tensor>& prior_lse) {
+  return with_policy([&]<class K>(K) {
+    return paged_decode<typename K::Paged>(q, k_cache, v_cache, block_table, lengths, scale,
+                                           prior_out, prior_lse);
+  });
 }
 
 at::Tensor decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
@@ -400,12 +551,10 @@ at::Tensor decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
                                  const at::Tensor& own_lengths, double scale,
                                  const std::optional<at::Tensor>& common_ids,
                                  const std::optional<at::Tensor>& packed) {
-  return use_tiles() ? decode_attention<AmxKernel, Bf16Kernel>(q, k_cache, v_cache, own_tables,
-                                                               own_lengths, scale, common_ids,
-                                                               packed)
-                     : decode_attention<Bf16Kernel, Bf16Kernel>(q, k_cache, v_cache, own_tables,
-                                                                own_lengths, scale, common_ids,
-                                                                packed);
+  return with_policy([&]<class K>(K) {
+    return decode_attention<K, typename K::Paged>(q, k_cache, v_cache, own_tables, own_lengths,
+                                                  scale, common_ids, packed);
+  });
 }
 
 // Switch the tiles in or out (tests and benchmarks compare the two paths); whether they are
@@ -415,17 +564,25 @@ bool use_amx(bool wanted) {
   return use_tiles();
 }
 
+// Switch the widened products in or out (in where widening pays: blockserve/model/packed.py);
+// whether they are now in use: not where the tiles are.
+bool use_wide_attention(bool wanted) {
+  wide_wanted.store(wanted, std::memory_order_relaxed);
+  return wanted && !use_tiles();
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(blockserve_cpu, m) {
   define_attention(m);
   m.def("use_amx(bool wanted) -> bool", &use_amx);
+  m.def("use_wide_attention(bool wanted) -> bool", &use_wide_attention);
 }
 
 TORCH_LIBRARY_IMPL(blockserve_cpu, CPU, m) {
   m.impl("dense_attention", &dense_attention_bf16);
   m.impl("prefix_attention", &prefix_attention_bf16);
   m.impl("pack_common", &pack_common<Bf16Kernel>);  // the tiles read the same layout
-  m.impl("paged_decode", &paged_decode<Bf16Kernel>);
+  m.impl("paged_decode", &paged_decode_bf16);
   m.impl("decode_attention", &decode_attention_bf16);
 }

@@ -17,6 +17,17 @@ inline __m512 widen_bf16(const uint16_t* p) {  // 16 bf16 → 16 f32 (exact)
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
+// 16 bf16 pairs (one a 32-bit lane) → each pair's first element (its low half), then its
+// second (the high half), as 16 f32: exact. Two FMAs over them, second then first, give the
+// bits `vdpbf16ps` gives over the pairs (its products are exact; it flushes denormals).
+inline __m512 pair_firsts(__m512i pairs) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+}
+inline __m512 pair_seconds(__m512i pairs) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  return _mm512_castsi512_ps(_mm512_and_si512(pairs, high));
+}
+
 // 16 f32 → 16 bf16, rounded to nearest even (as torch rounds).
 inline void store_bf16(uint16_t* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));

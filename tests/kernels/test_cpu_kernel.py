@@ -132,6 +132,48 @@ def test_tiles_are_used_exactly_where_the_cpu_has_amx(cache_dir: Path) -> None:
     assert kernels.use_amx(True) == bool(AMX)
 
 
+@NEEDS[torch.bfloat16]
+def test_widened_attention_gives_the_dot_products_bits(cache_dir: Path) -> None:
+    """Dense, prefix, paged and one-call decode attention with their bf16 products on float32
+    FMAs over the pairs widened give what `vdpbf16ps` gives, to the bit (normal operands: it
+    flushes denormals); the tiles, where the CPU has them, take precedence."""
+    kernels = CpuKernels()
+    ops = kernels.loader.load(cache_dir, torch.bfloat16)
+    assert ops is not None
+    generator = torch.Generator().manual_seed(11)
+    q, k, v = (
+        (torch.randn(2, 3, n, 64, generator=generator) * 1.5).bfloat16() for n in (37, 130, 130)
+    )
+    causal = (130 - 37 + 1 + torch.arange(37)).expand(2, 37)
+    k_cache, v_cache = shuffled_cache(generator, 12, 3, torch.bfloat16)
+    decode_q = torch.randn(5, 9, 64, generator=generator).bfloat16()
+    tables = torch.randint(0, 12, (5, 4), generator=generator)
+    lengths = torch.tensor([1, 17, 64, 33, 50])
+    common = torch.tensor([3, 7])
+
+    def attend() -> list[torch.Tensor]:
+        return [
+            *ops.dense_attention(q, k, v, causal, 0.125),
+            *ops.prefix_attention(decode_q.unflatten(1, (3, 3)), k_cache, v_cache, common, 0.125),
+            *ops.paged_decode(decode_q, k_cache, v_cache, tables, lengths, 0.125),
+            ops.decode_attention(decode_q, k_cache, v_cache, tables, lengths, 0.125, common),
+        ]
+
+    try:
+        if AMX:
+            assert kernels.use_amx(True) and not kernels.use_wide_attention(True)
+        kernels.use_amx(False)
+        assert not kernels.use_wide_attention(False)
+        narrow = attend()
+        assert kernels.use_wide_attention(True)
+        widened = attend()
+    finally:
+        kernels.use_wide_attention(False)
+        kernels.use_amx(True)
+    assert all(torch.equal(a, b) for a, b in zip(narrow, widened, strict=True))
+    assert all(torch.isfinite(out).all() for out in widened[1::2])  # every row saw a key
+
+
 AVX2_HOST = {"avx": True, "avx2": True, "fma3": True}
 AVX512_HOST = {**AVX2_HOST, "avx512_f": True, "avx512_bw": True, "avx512_vl": True}
 
