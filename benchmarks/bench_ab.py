@@ -16,6 +16,8 @@ Measures (each measurement a median of several calls):
                  one sequence (`--quantization gguf` with --gguf)
   dense-544      `dense_attention` over one causal 544-token prompt, 9 query heads over 3
   paged-decode   `paged_decode` of 16 sequences × 560 keys, per layer over 30 layers' caches
+  vector-64      `vector_linear` (bf16) of 64 rows through one layer of the default model's
+                 four product shapes: a shared-prefix decode step's
   prefill-544    the engine step that prefills one 544-token prompt on the default model
   prefill-2048   the same for a 2,048-token prompt: one full chunk of a prefill
   no-sharing     the wall time of bench_vs_vllm.py's no-sharing workload (16 × 544 prompt
@@ -38,7 +40,15 @@ from pathlib import Path
 from typing import IO, Any
 
 ROOT = Path(__file__).resolve().parent.parent
-MEASURES = ("one-stream", "dense-544", "paged-decode", "prefill-544", "prefill-2048", "no-sharing")
+MEASURES = (
+    "one-stream",
+    "dense-544",
+    "paged-decode",
+    "vector-64",
+    "prefill-544",
+    "prefill-2048",
+    "no-sharing",
+)
 
 
 def summarize(here: list[float], there: list[float]) -> dict[str, Any]:
@@ -168,6 +178,13 @@ def _kernels() -> Any:
     ops = KernelLoader().load(default_cache_dir(), torch.bfloat16)
     if ops is None:
         raise SystemExit("the bf16 kernels do not load on this host (AVX512-BF16 needed)")
+    try:  # attention's products widened where an engine on this host widens them
+        from blockserve.model.packed import widening_pays
+
+        widen = ops.use_wide_attention
+    except (ImportError, AttributeError, RuntimeError):
+        return ops  # a revision from before widened attention
+    widen(widening_pays(ops))
     return ops
 
 
@@ -212,12 +229,30 @@ def _paged_decode() -> Callable[[], float]:
     return lambda: _median_of(every_layer, calls=5) / layers
 
 
+def _vector_64() -> Callable[[], float]:
+    import torch
+
+    ops, generator = _kernels(), torch.Generator().manual_seed(0)
+    shapes = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # qkv, o, gate/up, down
+    weights = [
+        ops.vector_pack(torch.randn(n, k, generator=generator).bfloat16()) for n, k in shapes
+    ]
+    xs = [torch.randn(64, k, generator=generator).bfloat16() for _, k in shapes]
+
+    def one_layer() -> None:
+        for x, weight in zip(xs, weights, strict=True):
+            ops.vector_linear(x, weight, None)
+
+    return lambda: _median_of(one_layer, calls=20)
+
+
 def worker(measure_name: str, gguf: bool, stdin: IO[str], stdout: IO[str]) -> None:
     """Build the measure, say `ready`, then answer each line of stdin with one measurement."""
     measure = {
         "one-stream": lambda: _one_stream(gguf),
         "dense-544": _dense_544,
         "paged-decode": _paged_decode,
+        "vector-64": _vector_64,
         "prefill-544": lambda: _prefill(544),
         "prefill-2048": lambda: _prefill(2048),
         "no-sharing": _no_sharing,

@@ -9,9 +9,9 @@
 // Here the weight is repacked once into panels of 16 columns, [N / 16][K / 2][16][2 bf16]: a
 // 64-byte line for each pair of k holds column c's two values in 32-bit lane c, which a shift
 // (the even k) and a mask (the odd k) widen into two float32 vectors exactly. x is widened
-// once a call, transposed ([k][rows]) so that a pass's broadcasts are one stream; each row
-// then takes two broadcasts and two FMAs per line, up to kRows rows a pass (kRows
-// accumulators), the first pass reading the panel from memory, the later ones from cache, the
+// once a call, transposed by pairs of k ([k / 2][rows][2]) so that a pass's broadcasts are
+// one stream; each row then takes two broadcasts and two FMAs per line, up to kRows rows a
+// pass (kRows accumulators), the first pass reading the panel from memory, the later ones from cache, the
 // next panel fetched into L2 meanwhile (as in linear_f32.cpp, whose float32 weights this
 // kernel halves).
 
@@ -54,11 +54,12 @@ at::Tensor vector_pack(const at::Tensor& weight) {
   return packed;
 }
 
-// Where a pass is: x widened and transposed ([k][rows]) at the pass's first row, the panel,
-// the next panel to fetch (or none) and which share of its lines this pass fetches.
+// Where a pass is: x widened and transposed by pairs of k ([k / 2][rows][2]) at the pass's
+// first row, the panel, the next panel to fetch (or none) and which share of its lines this
+// pass fetches.
 struct Pass {
   const float* x;
-  int64_t rows;  // of the whole x: the stride of its k
+  int64_t rows;  // of the whole x: the stride of its k pairs is twice that
   const uint16_t* panel;
   const uint16_t* next;
   int64_t k, passes, pass;
@@ -70,22 +71,21 @@ template <int R>
 void pass_rows(const Pass& at, const float* bias, uint16_t* y, int64_t y_stride) {
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
   // This pass fetches the next panel's lines pass, pass + passes, ...: a countdown to each.
   int64_t until_fetch = at.next != nullptr ? at.pass : at.k;
   for (int64_t j = 0; j < at.k / 2; ++j) {
     const __m512i line = _mm512_loadu_si512(at.panel + j * 2 * kPanel);
-    const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(line, 16));
-    const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(line, high));
+    const __m512 even = pair_firsts(line), odd = pair_seconds(line);
     if (until_fetch-- == 0) {  // the next panel's line j
       _mm_prefetch(reinterpret_cast<const char*>(at.next + j * 2 * kPanel), _MM_HINT_T1);
       until_fetch = at.passes - 1;
     }
-    const float* x0 = at.x + 2 * j * at.rows;
-    const float* x1 = x0 + at.rows;
+    // Row r's k = 2j and 2j + 1 at xj[2r] and xj[2r + 1]: one pointer, constant offsets
+    // (with two, the compiler kept an address a row and moved them in and out of registers).
+    const float* xj = at.x + 2 * j * at.rows;
     for (int r = 0; r < R; ++r) {
-      acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x0[r]), even, acc[r]);
-      acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x1[r]), odd, acc[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xj[2 * r]), even, acc[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xj[2 * r + 1]), odd, acc[r]);
     }
   }
   const __m512 shift = bias != nullptr ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
@@ -118,7 +118,8 @@ at::Tensor vector_linear(const at::Tensor& x, const at::Tensor& packed,
               "vector_linear: bias must be bfloat16 [", n, "]");
   at::Tensor out = at::empty({rows, n}, x.options());
   if (rows == 0) return out;
-  const at::Tensor columns = x.t().to(at::kFloat).contiguous();  // [k][rows], exact
+  const at::Tensor columns =  // [k / 2][rows][2], exact
+      x.unflatten(1, {k / 2, 2}).permute({1, 0, 2}).to(at::kFloat).contiguous();
   const at::Tensor shift = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
   const float* xs = columns.data_ptr<float>();
   const auto* ws = reinterpret_cast<const uint16_t*>(packed.data_ptr());
@@ -131,7 +132,7 @@ at::Tensor vector_linear(const at::Tensor& x, const at::Tensor& packed,
       const uint16_t* next = p + 1 < end ? panel + k * kPanel : nullptr;
       for (int64_t pass = 0; pass < passes; ++pass) {
         const int64_t row0 = pass * kRows;
-        const Pass at{xs + row0, rows, panel, next, k, passes, pass};
+        const Pass at{xs + 2 * row0, rows, panel, next, k, passes, pass};
         pass_any<kRows>(std::min(kRows, rows - row0), at, bs ? bs + p * kPanel : nullptr,
                         ys + row0 * n + p * kPanel, n);
       }
