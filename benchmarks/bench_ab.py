@@ -22,6 +22,8 @@ Measures (each measurement a median of several calls):
   prefill-2048   the same for a 2,048-token prompt: one full chunk of a prefill
   no-sharing     the wall time of bench_vs_vllm.py's no-sharing workload (16 × 544 prompt
                  tokens, 32 out, prefix caching off), new prompts each round (one measurement)
+  shared-prefix  the same for its shared-prefix workload (64 × (1,024 shared + 32 own)
+                 prompt tokens, 32 out, prefix caching on), a new prefix each round
 
     .venv/bin/python benchmarks/bench_ab.py REV MEASURE [--gguf] [--rounds 24] [--out FILE]
 """
@@ -48,6 +50,7 @@ MEASURES = (
     "prefill-544",
     "prefill-2048",
     "no-sharing",
+    "shared-prefix",
 )
 
 
@@ -169,6 +172,23 @@ def _no_sharing() -> Callable[[], float]:
     return measure
 
 
+def _shared_prefix() -> Callable[[], float]:
+    from blockserve import SamplingParams
+
+    llm, _ = _timed_engine(enable_prefix_caching=True, max_num_seqs=64)
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    seeds = iter(range(1 << 30))
+
+    def measure() -> float:
+        (prefix,) = _fresh_prompts(next(seeds), 1, 1024)
+        prompts = [prefix + own for own in _fresh_prompts(next(seeds), 64, 32)]
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - start
+
+    return measure
+
+
 def _kernels() -> Any:
     import torch
 
@@ -256,6 +276,7 @@ def worker(measure_name: str, gguf: bool, stdin: IO[str], stdout: IO[str]) -> No
         "prefill-544": lambda: _prefill(544),
         "prefill-2048": lambda: _prefill(2048),
         "no-sharing": _no_sharing,
+        "shared-prefix": _shared_prefix,
     }[measure_name]()
     measure()  # warm
     print("ready", file=stdout, flush=True)
