@@ -230,12 +230,20 @@ struct Bf16Kernel {
 
   // One 4-row tile through one key block: softmax update, then out += probabilities · V.
   // valid[r]: how many of the block's keys row r sees (0 to 64).
-  static void tile_block(const uint16_t* q_bf16, const uint16_t* kblock, const uint16_t* vblock,
+  static void tile_block(const uint16_t* q, const uint16_t* kblock, const uint16_t* vblock,
                          const int64_t* valid, float scale, RowState<kTaskRows>& state,
                          int64_t row0) {
+    tile_block_with<Bf16Kernel>(q, kblock, vblock, valid, scale, state, row0);
+  }
+
+  // tile_block's steps, the two products `Products`' own (tile_scores, add_values).
+  template <class Products>
+  static void tile_block_with(const uint16_t* q_bf16, const uint16_t* kblock,
+                              const uint16_t* vblock, const int64_t* valid, float scale,
+                              RowState<kTaskRows>& state, int64_t row0) {
     const auto* q = reinterpret_cast<const uint32_t*>(q_bf16);  // bf16 pairs
     alignas(64) float scores[kTileRows][kKeyBlock];
-    tile_scores(q, kblock, scores);
+    Products::tile_scores(q, kblock, scores);
     alignas(64) uint32_t probs[kTileRows][kKeyBlock / 2];  // bf16 pairs
     float factor[kTileRows];
     block_softmax<kTileRows>(scores, valid, scale, state, row0, probs, factor);
@@ -245,6 +253,15 @@ struct Bf16Kernel {
       for (int64_t c = 0; c < kDim / 16; ++c)
         acc[r][c] = _mm512_mul_ps(_mm512_load_ps(state.out[row0 + r] + c * 16), scale_by);
     }
+    Products::add_values(probs, vblock, acc);
+    for (int64_t r = 0; r < kTileRows; ++r)
+      for (int64_t c = 0; c < kDim / 16; ++c)
+        _mm512_store_ps(state.out[row0 + r] + c * 16, acc[r][c]);
+  }
+
+  // acc[r] += row r's probabilities (bf16 pairs, [row][key pair]) · the block's V.
+  static void add_values(const uint32_t (&probs)[kTileRows][kKeyBlock / 2],
+                         const uint16_t* vblock, __m512 (&acc)[kTileRows][kDim / 16]) {
     for (int64_t j = 0; j < kKeyBlock / 2; ++j) {
       __m512i values[kDim / 16];
       for (int64_t c = 0; c < kDim / 16; ++c)
@@ -255,9 +272,6 @@ struct Bf16Kernel {
           acc[r][c] = _mm512_dpbf16_ps(acc[r][c], as_bh(p), as_bh(values[c]));
       }
     }
-    for (int64_t r = 0; r < kTileRows; ++r)
-      for (int64_t c = 0; c < kDim / 16; ++c)
-        _mm512_store_ps(state.out[row0 + r] + c * 16, acc[r][c]);
   }
 
   // KV head h's G query rows through `count` (1 to 16) keys starting at element `first` of the
@@ -374,23 +388,18 @@ struct WideKernel : Bf16Kernel {
       for (int64_t g = 0; g < kGroups; ++g) _mm512_storeu_ps(scores[r] + g * 16, acc[r][g]);
   }
 
-  // Bf16Kernel::tile_block with both products widened.
-  static void tile_block(const uint16_t* q_bf16, const uint16_t* kblock, const uint16_t* vblock,
+  // Bf16Kernel's tile_block with both products widened.
+  static void tile_block(const uint16_t* q, const uint16_t* kblock, const uint16_t* vblock,
                          const int64_t* valid, float scale, RowState<kTaskRows>& state,
                          int64_t row0) {
-    alignas(64) float scores[kTileRows][kKeyBlock];
-    tile_scores(reinterpret_cast<const uint32_t*>(q_bf16), kblock, scores);
-    alignas(64) uint32_t probs[kTileRows][kKeyBlock / 2];  // bf16 pairs
-    float factor[kTileRows];
-    block_softmax<kTileRows>(scores, valid, scale, state, row0, probs, factor);
+    tile_block_with<WideKernel>(q, kblock, vblock, valid, scale, state, row0);
+  }
+
+  // Bf16Kernel::add_values with each row's probabilities and each V line widened.
+  static void add_values(const uint32_t (&probs)[kTileRows][kKeyBlock / 2],
+                         const uint16_t* vblock, __m512 (&acc)[kTileRows][kDim / 16]) {
     alignas(64) float firsts[kTileRows][kKeyBlock / 2], seconds[kTileRows][kKeyBlock / 2];
     widen_rows<kTileRows, kKeyBlock / 2>(probs[0], firsts, seconds);
-    __m512 acc[kTileRows][kDim / 16];
-    for (int64_t r = 0; r < kTileRows; ++r) {
-      const __m512 scale_by = _mm512_set1_ps(factor[r]);
-      for (int64_t c = 0; c < kDim / 16; ++c)
-        acc[r][c] = _mm512_mul_ps(_mm512_load_ps(state.out[row0 + r] + c * 16), scale_by);
-    }
     for (int64_t j = 0; j < kKeyBlock / 2; ++j) {
       __m512 value_firsts[kDim / 16], value_seconds[kDim / 16];
       for (int64_t c = 0; c < kDim / 16; ++c) {
@@ -405,9 +414,6 @@ struct WideKernel : Bf16Kernel {
                                       _mm512_fmadd_ps(second, value_seconds[c], acc[r][c]));
       }
     }
-    for (int64_t r = 0; r < kTileRows; ++r)
-      for (int64_t c = 0; c < kDim / 16; ++c)
-        _mm512_store_ps(state.out[row0 + r] + c * 16, acc[r][c]);
   }
 
   // Bf16Kernel::decode_chunk with the scores' products widened (its second product is float32
