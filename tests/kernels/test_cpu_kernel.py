@@ -135,8 +135,9 @@ def test_tiles_are_used_exactly_where_the_cpu_has_amx(cache_dir: Path) -> None:
 @NEEDS[torch.bfloat16]
 def test_widened_attention_gives_the_dot_products_bits(cache_dir: Path) -> None:
     """Dense, prefix, paged and one-call decode attention with their bf16 products on float32
-    FMAs over the pairs widened give what `vdpbf16ps` gives, to the bit (normal operands: it
-    flushes denormals); the tiles, where the CPU has them, take precedence."""
+    FMAs over the pairs widened give what `vdpbf16ps` gives, to the bit, on normal operands;
+    on denormals, which `vdpbf16ps` reads as 0, they differ, as switching shows. The tiles,
+    where the CPU has them, take precedence."""
     kernels = CpuKernels()
     ops = kernels.loader.load(cache_dir, torch.bfloat16)
     assert ops is not None
@@ -159,19 +160,40 @@ def test_widened_attention_gives_the_dot_products_bits(cache_dir: Path) -> None:
             ops.decode_attention(decode_q, k_cache, v_cache, tables, lengths, 0.125, common),
         ]
 
+    # Where the two differ, the switch shows: a query of one bf16 denormal against keys near
+    # bf16's largest value scores 0 on vdpbf16ps (it reads denormals as 0), ±0.3 widened.
+    tiny = torch.zeros(64).index_fill(0, torch.tensor([0]), 1e-39).bfloat16()
+    keys = torch.zeros(4, 64)
+    keys[:, 0] = torch.tensor([3e38, -3e38, 3e38, -3e38])
+    keys, values = keys.bfloat16(), torch.eye(4, 64).bfloat16()
+
+    def attend_denormal() -> list[torch.Tensor]:
+        dense, _ = ops.dense_attention(tiny.view(1, 1, 1, 64), keys[None, None],
+                                       values[None, None], None, 1.0)  # fmt: skip
+        cache = [torch.zeros(1, 16, 1, 64).bfloat16() for _ in range(2)]
+        cache[0][0, :4, 0], cache[1][0, :4, 0] = keys, values
+        table, length = torch.zeros(1, 1, dtype=torch.int32), torch.tensor([4])
+        paged, _ = ops.paged_decode(tiny.view(1, 1, 64), *cache, table, length, 1.0)
+        return [dense[0, 0, 0, :4], paged[0, 0, :4]]
+
     try:
         if AMX:
             assert kernels.use_amx(True) and not kernels.use_wide_attention(True)
         kernels.use_amx(False)
         assert not kernels.use_wide_attention(False)
-        narrow = attend()
+        narrow, narrow_denormal = attend(), attend_denormal()
         assert kernels.use_wide_attention(True)
-        widened = attend()
+        widened, widened_denormal = attend(), attend_denormal()
     finally:
         kernels.use_wide_attention(False)
         kernels.use_amx(True)
     assert all(torch.equal(a, b) for a, b in zip(narrow, widened, strict=True))
     assert all(torch.isfinite(out).all() for out in widened[1::2])  # every row saw a key
+    score = (tiny[0].float() * keys[0, 0].float()).item()  # ~0.3: e^±score, normalized
+    weights = torch.tensor([score, -score, score, -score]).softmax(0)  # 0.324, 0.176, ...
+    for narrow_out, widened_out in zip(narrow_denormal, widened_denormal, strict=True):
+        torch.testing.assert_close(narrow_out, torch.full((4,), 0.25), rtol=1e-6, atol=0)
+        torch.testing.assert_close(widened_out, weights, rtol=ROUNDING[torch.bfloat16], atol=0)
 
 
 AVX2_HOST = {"avx": True, "avx2": True, "fma3": True}

@@ -214,14 +214,18 @@ def test_a_bf16_model_gets_its_copies_where_widening_pays(
 ) -> None:
     """Once the runner's bf16 kernels are loaded, where widening pays (here told it does: the
     AMX hosts' tiles come first otherwise) every linear layer of a tiny Llama has its wide copy
-    and each one the vector kernel takes its panels; where it does not, none. A decode's MLP
+    and each one the vector kernel takes its panels, and attention is widened; where it does
+    not, none of that. A decode's MLP
     (8 rows) runs on the vectors, a prefill's (80) on the wide copies, both within bf16
     rounding of oneDNN's."""
     model_dir = save_tiny_model(
         tmp_path, hidden_size=128, intermediate_size=256, num_attention_heads=2,
         num_key_value_heads=1,
     )  # fmt: skip
-    copies = {}
+    copies, widened_attention = {}, []
+    monkeypatch.setattr(  # as the engine sets it, without leaving it set for later tests
+        CpuKernels, "use_wide_attention", lambda self, on: widened_attention.append(on) or on
+    )
     for pays in (True, False):
         monkeypatch.setattr(packed, "widening_pays", lambda ops, pays=pays: pays)
         runner = build_runner(
@@ -233,6 +237,7 @@ def test_a_bf16_model_gets_its_copies_where_widening_pays(
         copies[pays] = [(m.wide is not None, m.vectors is not None) for m in linears]
     panels = [m.out_features % 32 == 0 for m in linears]
     assert copies == {True: [(True, p) for p in panels], False: [(False, False)] * len(linears)}
+    assert widened_attention == [True]  # attention widened where the products are
     mlp: Any = runner.model.model.layers[0].mlp
     runner.kernels.switches.tiles = False  # an AMX host's tile copies would serve first
     pack_wide(runner.model)
