@@ -16,6 +16,8 @@ Measures (each measurement a median of several calls):
                  one sequence (`--quantization gguf` with --gguf)
   dense-544      `dense_attention` over one causal 544-token prompt, 9 query heads over 3
   paged-decode   `paged_decode` of 16 sequences × 560 keys, per layer over 30 layers' caches
+  shared-decode  `decode_attention` of a shared-prefix decode step: 64 sequences × (1,024
+                 common keys, packed once as the engine keeps them, + 48 own), over 30 layers
   vector-64      `vector_linear` (bf16) of 64 rows through one layer of the default model's
                  four product shapes: a shared-prefix decode step's
   prefill-544    the engine step that prefills one 544-token prompt on the default model
@@ -46,6 +48,7 @@ MEASURES = (
     "one-stream",
     "dense-544",
     "paged-decode",
+    "shared-decode",
     "vector-64",
     "prefill-544",
     "prefill-2048",
@@ -224,20 +227,24 @@ def _dense_544() -> Callable[[], float]:
     )
 
 
+def _layer_caches(blocks: int, generator: Any, layers: int = 30) -> list[tuple[Any, Any]]:
+    """Each layer's K and V caches of `blocks` blocks of 16 tokens, 3 KV heads, random bf16."""
+    import torch
+
+    return [
+        tuple(torch.randn(blocks, 16, 3, 64, generator=generator).bfloat16() for _ in range(2))
+        for _ in range(layers)
+    ]
+
+
 def _paged_decode() -> Callable[[], float]:
     import torch
 
-    ops, seqs, keys, layers = _kernels(), 16, 560, 30
+    ops, seqs, keys = _kernels(), 16, 560
     generator = torch.Generator().manual_seed(0)
     per_seq = (keys + 15) // 16
     blocks = seqs * per_seq
-    caches = [
-        (
-            torch.randn(blocks, 16, 3, 64, generator=generator).bfloat16(),
-            torch.randn(blocks, 16, 3, 64, generator=generator).bfloat16(),
-        )
-        for _ in range(layers)
-    ]
+    caches = _layer_caches(blocks, generator)
     table = torch.randperm(blocks, generator=generator).view(seqs, per_seq).to(torch.int32)
     lengths = torch.full((seqs,), keys, dtype=torch.int32)
     q = torch.randn(seqs, 9, 64, generator=generator).bfloat16()
@@ -246,7 +253,26 @@ def _paged_decode() -> Callable[[], float]:
         for k_cache, v_cache in caches:
             ops.paged_decode(q, k_cache, v_cache, table, lengths, 0.125, None, None)
 
-    return lambda: _median_of(every_layer, calls=5) / layers
+    return lambda: _median_of(every_layer, calls=5) / len(caches)
+
+
+def _shared_decode() -> Callable[[], float]:
+    import torch
+
+    ops, seqs, common_blocks, own_blocks = _kernels(), 64, 64, 3
+    generator = torch.Generator().manual_seed(0)
+    caches = _layer_caches(1 + common_blocks + seqs * own_blocks, generator)
+    common = torch.arange(1, 1 + common_blocks)
+    own = (1 + common_blocks + torch.arange(seqs * own_blocks)).view(seqs, own_blocks)
+    lengths = torch.full((seqs,), 48, dtype=torch.int32)
+    q = torch.randn(seqs, 9, 64, generator=generator).bfloat16()
+    packed = [ops.pack_common(k_cache, v_cache, common) for k_cache, v_cache in caches]
+
+    def step() -> None:
+        for (k_cache, v_cache), pack in zip(caches, packed, strict=True):
+            ops.decode_attention(q, k_cache, v_cache, own, lengths, 0.125, common, pack)
+
+    return lambda: _median_of(step, calls=5)
 
 
 def _vector_64() -> Callable[[], float]:
@@ -272,6 +298,7 @@ def worker(measure_name: str, gguf: bool, stdin: IO[str], stdout: IO[str]) -> No
         "one-stream": lambda: _one_stream(gguf),
         "dense-544": _dense_544,
         "paged-decode": _paged_decode,
+        "shared-decode": _shared_decode,
         "vector-64": _vector_64,
         "prefill-544": lambda: _prefill(544),
         "prefill-2048": lambda: _prefill(2048),

@@ -11,7 +11,8 @@
 // (batch, head, 16 rows), processed as 4-row tiles whose accumulators stay in registers; key
 // blocks past the task's longest row are skipped. Where the CPU has AMX-BF16, the same
 // operators run both products on AMX tiles instead (AmxKernel below: one task, one tile);
-// where its float32 FMAs outrun `vdpbf16ps`, on FMAs over the pairs widened (WideKernel).
+// where its float32 FMAs outrun `vdpbf16ps`, on FMAs over the pairs widened (WideKernel: a
+// task's 16 rows through a key block in one call, the block widened once for its 4-row tiles).
 //
 // Paged decode: per key, each query row's dot product is two `vdpbf16ps`, and a chunk's 16
 // keys' sums are reduced together (reduce_rows); probabilities stay float32 and V is widened
@@ -349,7 +350,38 @@ struct Bf16Kernel {
 // the bits are the same but for denormals (which it flushes). The layouts are Bf16Kernel's.
 
 struct WideKernel : Bf16Kernel {
+  // A task's 16 rows through a key block in one call: the block's K and V are widened once
+  // for all of them (with 4-row tiles, once a tile) and their softmax runs once, a lane a row.
+  static constexpr int64_t kTileRows = 16;
+  static constexpr int64_t kSubRows = ::kTileRows;  // rows whose accumulators fit registers
   using Paged = WideKernel;
+
+  // One key block's K, then its V, as float32, in one buffer so that it fits L1 with the rest
+  // (two buffers, 32 KB, ran no faster than widening once a tile, bench_ab.py shared-decode):
+  // keys[i][h][g] is dimension 2i + h of key group g's 16 keys; values[j][h][c]
+  // dimensions 16c .. 16c + 15 of key 2j + h.
+  union WideBlock {
+    alignas(64) float keys[kPairs][2][kGroups][16];
+    alignas(64) float values[kKeyBlock / 2][2][kDim / 16][16];
+  };
+
+  static void widen_keys(const uint16_t* kblock, WideBlock& block) {
+    for (int64_t i = 0; i < kPairs; ++i)
+      for (int64_t g = 0; g < kGroups; ++g) {
+        const __m512i words = _mm512_loadu_si512(kblock + (g * kPairs + i) * 32);
+        _mm512_store_ps(block.keys[i][0][g], pair_firsts(words));
+        _mm512_store_ps(block.keys[i][1][g], pair_seconds(words));
+      }
+  }
+
+  static void widen_values(const uint16_t* vblock, WideBlock& block) {
+    for (int64_t j = 0; j < kKeyBlock / 2; ++j)
+      for (int64_t c = 0; c < kDim / 16; ++c) {
+        const __m512i words = _mm512_loadu_si512(vblock + (j * kDim + c * 16) * 2);
+        _mm512_store_ps(block.values[j][0][c], pair_firsts(words));
+        _mm512_store_ps(block.values[j][1][c], pair_seconds(words));
+      }
+  }
 
   // Each row's bf16 pairs as float32: firsts[r][i] and seconds[r][i] for pair i of row r.
   template <int64_t Rows, int64_t Pairs>
@@ -362,57 +394,83 @@ struct WideKernel : Bf16Kernel {
       }
   }
 
-  // Bf16Kernel::tile_scores with each key group's pairs widened once for the tile's rows.
-  static void tile_scores(const uint32_t* q, const uint16_t* kblock,
-                          float scores[kTileRows][kKeyBlock]) {
-    alignas(64) float firsts[kTileRows][kPairs], seconds[kTileRows][kPairs];
-    widen_rows<kTileRows, kPairs>(q, firsts, seconds);
-    __m512 acc[kTileRows][kGroups];
+  // Bf16Kernel::tile_scores over the widened block: each dot product the second elements'
+  // product, then the first's, as vdpbf16ps adds them.
+  static void tile_scores(const uint32_t* q, const WideBlock& block,
+                          float scores[kSubRows][kKeyBlock]) {
+    alignas(64) float firsts[kSubRows][kPairs], seconds[kSubRows][kPairs];
+    widen_rows<kSubRows, kPairs>(q, firsts, seconds);
+    __m512 acc[kSubRows][kGroups];
     for (auto& row : acc)
       for (auto& a : row) a = _mm512_setzero_ps();
     for (int64_t i = 0; i < kPairs; ++i) {
-      __m512 key_firsts[kGroups], key_seconds[kGroups];
+      __m512 key_firsts[kGroups], key_seconds[kGroups];  // loaded once for the rows
       for (int64_t g = 0; g < kGroups; ++g) {
-        const __m512i keys = _mm512_loadu_si512(kblock + (g * kPairs + i) * 32);
-        key_firsts[g] = pair_firsts(keys);
-        key_seconds[g] = pair_seconds(keys);
+        key_firsts[g] = _mm512_load_ps(block.keys[i][0][g]);
+        key_seconds[g] = _mm512_load_ps(block.keys[i][1][g]);
       }
-      for (int64_t r = 0; r < kTileRows; ++r) {
+      for (int64_t r = 0; r < kSubRows; ++r) {
         const __m512 first = _mm512_set1_ps(firsts[r][i]), second = _mm512_set1_ps(seconds[r][i]);
         for (int64_t g = 0; g < kGroups; ++g)
           acc[r][g] = _mm512_fmadd_ps(first, key_firsts[g],
                                       _mm512_fmadd_ps(second, key_seconds[g], acc[r][g]));
       }
     }
-    for (int64_t r = 0; r < kTileRows; ++r)
+    for (int64_t r = 0; r < kSubRows; ++r)
       for (int64_t g = 0; g < kGroups; ++g) _mm512_storeu_ps(scores[r] + g * 16, acc[r][g]);
   }
 
-  // Bf16Kernel's tile_block with both products widened.
-  static void tile_block(const uint16_t* q, const uint16_t* kblock, const uint16_t* vblock,
-                         const int64_t* valid, float scale, RowState<kTaskRows>& state,
-                         int64_t row0) {
-    tile_block_with<WideKernel>(q, kblock, vblock, valid, scale, state, row0);
-  }
-
-  // Bf16Kernel::add_values with each row's probabilities and each V line widened.
-  static void add_values(const uint32_t (&probs)[kTileRows][kKeyBlock / 2],
-                         const uint16_t* vblock, __m512 (&acc)[kTileRows][kDim / 16]) {
-    alignas(64) float firsts[kTileRows][kKeyBlock / 2], seconds[kTileRows][kKeyBlock / 2];
-    widen_rows<kTileRows, kKeyBlock / 2>(probs[0], firsts, seconds);
+  // Bf16Kernel::add_values over the widened block, each row's probabilities widened.
+  static void add_values(const uint32_t (*probs)[kKeyBlock / 2], const WideBlock& block,
+                         __m512 (&acc)[kSubRows][kDim / 16]) {
+    alignas(64) float firsts[kSubRows][kKeyBlock / 2], seconds[kSubRows][kKeyBlock / 2];
+    widen_rows<kSubRows, kKeyBlock / 2>(probs[0], firsts, seconds);
     for (int64_t j = 0; j < kKeyBlock / 2; ++j) {
-      __m512 value_firsts[kDim / 16], value_seconds[kDim / 16];
+      __m512 value_firsts[kDim / 16], value_seconds[kDim / 16];  // loaded once for the rows
       for (int64_t c = 0; c < kDim / 16; ++c) {
-        const __m512i values = _mm512_loadu_si512(vblock + (j * kDim + c * 16) * 2);
-        value_firsts[c] = pair_firsts(values);
-        value_seconds[c] = pair_seconds(values);
+        value_firsts[c] = _mm512_load_ps(block.values[j][0][c]);
+        value_seconds[c] = _mm512_load_ps(block.values[j][1][c]);
       }
-      for (int64_t r = 0; r < kTileRows; ++r) {
+      for (int64_t r = 0; r < kSubRows; ++r) {
         const __m512 first = _mm512_set1_ps(firsts[r][j]), second = _mm512_set1_ps(seconds[r][j]);
         for (int64_t c = 0; c < kDim / 16; ++c)
           acc[r][c] = _mm512_fmadd_ps(first, value_firsts[c],
                                       _mm512_fmadd_ps(second, value_seconds[c], acc[r][c]));
       }
+    }
+  }
+
+  // The task's 16 rows through one key block (row0 is always 0): a 4-row tile of rows that
+  // all see none of its keys is skipped (a causal task's last blocks, a task's padding rows).
+  static void tile_block(const uint16_t* q_bf16, const uint16_t* kblock, const uint16_t* vblock,
+                         const int64_t* valid, float scale, RowState<kTaskRows>& state,
+                         int64_t /*row0*/) {
+    const auto* q = reinterpret_cast<const uint32_t*>(q_bf16);  // bf16 pairs
+    WideBlock block;
+    widen_keys(kblock, block);
+    bool seen[kTileRows / kSubRows];
+    alignas(64) float scores[kTileRows][kKeyBlock];
+    for (int64_t t = 0; t < kTileRows / kSubRows; ++t) {
+      seen[t] = *std::max_element(valid + t * kSubRows, valid + (t + 1) * kSubRows) > 0;
+      if (seen[t]) tile_scores(q + t * kSubRows * kPairs, block, scores + t * kSubRows);
+    }
+    alignas(64) uint32_t probs[kTileRows][kKeyBlock / 2];  // bf16 pairs
+    float factor[kTileRows];
+    block_softmax<kTileRows>(scores, valid, scale, state, 0, probs, factor);
+    widen_values(vblock, block);
+    for (int64_t t = 0; t < kTileRows / kSubRows; ++t) {
+      if (!seen[t]) continue;  // its rows' factors are 1
+      __m512 acc[kSubRows][kDim / 16];
+      for (int64_t r = 0; r < kSubRows; ++r) {
+        const __m512 scale_by = _mm512_set1_ps(factor[t * kSubRows + r]);
+        for (int64_t c = 0; c < kDim / 16; ++c)
+          acc[r][c] =
+              _mm512_mul_ps(_mm512_load_ps(state.out[t * kSubRows + r] + c * 16), scale_by);
+      }
+      add_values(probs + t * kSubRows, block, acc);
+      for (int64_t r = 0; r < kSubRows; ++r)
+        for (int64_t c = 0; c < kDim / 16; ++c)
+          _mm512_store_ps(state.out[t * kSubRows + r] + c * 16, acc[r][c]);
     }
   }
 

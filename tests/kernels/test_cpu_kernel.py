@@ -146,6 +146,10 @@ def test_widened_attention_gives_the_dot_products_bits(cache_dir: Path) -> None:
         (torch.randn(2, 3, n, 64, generator=generator) * 1.5).bfloat16() for n in (37, 130, 130)
     )
     causal = (130 - 37 + 1 + torch.arange(37)).expand(2, 37)
+    # 32 rows over 72 keys: rows 16-23 of the second 16-row task see none of the second key
+    # block, rows 24-31 some (a widened task skips the 4-row tiles that see none).
+    q2, k2, v2 = (torch.randn(1, 3, n, 64, generator=generator).bfloat16() for n in (32, 72, 72))
+    causal2 = (72 - 32 + 1 + torch.arange(32)).expand(1, 32)
     k_cache, v_cache = shuffled_cache(generator, 12, 3, torch.bfloat16)
     decode_q = torch.randn(5, 9, 64, generator=generator).bfloat16()
     tables = torch.randint(0, 12, (5, 4), generator=generator)
@@ -155,6 +159,7 @@ def test_widened_attention_gives_the_dot_products_bits(cache_dir: Path) -> None:
     def attend() -> list[torch.Tensor]:
         return [
             *ops.dense_attention(q, k, v, causal, 0.125),
+            *ops.dense_attention(q2, k2, v2, causal2, 0.125),
             *ops.prefix_attention(decode_q.unflatten(1, (3, 3)), k_cache, v_cache, common, 0.125),
             *ops.paged_decode(decode_q, k_cache, v_cache, tables, lengths, 0.125),
             ops.decode_attention(decode_q, k_cache, v_cache, tables, lengths, 0.125, common),
