@@ -86,11 +86,12 @@ needs_library = pytest.mark.skipif(
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_vector_product_is_the_exact_one(kernels: CpuKernels, rows: int, bias: bool) -> None:
     """No rows, one pass of up to 16 rows, and passes of 16 with every kind of last one; 6
-    panels of 16 columns shared by 2 threads; x a view (rows of a wider tensor)."""
+    panels of 16 columns shared by 2 threads; x a view (rows of a wider tensor), widened in
+    blocks of 8 rows and 8 pairs of k: 85 pairs, 10 blocks and 5 pairs."""
     ops = kernels.loader.ops(torch.bfloat16)
-    weight = small_ints(96, 160, seed=1)
+    weight = small_ints(96, 170, seed=1)
     bias_value = small_ints(96, seed=2) if bias else None
-    x = small_ints(rows, 2 * 160, seed=rows)[:, 160:]
+    x = small_ints(rows, 2 * 170, seed=rows)[:, 170:]
     got = ops.vector_linear(x, ops.vector_pack(weight), bias_value)
     assert got.shape == (rows, 96) and got.dtype == torch.bfloat16
     assert torch.equal(got, exact(x, weight, bias_value))
