@@ -105,8 +105,8 @@ void pass_any(int64_t rows, const Pass& at, const float* bias, uint16_t* y, int6
 // x [rows][k] bf16 (row stride `stride`) → out [k / 2][rows][2] float32, exact: each row's pair
 // j of k (a 64-bit pair of floats once widened) moves to pair j's run of rows. Blocks of 8 rows
 // × 8 pairs: each row's 8 pairs widened into one vector, then the 8 × 8 matrix of 64-bit pairs
-// transposed, so that each store is 8 rows of one pair (aten's permute and convert, a strided
-// copy, made 64 rows through a layer take 1 / 0.863 the time: docs/cpu-kernels.md).
+// transposed, so that each store is 8 rows of one pair. In place of aten's permute and convert
+// (a strided copy), 64 rows through a layer took 0.863 of the time (docs/cpu-kernels.md).
 void widen_columns(const uint16_t* x, int64_t rows, int64_t k, int64_t stride, float* out) {
   const int64_t pairs = k / 2;
   const int64_t grain = std::max<int64_t>(1, 1024 / rows);  // some 8K pairs a thread at least
