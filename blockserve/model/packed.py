@@ -160,20 +160,31 @@ class PackedLinear(nn.Module):
     def silu_and_mul(self, x: torch.Tensor, ops: Any) -> torch.Tensor:
         """`ops.silu_and_mul(self(x))` for the MLP's gate/up projection (`ops`: the layer
         operators): SiLU of the output's first half times its second half. Where the product
-        runs on the tiles, in one pass: the [rows, out_features] product is never written."""
+        runs on the tiles, in one pass: the [rows, out_features] product is never written;
+        where it runs widened, its float32 sums go to SiLU unrounded, which rounds them as
+        it reads them (the same bits, one pass over memory fewer)."""
         rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        num_rows, kernels = rows.shape[0], self.kernels
+        out = self._silu_in_one_pass(rows, ops)
+        if out is None:
+            return ops.silu_and_mul(self(x))
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features // 2)
+
+    def _silu_in_one_pass(self, rows: torch.Tensor, ops: Any) -> torch.Tensor | None:
+        """silu_and_mul of this product of `rows` without the bf16 product written, where it
+        runs on the tiles or widened; None where it runs elsewhere."""
+        kernels = self.kernels
+        if torch.compiler.is_compiling() or self._buffers["bias"] is not None or kernels is None:
+            return None
         if (
-            not torch.compiler.is_compiling()
-            and (tiles := self._buffers["tiles"]) is not None
-            and self._buffers["bias"] is None
-            and not (self.gguf_packed and num_rows <= GGUF_MAX_ROWS)  # the GGUF blocks' turn
-            and kernels is not None
+            (tiles := self._buffers["tiles"]) is not None
+            # few enough rows for the GGUF blocks are theirs
+            and not (self.gguf_packed and rows.shape[0] <= GGUF_MAX_ROWS)
             and (fused := kernels.tile_linear_silu(rows)) is not None
         ):
-            out = fused(rows, tiles)
-            return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features // 2)
-        return ops.silu_and_mul(self(x))
+            return fused(rows, tiles)
+        if (wide := self._buffers["wide"]) is not None and kernels.widens(rows):
+            return ops.silu_and_mul_sums(_packed_linear(rows.float(), wide, None))
+        return None
 
     def tileable(self) -> bool:
         """Whether our tile kernel takes this layer: bf16, both sizes multiples of 32."""

@@ -50,4 +50,10 @@ inline __m512 silu(__m512 g) {
   return _mm512_mul_ps(g, sigmoid);
 }
 
+// SiLU(gate) · up where gate and up are a product's float32 sums: each rounded to bf16 first, as
+// the product alone would write them, then as silu_and_mul computes: the bits of the two.
+inline __m512 silu_mul_sums(__m512 gate, __m512 up) {
+  return _mm512_mul_ps(round_bf16(silu(round_bf16(gate))), round_bf16(up));
+}
+
 }  // namespace blockserve_cpu

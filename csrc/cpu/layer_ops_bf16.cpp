@@ -113,6 +113,26 @@ struct Bf16Layer {
   }
 };
 
+// silu_and_mul of a widened gate/up product's float32 sums [rows, 2n] → [rows, n] bf16: the bits
+// of rounding the sums to bf16, then silu_and_mul, without writing the rounded product.
+at::Tensor silu_and_mul_sums(const at::Tensor& sums) {
+  TORCH_CHECK(sums.dim() == 2 && sums.scalar_type() == at::kFloat && sums.size(1) % 32 == 0 &&
+                  sums.stride(1) == 1,
+              "silu_and_mul_sums: sums must be float32 [rows, 2n], n a multiple of 16, with "
+              "unit stride along a row");
+  const int64_t width = sums.size(1) / 2, stride = sums.stride(0);
+  at::Tensor out = at::empty({sums.size(0), width}, sums.options().dtype(at::kBFloat16));
+  const float* sp = sums.data_ptr<float>();
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  for_rows(sums.size(0), width, [&](int64_t row) {
+    const float* gate = sp + row * stride;
+    for (int64_t c = 0; c < width; c += kLanes)
+      store_bf16(op + row * width + c,
+                 silu_mul_sums(_mm512_loadu_ps(gate + c), _mm512_loadu_ps(gate + width + c)));
+  });
+  return out;
+}
+
 }  // namespace
 
 // LoRA's grouped products (lora.h), registered here: a translation unit of their own would
@@ -130,10 +150,12 @@ void lora_add_bf16(const at::Tensor& x, at::Tensor& out, const at::Tensor& a, co
 
 TORCH_LIBRARY_FRAGMENT(blockserve_cpu, m) {
   define_layer(m);
+  m.def("silu_and_mul_sums(Tensor sums) -> Tensor");
   blockserve_cpu::lora::define_lora(m);
 }
 
 TORCH_LIBRARY_IMPL(blockserve_cpu, CPU, m) {
   implement_layer<Bf16Layer>(m);
+  m.impl("silu_and_mul_sums", &silu_and_mul_sums);
   m.impl("lora_add_", &lora_add_bf16);
 }

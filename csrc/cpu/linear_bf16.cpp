@@ -241,9 +241,8 @@ at::Tensor tile_linear_silu(const at::Tensor& x, const at::Tensor& packed) {
     return std::pair{gate, gate + up_blocks};
   };
   const auto store = [&](int64_t row, int64_t task, const float* gate, const float* up) {
-    const __m512 activated = round_bf16(silu(round_bf16(_mm512_load_ps(gate))));
     store_bf16(ys + row * width + task * 16,
-               _mm512_mul_ps(activated, round_bf16(_mm512_load_ps(up))));
+               silu_mul_sums(_mm512_load_ps(gate), _mm512_load_ps(up)));
   };
   tile_passes(x, width / 16, blocks, store);
   return out;

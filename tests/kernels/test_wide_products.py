@@ -210,6 +210,52 @@ def test_a_packed_linear_takes_vectors_below_the_wide_rows_and_the_wide_copy_fro
 
 
 @needs_library
+def test_silu_of_float32_sums_gives_the_bits_of_the_rounded_product(kernels: CpuKernels) -> None:
+    """SiLU(gate) · up of a widened product's float32 sums, rounded as they are read, is
+    silu_and_mul of the sums rounded to bf16, to the bit (ties to even included; rows of a
+    wider tensor); it takes float32 sums only."""
+    ops = kernels.loader.ops(torch.bfloat16)
+    generator = torch.Generator().manual_seed(6)
+    sums = (torch.randn(37, 400, generator=generator) * 4)[:, :192]
+    sums[0, :4] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 2 + 2**-7])  # ties
+    got = ops.silu_and_mul_sums(sums)
+    assert got.dtype == torch.bfloat16 and got.shape == (37, 96)
+    assert torch.equal(got, ops.silu_and_mul(sums.bfloat16()))
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.silu_and_mul_sums(sums.bfloat16())
+
+
+@needs_library
+def test_a_widened_gate_up_product_hands_silu_its_float32_sums(kernels: CpuKernels) -> None:
+    """From `wide_min_rows` rows the MLP's gate/up product hands SiLU its float32 sums (no
+    bf16 product written), with the bits of SiLU over the product; fewer rows run the
+    product, then SiLU."""
+    ops = kernels.loader.ops(torch.bfloat16)
+    layer = int_linear(160, 64, seed=7)
+    layer.bias = None
+    gate_up = PackedLinear(layer)
+    gate_up.kernels = kernels
+    assert pack_wide(nn.Sequential(gate_up)) == 1
+
+    class Recorded:  # the layer operators, each call's name recorded
+        def __init__(self) -> None:
+            self.calls: list[str] = []
+
+        def __getattr__(self, name: str) -> Any:
+            self.calls.append(name)
+            return getattr(ops, name)
+
+    most = kernels.switches.wide_min_rows
+    generator = torch.Generator().manual_seed(8)
+    for rows in (most, most - 1):
+        x = torch.randn(rows, 160, generator=generator).bfloat16()
+        recorded = Recorded()
+        assert torch.equal(gate_up.silu_and_mul(x, recorded), ops.silu_and_mul(gate_up(x)))
+        expected = "silu_and_mul_sums" if rows == most else "silu_and_mul"
+        assert recorded.calls == [expected]
+
+
+@needs_library
 def test_a_bf16_model_gets_its_copies_where_widening_pays(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
