@@ -231,20 +231,12 @@ struct Bf16Kernel {
 
   // One 4-row tile through one key block: softmax update, then out += probabilities · V.
   // valid[r]: how many of the block's keys row r sees (0 to 64).
-  static void tile_block(const uint16_t* q, const uint16_t* kblock, const uint16_t* vblock,
+  static void tile_block(const uint16_t* q_bf16, const uint16_t* kblock, const uint16_t* vblock,
                          const int64_t* valid, float scale, RowState<kTaskRows>& state,
                          int64_t row0) {
-    tile_block_with<Bf16Kernel>(q, kblock, vblock, valid, scale, state, row0);
-  }
-
-  // tile_block's steps, the two products `Products`' own (tile_scores, add_values).
-  template <class Products>
-  static void tile_block_with(const uint16_t* q_bf16, const uint16_t* kblock,
-                              const uint16_t* vblock, const int64_t* valid, float scale,
-                              RowState<kTaskRows>& state, int64_t row0) {
     const auto* q = reinterpret_cast<const uint32_t*>(q_bf16);  // bf16 pairs
     alignas(64) float scores[kTileRows][kKeyBlock];
-    Products::tile_scores(q, kblock, scores);
+    tile_scores(q, kblock, scores);
     alignas(64) uint32_t probs[kTileRows][kKeyBlock / 2];  // bf16 pairs
     float factor[kTileRows];
     block_softmax<kTileRows>(scores, valid, scale, state, row0, probs, factor);
@@ -254,7 +246,7 @@ struct Bf16Kernel {
       for (int64_t c = 0; c < kDim / 16; ++c)
         acc[r][c] = _mm512_mul_ps(_mm512_load_ps(state.out[row0 + r] + c * 16), scale_by);
     }
-    Products::add_values(probs, vblock, acc);
+    add_values(probs, vblock, acc);
     for (int64_t r = 0; r < kTileRows; ++r)
       for (int64_t c = 0; c < kDim / 16; ++c)
         _mm512_store_ps(state.out[row0 + r] + c * 16, acc[r][c]);
