@@ -1,7 +1,7 @@
 """Linear layers over weights reordered once into oneDNN's blocked layout (CPU), equal to
-`F.linear` (to the bit in bf16). Our tile (bf16, AMX) and vector (float32, few rows) kernels,
-and bf16 prefills widened to float32 where a CPU's FMAs outrun its bf16 dot products, run over
-a second copy of each weight; compiled graphs use oneDNN's (docs/cpu-kernels.md)."""
+`F.linear` (to the bit in bf16). Our tile (bf16, AMX) and vector (few rows) kernels, and bf16
+prefills widened to float32 where FMAs outrun bf16 dot products, run over copies of each weight
+(docs/cpu-kernels.md); compiled graphs use oneDNN's, else dropped beside panel and wide ones."""
 
 from __future__ import annotations
 
@@ -93,7 +93,8 @@ def can_prepack(
 class PackedLinear(nn.Module):
     """An `nn.Linear`'s forward over a weight reordered for oneDNN (the original is dropped)."""
 
-    packed: torch.Tensor
+    packed: torch.Tensor | None  # None once the panel and wide copies serve every product
+    dtype: torch.dtype  # the weight's
     bias: torch.Tensor | None
     tiles: torch.Tensor | None  # the weight in tile order (pack_for_tiles), or None
     vectors: torch.Tensor | None  # the weight in panel order (pack_for_vectors), or None
@@ -109,6 +110,7 @@ class PackedLinear(nn.Module):
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         weight = linear.weight.detach()
+        self.dtype = weight.dtype
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         self.register_buffer("packed", packed, persistent=False)
         bias = None if linear.bias is None else linear.bias.detach()
@@ -131,7 +133,8 @@ class PackedLinear(nn.Module):
             out = torch.ops.blockserve.packed_linear(rows, self.packed, self.bias)
             return out if flat else out.view(*x.shape[:-1], self.out_features)
         buffers, kernels, num_rows = self._buffers, self.kernels, rows.shape[0]
-        bias = buffers["bias"]
+        # oneDNN's weight read first: the loader's thread drops it only once `wide` is set
+        bias, packed = buffers["bias"], buffers["packed"]
         if (
             self.gguf_packed
             and num_rows <= GGUF_MAX_ROWS
@@ -151,10 +154,13 @@ class PackedLinear(nn.Module):
             and (vector_linear := kernels.vector_linear(rows, self.vectors_isa)) is not None
         ):
             out = vector_linear(rows, vectors, bias)
-        elif (wide := buffers["wide"]) is not None and kernels is not None and kernels.widens(rows):
+        elif (wide := buffers["wide"]) is not None and (
+            packed is None or (kernels is not None and kernels.widens(rows))
+        ):  # where the bf16 weight is gone, oneDNN's products (ours switched off) are these
             out = wide_linear(rows, wide, bias)
         else:
-            out = _packed_linear(rows, self.packed, bias)
+            assert packed is not None, "dropped only beside a wide copy"
+            out = _packed_linear(rows, packed, bias)
         return out if flat else out.view(*x.shape[:-1], self.out_features)
 
     def silu_and_mul(self, x: torch.Tensor, ops: Any) -> torch.Tensor:
@@ -189,25 +195,29 @@ class PackedLinear(nn.Module):
     def tileable(self) -> bool:
         """Whether our tile kernel takes this layer: bf16, both sizes multiples of 32."""
         return (
-            self.packed.dtype == torch.bfloat16
+            self.dtype == torch.bfloat16
             and self.in_features % 32 == 0
             and self.out_features % 32 == 0
         )
 
     def dense_weight(self) -> torch.Tensor:
-        """The weight as a plain row-major [out, in] tensor (what the copies are made from)."""
-        return self.packed.to_dense() if self.packed.is_mkldnn else self.packed
+        """The weight as a plain row-major [out, in] tensor (what the copies are made from):
+        oneDNN's, or the wide copy narrowed back (exact) once oneDNN's is dropped."""
+        weight = self.packed if self.packed is not None else self.wide
+        assert weight is not None, "a layer keeps oneDNN's weight or its wide copy"
+        dense = weight.to_dense() if weight.is_mkldnn else weight
+        return dense.to(self.dtype)
 
     def widenable(self) -> bool:
         """Whether this layer's products can be widened: its weight is bf16."""
-        return self.packed.dtype == torch.bfloat16
+        return self.dtype == torch.bfloat16
 
     def vectorizable(self) -> bool:
         """Whether our vector kernels take this layer: out_features a multiple of 32, float32,
         or bf16 of even in_features."""
         if self.out_features % 32 != 0:
             return False
-        dtype = self.packed.dtype
+        dtype = self.dtype
         return dtype == torch.float32 or (dtype == torch.bfloat16 and self.in_features % 2 == 0)
 
 
@@ -253,14 +263,18 @@ def widening_pays(ops: Any) -> bool:
     return pays
 
 
-def pack_wide(model: nn.Module) -> int:
+def pack_wide(model: nn.Module, drop_packed: bool = False) -> int:
     """Give each bf16 `PackedLinear` under `model` a copy of its weight widened to float32 in
     oneDNN's layout, for the products of many rows (`CpuKernels.widens`), unless the copies
-    would pass `copy_budget()`; returns how many got one."""
+    would pass `copy_budget()`; returns how many got one. `drop_packed`: a layer that has its
+    panel copy too drops oneDNN's bf16 weight as its wide copy is made (the two copies serve
+    every product, and no more than one layer's three copies are held at once)."""
     linears = _to_copy(model, PackedLinear.widenable, "wide", bytes_per_weight=4)
     for linear in linears:
         widened = linear.dense_weight().float()
         linear.wide = torch.ops.mkldnn._reorder_linear_weight(widened, None)
+        if drop_packed and linear.vectors is not None:
+            linear.packed = None
     return len(linears)
 
 
@@ -295,12 +309,13 @@ def use_kernels(model: nn.Module, kernels: CpuKernels) -> None:
 
 
 def pack_once_loaded(
-    model: weakref.ref[nn.Module], kernels: CpuKernels, dtype: torch.dtype
+    model: weakref.ref[nn.Module], kernels: CpuKernels, dtype: torch.dtype, compiled: bool = False
 ) -> Callable[[Any], None]:
     """What to run once `kernels` has `dtype`'s library loaded (on its loader's thread, given
     its operators): the tile copies and GGUF blocks (bf16; and where widening pays, attention
-    widened, the panel and the wide copies) or the panel copies for the build loaded (float32)
-    of the model's weights, unless the model is gone by then."""
+    widened, the panel and the wide copies, oneDNN's bf16 weights dropped unless the forward
+    is `compiled` over them) or the panel copies for the build loaded (float32) of the
+    model's weights, unless the model is gone by then."""
 
     def pack(ops: Any) -> None:
         if (alive := model()) is None:
@@ -312,7 +327,7 @@ def pack_once_loaded(
             if isa is not None and widening_pays(ops):
                 kernels.use_wide_attention(True)
                 pack_for_vectors(alive, ops, isa)  # first: every request's decode runs on them
-                pack_wide(alive)
+                pack_wide(alive, drop_packed=not compiled)
         elif isa is not None:
             pack_for_vectors(alive, ops, isa)
 
@@ -334,7 +349,9 @@ def _to_copy(
     """The `PackedLinear`s under `model` a kernel `takes`; none (logged) if copies of their
     weights, `bytes_per_weight` each (default: the weights' own), would pass `copy_budget()`."""
     linears = [m for m in model.modules() if isinstance(m, PackedLinear) and takes(m)]
-    size = sum(m.packed.numel() * (bytes_per_weight or m.packed.element_size()) for m in linears)
+    size = sum(
+        m.in_features * m.out_features * (bytes_per_weight or m.dtype.itemsize) for m in linears
+    )
     if size > (budget := copy_budget()):
         logger.info(
             "%s copies of the linear weights would take %.1f GiB, past %.1f (%g of the memory "

@@ -123,7 +123,7 @@ def runner_parts(
         keep_freed_memory()  # for the steps' temporaries; the loading's are gone
         kv_pages.map_now(kv_blocks_per_step)  # the first step writes mapped memory
     if ours:
-        _start_cpu_kernels(kernels, dtype, loaded)
+        _start_cpu_kernels(kernels, dtype, loaded, runtime.compile)
     parts = RunnerParts(
         device=device,
         host=host,
@@ -203,9 +203,12 @@ def _layer_ops(device: torch.device, kernels: CpuKernels | None) -> LayerOpsSour
     return kernels
 
 
-def _start_cpu_kernels(kernels: CpuKernels, dtype: torch.dtype, loaded: LoadedModel) -> None:
+def _start_cpu_kernels(
+    kernels: CpuKernels, dtype: torch.dtype, loaded: LoadedModel, compiled: bool
+) -> None:
     """Our CPU library, built or loaded on a thread (torch's operators serve meanwhile), the
-    weights packed for it once it is in."""
+    weights packed for it once it is in (`compiled`: the forward will be, over oneDNN's)."""
     use_kernels(loaded.model, kernels)
-    kernels.loader.when_loaded(dtype, pack_once_loaded(weakref.ref(loaded.model), kernels, dtype))
+    pack = pack_once_loaded(weakref.ref(loaded.model), kernels, dtype, compiled)
+    kernels.loader.when_loaded(dtype, pack)
     kernels.loader.start(default_cache_dir(), dtype)

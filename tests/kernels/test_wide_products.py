@@ -6,6 +6,7 @@ given both once our kernels are loaded."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -210,6 +211,56 @@ def test_a_packed_linear_takes_vectors_below_the_wide_rows_and_the_wide_copy_fro
 
 
 @needs_library
+def test_a_layer_with_both_copies_drops_onednns_weight_and_runs_on_them(
+    kernels: CpuKernels, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`pack_wide(drop_packed=True)`: a layer with its panels drops oneDNN's bf16 weight as its
+    wide copy is made, one without them (out_features 40: no panels) keeps it; the dropped
+    weight is still there to copy (the wide one narrowed back, exact), and every product stays
+    exact, with ours switched off too (then oneDNN's over the wide copy)."""
+    ops = kernels.loader.ops(torch.bfloat16)
+    layers = [int_linear(160, 96, seed=11), int_linear(96, 40, seed=12)]
+    weights = [(m.weight.detach().clone(), m.bias.detach().clone()) for m in layers]
+    model = nn.Sequential(*(PackedLinear(m) for m in layers))
+    use_kernels(model, kernels)
+    assert pack_for_vectors(model, ops, kernels.loader.isa(torch.bfloat16)) == 1
+    assert pack_wide(model, drop_packed=True) == 2
+    assert model[0].packed is None and model[1].packed is not None
+    assert torch.equal(model[0].dense_weight(), weights[0][0])
+    dtypes = spy_on_dtypes(monkeypatch)
+    most = kernels.switches.wide_min_rows
+    for rows in (1, most - 1, most):
+        x = small_ints(rows, 160, seed=rows)
+        assert torch.equal(model(x), exact(exact(x, *weights[0]), *weights[1]))
+    assert dtypes == [torch.bfloat16, torch.bfloat16, torch.float32, torch.float32]
+    kernels.set_enabled(True, products=False)
+    try:
+        x = small_ints(3, 160, seed=13)
+        assert torch.equal(model(x), exact(exact(x, *weights[0]), *weights[1]))
+    finally:
+        kernels.set_enabled(True)
+    assert dtypes[-2:] == [torch.float32, torch.bfloat16]
+
+
+@needs_library
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_compiled_forward_keeps_onednns_weight(
+    kernels: CpuKernels, monkeypatch: pytest.MonkeyPatch, compiled: bool
+) -> None:
+    """Once the library loads where widening pays, a layer with both copies drops oneDNN's
+    bf16 weight, unless the forward is compiled (its graphs read that weight)."""
+    monkeypatch.setattr(packed, "widening_pays", lambda ops: True)
+    monkeypatch.setattr(CpuKernels, "use_wide_attention", lambda self, on: on)
+    model = nn.Sequential(PackedLinear(int_linear(64, 32, seed=14)))
+    use_kernels(model, kernels)
+    pack = packed.pack_once_loaded(weakref.ref(model), kernels, torch.bfloat16, compiled)
+    pack(kernels.loader.ops(torch.bfloat16))
+    layer = model[0]
+    assert layer.vectors is not None and layer.wide is not None
+    assert (layer.packed is None) is not compiled
+
+
+@needs_library
 def test_silu_of_float32_sums_gives_the_bits_of_the_rounded_product(kernels: CpuKernels) -> None:
     """SiLU(gate) · up of a widened product's float32 sums, rounded as they are read, is
     silu_and_mul of the sums rounded to bf16, to the bit (ties to even included; rows of a
@@ -261,8 +312,8 @@ def test_a_bf16_model_gets_its_copies_where_widening_pays(
 ) -> None:
     """Once the runner's bf16 kernels are loaded, where widening pays (here told it does: the
     AMX hosts' tiles come first otherwise) every linear layer of a tiny Llama has its wide copy
-    and each one the vector kernel takes its panels, and attention is widened; where it does
-    not, none of that. A decode's MLP
+    and each one the vector kernel takes its panels (and drops oneDNN's bf16 weight), and
+    attention is widened; where it does not, none of that. A decode's MLP
     (8 rows) runs on the vectors, a prefill's (80) on the wide copies, both within bf16
     rounding of oneDNN's."""
     model_dir = save_tiny_model(
@@ -281,9 +332,14 @@ def test_a_bf16_model_gets_its_copies_where_widening_pays(
         )
         assert runner.kernels.loader.wait(timeout=600)
         linears = [m for m in runner.model.modules() if isinstance(m, PackedLinear)]
-        copies[pays] = [(m.wide is not None, m.vectors is not None) for m in linears]
+        copies[pays] = [
+            (m.wide is not None, m.vectors is not None, m.packed is None) for m in linears
+        ]
     panels = [m.out_features % 32 == 0 for m in linears]
-    assert copies == {True: [(True, p) for p in panels], False: [(False, False)] * len(linears)}
+    assert copies == {
+        True: [(True, p, p) for p in panels],  # oneDNN's weight dropped beside both copies
+        False: [(False, False, False)] * len(linears),
+    }
     assert widened_attention == [True]  # attention widened where the products are
     mlp: Any = runner.model.model.layers[0].mlp
     runner.kernels.switches.tiles = False  # an AMX host's tile copies would serve first
