@@ -392,7 +392,7 @@ def main() -> None:
     engines = ("blockserve",) if args.dry_run else ("blockserve", "vllm")
     flags = ["--compile"] if args.compile else []
     results: dict[str, Any] = {
-        "threads": args.threads,
+        "thread_mode": args.threads,  # "threads" is the host stamp's count
         "dtype": dtype,
         "model_dir": model_dir,
         "blockserve_flags": flags,

@@ -24,7 +24,9 @@ def test_dry_run_races_the_blockserve_half_offline_and_served(
     command += ["--out", str(out)]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    workloads = json.loads(out.read_text())["workloads"]
+    results = json.loads(out.read_text())
+    assert results["thread_mode"] == "bound"  # beside the host stamp's thread count
+    workloads = results["workloads"]
 
     offline = workloads["shared-prefix"]
     assert set(offline) == {"blockserve"}  # no vLLM half, so no ratio
