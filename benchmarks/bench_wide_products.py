@@ -2,9 +2,9 @@
 product and float32 FMA rates (our library's `dot_rates`), then one step's products over every
 linear layer of the loaded model (the engine's `PackedLinear`s, each weight its own), timed
 three ways in the same process taking turns: our vector kernel over the bf16 panels, oneDNN's
-over the float32 wide copies, oneDNN's bf16 (ms a step, the median of --repeats after one
-warm-up), at 16 to 192 rows. Where widening does not pay here, the model has no copies and only
-the rates are reported.
+over the float32 wide copies, oneDNN's bf16 (over weights reordered here: the engine drops its
+own beside the two copies) (ms a step, the median of --repeats after one warm-up), at 16 to 256
+rows. Where widening does not pay here, the model has no copies and only the rates are reported.
 
     .venv/bin/python benchmarks/bench_wide_products.py [--model DIR] [--out FILE]
 """
@@ -21,33 +21,40 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import emit
 
-ROWS = (16, 32, 48, 64, 96, 128, 192)
+ROWS = (16, 32, 48, 64, 96, 128, 160, 192, 256)
 
 
-def step_ms(layers: list[Any], rows: int, repeats: int, kernels: Any) -> dict[str, float]:
-    """One step's products of `rows` rows on each path, the median ms of `repeats` turns."""
+def step_ms(
+    layers: list[Any], onednn: list[Any], rows: int, repeats: int, kernels: Any
+) -> dict[str, float]:
+    """One step's products of `rows` rows on each path, the median ms of `repeats` turns
+    (`onednn`: each layer's bf16 weight reordered for oneDNN)."""
     import torch
 
+    from blockserve.model.packed import _packed_linear
+
     xs = [torch.randn(rows, layer.in_features).bfloat16() for layer in layers]
-    paths = {  # (our products on, wide_min_rows)
-        "vectors": (True, 1 << 30),
-        "wide": (True, 1),
-        "onednn_bf16": (False, 1 << 30),
+    paths = {  # wide_min_rows, or None: oneDNN's bf16
+        "vectors": 1 << 30,
+        "wide": 1,
+        "onednn_bf16": None,
     }
     times: dict[str, list[float]] = {name: [] for name in paths}
-    saved = kernels.switches.products, kernels.switches.wide_min_rows
+    saved = kernels.switches.wide_min_rows
     try:
         with torch.inference_mode():
             for _ in range(repeats + 1):
-                for name, (products, wide_min_rows) in paths.items():
-                    kernels.switches.products = products
-                    kernels.switches.wide_min_rows = wide_min_rows
+                for name, wide_min_rows in paths.items():
+                    kernels.switches.wide_min_rows = wide_min_rows or saved
                     started = time.perf_counter()
-                    for layer, x in zip(layers, xs, strict=True):
-                        layer(x)
+                    for layer, weight, x in zip(layers, onednn, xs, strict=True):
+                        if wide_min_rows is None:
+                            _packed_linear(x, weight, layer.bias)
+                        else:
+                            layer(x)
                     times[name].append(time.perf_counter() - started)
     finally:
-        kernels.switches.products, kernels.switches.wide_min_rows = saved
+        kernels.switches.wide_min_rows = saved
     return {name: round(statistics.median(t[1:]) * 1e3, 1) for name, t in times.items()}
 
 
@@ -71,7 +78,8 @@ def main() -> None:
     widened = all(m.wide is not None for m in layers)
     by_rows = {}
     if widened:
-        by_rows = {rows: step_ms(layers, rows, args.repeats, kernels) for rows in ROWS}
+        onednn = [torch.ops.mkldnn._reorder_linear_weight(m.dense_weight(), None) for m in layers]
+        by_rows = {rows: step_ms(layers, onednn, rows, args.repeats, kernels) for rows in ROWS}
     emit(
         {
             "benchmark": "wide_products",
