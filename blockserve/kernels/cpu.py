@@ -19,9 +19,9 @@ VECTOR_MAX_ROWS = 128  # the most rows a float32 product takes our vector kernel
 # The fewest rows a bf16 product is widened to float32 for over its wide copy, where widening
 # pays (model/packed.py); fewer take our bf16 vector kernel. Over SmolLM2-135M's 121 layers in
 # the engine (benchmarks/bench_wide_products.py; 2 vCPUs, an AVX512-BF16 Xeon without AMX) a
-# step of products took 127.7 ms on the vectors and 134.9 on the wide copies at 64 rows, 189.5
-# and 175.0 at 96.
-WIDE_MIN_ROWS = 80
+# step of products took 216.4 ms on the vectors and 227.1 on the wide copies at 160 rows, 267.2
+# and 256.4 at 192 (once the vector kernel widened x itself; before, the two met at ~80 rows).
+WIDE_MIN_ROWS = 176
 MAX_DECODE_GROUP = 8  # query heads per KV head that paged_decode takes
 
 

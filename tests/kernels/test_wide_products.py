@@ -313,9 +313,9 @@ def test_a_bf16_model_gets_its_copies_where_widening_pays(
     """Once the runner's bf16 kernels are loaded, where widening pays (here told it does: the
     AMX hosts' tiles come first otherwise) every linear layer of a tiny Llama has its wide copy
     and each one the vector kernel takes its panels (and drops oneDNN's bf16 weight), and
-    attention is widened; where it does not, none of that. A decode's MLP
-    (8 rows) runs on the vectors, a prefill's (80) on the wide copies, both within bf16
-    rounding of oneDNN's."""
+    attention is widened; where it does not, none of that. A decode's MLP (8 rows) runs on the
+    vectors, a prefill's (`wide_min_rows`) on the wide copies, both within bf16 rounding of
+    oneDNN's."""
     model_dir = save_tiny_model(
         tmp_path, hidden_size=128, intermediate_size=256, num_attention_heads=2,
         num_key_value_heads=1,
@@ -350,7 +350,7 @@ def test_a_bf16_model_gets_its_copies_where_widening_pays(
         runner.kernels.loader.isa(torch.bfloat16),
     )
     vector_calls = products.spy_on_rows(monkeypatch, runner.kernels, "vector_linear")
-    for rows in (8, 80):
+    for rows in (8, runner.kernels.switches.wide_min_rows):
         hidden = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows)).bfloat16()
         layer_ops = runner.kernels.layer_ops(hidden, head_dim=64)
         with torch.inference_mode():
