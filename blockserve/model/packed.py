@@ -1,7 +1,7 @@
 """Linear layers over weights reordered once into oneDNN's blocked layout (CPU), equal to
 `F.linear` (to the bit in bf16). Our tile (bf16, AMX) and vector (few rows) kernels, and bf16
 prefills widened to float32 where FMAs outrun bf16 dot products, run over copies of each weight
-(docs/cpu-kernels.md); compiled graphs use oneDNN's, else dropped beside panel and wide ones."""
+(docs/cpu-kernels.md); compiled graphs use oneDNN's, which eager ones drop beside two copies."""
 
 from __future__ import annotations
 
@@ -268,7 +268,7 @@ def pack_wide(model: nn.Module, drop_packed: bool = False) -> int:
     oneDNN's layout, for the products of many rows (`CpuKernels.widens`), unless the copies
     would pass `copy_budget()`; returns how many got one. `drop_packed`: a layer that has its
     panel copy too drops oneDNN's bf16 weight as its wide copy is made (the two copies serve
-    every product, and no more than one layer's three copies are held at once)."""
+    every product; only the layer being widened holds all three)."""
     linears = _to_copy(model, PackedLinear.widenable, "wide", bytes_per_weight=4)
     for linear in linears:
         widened = linear.dense_weight().float()
