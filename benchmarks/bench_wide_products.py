@@ -45,7 +45,8 @@ def step_ms(
         with torch.inference_mode():
             for _ in range(repeats + 1):
                 for name, wide_min_rows in paths.items():
-                    kernels.switches.wide_min_rows = wide_min_rows or saved
+                    if wide_min_rows is not None:
+                        kernels.switches.wide_min_rows = wide_min_rows
                     started = time.perf_counter()
                     for layer, weight, x in zip(layers, onednn, xs, strict=True):
                         if wide_min_rows is None:
