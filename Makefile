@@ -75,15 +75,21 @@ lint: setup-dev
 typecheck: setup-dev
 	$(BIN)/mypy blockserve
 
+# The suite on PYTEST_WORKERS processes (pytest-xdist), a test file to each at a time (its
+# module's servers start once). Two: CI's cores; alone, the suite keeps one of them idle about
+# half the time, waiting on servers, subprocesses and builds.
+PYTEST_WORKERS ?= 2
+PYTEST = $(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile
+
 pytest: setup-dev
-	$(BIN)/pytest
+	$(PYTEST)
 
 test: lint typecheck pytest
 
 # The tests not marked slow (no real servers, Ray, kernel builds or compiles): a quick lane
 # while working; `make test` stays the suite CI runs.
 test-fast: setup-dev
-	$(BIN)/pytest -m "not slow"
+	$(PYTEST) -m "not slow"
 
 bench: setup-dev
 	$(BIN)/python benchmarks/bench_block_manager.py

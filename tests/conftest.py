@@ -69,12 +69,27 @@ def cpu_kernels_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     flags and torch install, so the same bytes) is copied; the others are built here, and at
     least one is: before its build, the dir held an older source's library for this torch
     install, which the build replaces, and another install's, which it leaves
-    (tests/kernels/test_cpu_kernel.py checks both)."""
+    (tests/kernels/test_cpu_kernel.py checks both). Under pytest-xdist (`make test`) the
+    first worker to need it makes it for all: the others wait on a file lock, then read it."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if "PYTEST_XDIST_WORKER" in os.environ else base
+    directory = shared / "kernel-cache"
+    with FileLock(shared / "kernel-cache.lock"):
+        if not (directory / "made").is_file():
+            shutil.rmtree(directory, ignore_errors=True)  # a worker that died making it
+            _make_kernel_cache(directory)
+            (directory / "made").touch()
+    return directory
+
+
+def _make_kernel_cache(directory: Path) -> None:
+    """cpu_kernels_dir's contents, made in `directory`."""
     from blockserve.config import default_cache_dir
     from blockserve.kernels import build
 
-    directory = tmp_path_factory.mktemp("kernel-cache")
-    (directory / "cpu_kernels").mkdir()
+    (directory / "cpu_kernels").mkdir(parents=True)
     (directory / "cpu_kernels" / "bf16-000000000000-000000000000.so").touch()
     wanted = [
         (build.library_path(directory, dtype, target.isa), dtype, target.isa)
@@ -94,7 +109,6 @@ def cpu_kernels_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         list(pool.map(lambda job: build.build(*job), builds))
     assert all(path.is_file() for path, _, _ in wanted)
-    return directory
 
 
 @pytest.fixture(scope="session")
