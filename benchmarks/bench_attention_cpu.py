@@ -14,6 +14,9 @@ Variants:
                   (its products on AMX tiles where it has AMX-BF16), float32 where it has
                   AVX2; masked cases as per-row key counts, causal ones with query heads folded
   ours-vectors    on an AMX host, bf16 `ours` with the tiles switched out (`use_amx`)
+  ours-wide, ours-paged-wide   where the engine widens bf16 products (`widening_pays`: no
+                  AMX, float32 FMAs faster than vdpbf16ps), `ours` and `ours-paged` with the
+                  widened policy switched in, as the engine runs them there
   explicit        the same in separate ops: float32 scores, softmax, product
   compiled        `explicit` through torch.compile (inductor fuses the softmax into C++ loops)
   batched-products  decode-alone as the backend computes it in bf16 (products in bf16)
@@ -52,6 +55,7 @@ from blockserve.attention.torch_backend import DecodePlan, TorchAttentionBackend
 from blockserve.config import default_cache_dir
 from blockserve.kernels import CpuKernels
 from blockserve.kernels import build as cpu_build
+from blockserve.model.packed import widening_pays
 
 HEADS, KV_HEADS, DIM = 9, 3, 64
 GROUP = HEADS // KV_HEADS
@@ -180,6 +184,10 @@ def variant_sets(dtype: torch.dtype, seen: torch.Tensor) -> dict[str, dict[str, 
     if kernels.use_amx(True):  # an AMX host: "ours" ran on the tiles
         for kind in ("dense", "own", "causal"):
             sets[kind]["ours-vectors"] = vectors_only(sets[kind]["ours"], kernels)
+    if dtype == torch.bfloat16 and widening_pays(ops):
+        for kind, name in (("dense", "ours"), ("own", "ours"), ("causal", "ours"),
+                           ("own", "ours-paged"), ("alone", "ours-paged")):  # fmt: skip
+            sets[kind][f"{name}-wide"] = widened(sets[kind][name], kernels)
     return sets
 
 
@@ -210,6 +218,20 @@ def vectors_only(
             return fn(*inputs)
         finally:
             kernels.use_amx(True)
+
+    return run
+
+
+def widened(fn: Callable[..., torch.Tensor], kernels: CpuKernels) -> Callable[..., torch.Tensor]:
+    """`fn` with our bf16 kernels' products on float32 FMAs over the pairs widened (WideKernel),
+    switched out again after: the engine's policy where widening pays."""
+
+    def run(*inputs: torch.Tensor) -> torch.Tensor:
+        kernels.use_wide_attention(True)
+        try:
+            return fn(*inputs)
+        finally:
+            kernels.use_wide_attention(False)
 
     return run
 
