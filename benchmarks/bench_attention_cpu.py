@@ -183,11 +183,13 @@ def variant_sets(dtype: torch.dtype, seen: torch.Tensor) -> dict[str, dict[str, 
     sets["alone"]["gather+products"] = paged_variant(ops.paged_decode, through_backend=True)
     if kernels.use_amx(True):  # an AMX host: "ours" ran on the tiles
         for kind in ("dense", "own", "causal"):
-            sets[kind]["ours-vectors"] = vectors_only(sets[kind]["ours"], kernels)
+            sets[kind]["ours-vectors"] = switched(sets[kind]["ours"], kernels.use_amx, False)
     if dtype == torch.bfloat16 and widening_pays(ops):
         for kind, name in (("dense", "ours"), ("own", "ours"), ("causal", "ours"),
                            ("own", "ours-paged"), ("alone", "ours-paged")):  # fmt: skip
-            sets[kind][f"{name}-wide"] = widened(sets[kind][name], kernels)
+            sets[kind][f"{name}-wide"] = switched(
+                sets[kind][name], kernels.use_wide_attention, True
+            )
     return sets
 
 
@@ -207,31 +209,18 @@ def causal_ours(kernel: Callable, q, k, v) -> torch.Tensor:
     return attend_causal(kernel, *(x[0].transpose(0, 1) for x in (q, k, v))).transpose(0, 1)[None]
 
 
-def vectors_only(
-    fn: Callable[..., torch.Tensor], kernels: CpuKernels
+def switched(
+    fn: Callable[..., torch.Tensor], switch: Callable[[bool], object], during: bool
 ) -> Callable[..., torch.Tensor]:
-    """`fn` with our bf16 kernels on AVX512-BF16 vectors alone, the AMX tiles switched out."""
+    """`fn` with one of our kernels' policy switches (`CpuKernels.use_amx`,
+    `use_wide_attention`) set to `during` for each call, and back to `not during` after."""
 
     def run(*inputs: torch.Tensor) -> torch.Tensor:
-        kernels.use_amx(False)
+        switch(during)
         try:
             return fn(*inputs)
         finally:
-            kernels.use_amx(True)
-
-    return run
-
-
-def widened(fn: Callable[..., torch.Tensor], kernels: CpuKernels) -> Callable[..., torch.Tensor]:
-    """`fn` with our bf16 kernels' products on float32 FMAs over the pairs widened (WideKernel),
-    switched out again after: the engine's policy where widening pays."""
-
-    def run(*inputs: torch.Tensor) -> torch.Tensor:
-        kernels.use_wide_attention(True)
-        try:
-            return fn(*inputs)
-        finally:
-            kernels.use_wide_attention(False)
+            switch(not during)
 
     return run
 
