@@ -1,4 +1,4 @@
-"""The compute floor of the no-sharing workload on this host, and how near an engine comes.
+"""The compute floor of an offline workload on this host, and how near an engine comes.
 
 The floor is the time the workload's arithmetic and memory traffic would take at the best
 rates this host reaches, with nothing else in a step:
@@ -13,14 +13,18 @@ rates this host reaches, with nothing else in a step:
   - FLOPs: 2 per weight per token in the linear layers (the LM head's only for the rows
     sampled), and causal attention's 4 · heads · head_dim per (query, key) pair;
   - bytes: every weight once per step, and each decode row's K and V.
-The no-sharing workload (bench_vs_vllm.py's: 16 × 544 prompt tokens, 32 out, greedy, 2,048
-tokens a step) is one prefill of 8,704 tokens in chunks of 2,048 whose last rows sample the
-first tokens, then 31 decode steps of 16 rows. Its fraction: floor ÷ the engine's wall time.
-blockserve's wall is measured here, the median of 3 (bench_vs_vllm.run_blockserve, the race's call);
+The workloads are bench_vs_vllm.py's (32 tokens out, greedy, 2,048 tokens a step).
+no-sharing (16 × 544 prompt tokens) is one prefill of 8,704 tokens in chunks of 2,048 whose
+last rows sample the first tokens, then 31 decode steps of 16 rows. shared-prefix (64 ×
+(1,024 shared + 32 own)) computes the shared prefix once and each request's own 32 tokens
+(3,072 in all, each own token seeing the prefix), then 31 decode steps of 64 rows that read
+the prefix's K and V once a step. The fraction: floor ÷ the engine's wall time. blockserve's
+wall is measured here, the median of 3 (bench_vs_vllm.run_blockserve, the race's call);
 `--race FILE` adds those of a bench_vs_vllm.py result. Last, one more run under cProfile
 records each torch operator's share of blockserve's wall time (where the rest goes).
 
-    .venv/bin/python benchmarks/bench_floor.py [--model DIR] [--race FILE] [--out FILE]
+    .venv/bin/python benchmarks/bench_floor.py [--model DIR] [--workload shared-prefix]
+        [--race FILE] [--out FILE]
 """
 
 from __future__ import annotations
@@ -88,8 +92,8 @@ def read_rates(shapes: list[tuple[int, int]], layers: int) -> dict[str, float]:
     return rates
 
 
-def floor_seconds(arch: Any, r_flops: float, r_bytes: float) -> dict[str, float]:
-    requests, _, own, _ = WORKLOADS["no-sharing"]
+def floor_seconds(arch: Any, workload: str, r_flops: float, r_bytes: float) -> dict[str, float]:
+    requests, shared, own, _ = WORKLOADS[workload]
     hidden, layers, inter = arch.hidden_size, arch.num_layers, arch.intermediate_size
     q_size, kv_size = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
     layer_weights = hidden * (q_size + 2 * kv_size) + q_size * hidden + 3 * hidden * inter
@@ -97,34 +101,38 @@ def floor_seconds(arch: Any, r_flops: float, r_bytes: float) -> dict[str, float]
     head = arch.vocab_size * hidden
     weight_bytes = 2 * (linear + head)
     per_pair = 4 * arch.num_heads * arch.head_dim * layers  # attention FLOPs a (query, key)
-    prompt_tokens = requests * own
-    prefill_flops = (
-        2 * linear * prompt_tokens + 2 * head * requests + per_pair * requests * own * (own + 1) / 2
-    )
+    prompt_tokens = shared + requests * own  # a shared prefix computed once
+    # (query, key) pairs: the prefix's causal ones, then each own token over the prefix and
+    # the own tokens before it
+    pairs = shared * (shared + 1) / 2 + requests * (own * shared + own * (own + 1) / 2)
+    prefill_flops = 2 * linear * prompt_tokens + 2 * head * requests + per_pair * pairs
     prefill_steps = -(-prompt_tokens // CHUNK)
     prefill = max(prefill_flops / r_flops, prefill_steps * weight_bytes / r_bytes)
     decode = 0.0
     for step in range(1, OUTPUT_TOKENS):
-        context = own + step
+        context = shared + own + step
         flops = 2 * (linear + head) * requests + per_pair * requests * context
-        kv_bytes = 2 * 2 * kv_size * layers * context * requests
+        kv_bytes = 2 * 2 * kv_size * layers * (shared + (own + step) * requests)
         decode += max(flops / r_flops, (weight_bytes + kv_bytes) / r_bytes)
     return {"prefill_s": prefill, "decode_s": decode, "floor_s": prefill + decode}
 
 
-def profile_shares(model_dir: str) -> dict[str, Any]:
-    """The no-sharing workload once more under cProfile: each torch operator's share of the
-    wall time (its own time; the rest of the step is Python), the largest first."""
+def profile_shares(model_dir: str, workload: str) -> dict[str, Any]:
+    """The workload once more under cProfile: each torch operator's share of the wall time
+    (its own time; the rest of the step is Python), the largest first."""
     import cProfile
     import pstats
 
     from blockserve import LLM, SamplingParams
 
-    llm = LLM(model_dir, enable_prefix_caching=False, max_num_seqs=64, dtype="bfloat16")
+    caching = WORKLOADS[workload][3]
+    llm = LLM(model_dir, enable_prefix_caching=caching, max_num_seqs=64, dtype="bfloat16")
     llm.engine.core.runner.kernels.loader.wait()
-    prompts = [{"prompt_token_ids": p} for p in make_prompts("no-sharing")]
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(workload)]
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)
+    if caching:
+        llm.reset_prefix_cache()
     profile = cProfile.Profile()
     started = time.perf_counter()
     profile.runcall(llm.generate, prompts, params, use_tqdm=False)
@@ -141,7 +149,8 @@ def profile_shares(model_dir: str) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", help="a Hugging Face directory (default: the embedded model)")
-    parser.add_argument("--race", type=Path, help="a bench_vs_vllm.py result with no-sharing")
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="no-sharing")
+    parser.add_argument("--race", type=Path, help="a bench_vs_vllm.py result with the workload")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/floor/floor.json"))
     args = parser.parse_args()
     model_dir = args.model or str(resolve_model_dir(None))
@@ -155,17 +164,18 @@ def main() -> None:
     products = product_rates(shapes, CHUNK)
     reads = read_rates(shapes, arch.num_layers)
     r_bytes = max(reads.values())
-    floor = floor_seconds(arch, products["r_flops"], r_bytes)
-    _, _, _, caching = WORKLOADS["no-sharing"]
-    prompts = make_prompts("no-sharing")
+    floor = floor_seconds(arch, args.workload, products["r_flops"], r_bytes)
+    _, _, _, caching = WORKLOADS[args.workload]
+    prompts = make_prompts(args.workload)
     ours = [run_blockserve(model_dir, prompts, caching, "bfloat16", False)["wall_s"] for _ in "abc"]
     walls = {"blockserve": statistics.median(ours)}
     if args.race:
-        race = json.loads(args.race.read_text())["workloads"]["no-sharing"]
+        race = json.loads(args.race.read_text())["workloads"][args.workload]
         engines = [e for e in race if isinstance(race[e], dict)]
         walls.update({f"{engine} (race)": race[engine]["wall_s"] for engine in engines})
     results = {
         "model_dir": model_dir,
+        "workload": args.workload,
         "products": {k: v for k, v in products.items() if k != "r_flops"},
         "r_flops_gflops": round(products["r_flops"] / 1e9, 1),
         "r_bytes_gbps": round(r_bytes / 1e9, 1),
@@ -174,7 +184,7 @@ def main() -> None:
         "wall_s": walls,
         "blockserve_wall_s_runs": ours,
         "fraction_of_floor": {e: round(floor["floor_s"] / w, 3) for e, w in walls.items()},
-        "blockserve_profile": profile_shares(model_dir),
+        "blockserve_profile": profile_shares(model_dir, args.workload),
     }
     print(json.dumps(results, indent=1), flush=True)
     emit(results, args.out)
