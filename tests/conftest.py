@@ -69,7 +69,7 @@ def cpu_kernels_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     flags and torch install, so the same bytes) is copied; the others are built here, and at
     least one is: before its build, the dir held an older source's library for this torch
     install, which the build replaces, and another install's, which it leaves
-    (tests/kernels/test_cpu_kernel.py checks both). Under pytest-xdist (`make test`) the
+    (tests/kernels/test_cpu_kernel.py checks both). Under pytest-xdist (PYTEST_WORKERS) the
     first worker to need it makes it for all: the others wait on a file lock, then read it."""
     from filelock import FileLock
 
