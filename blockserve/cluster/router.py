@@ -17,7 +17,13 @@ from ray.serve.request_router import (
 
 from blockserve.cluster import registry
 from blockserve.cluster.policies import DEFAULT_PREFIX_WEIGHT, KVAwarePolicy, make_policy
-from blockserve.cluster.routing import ReplicaLoad, RouteRequest, RoutingPolicy, route_request
+from blockserve.cluster.routing import (
+    InFlight,
+    ReplicaLoad,
+    RouteRequest,
+    RoutingPolicy,
+    route_request,
+)
 from blockserve.core.hashing import BlockHasher
 from blockserve.events.subscriber import KVEventSubscriber, ReplayUnavailableError
 
@@ -52,15 +58,14 @@ class PolicyRouter(FIFOMixin, RequestRouter):
             kwargs.get("prefix_weight", DEFAULT_PREFIX_WEIGHT),
         )
         self.lock = threading.Lock()  # the policy's state: this loop and the event thread
-        self._in_flight: dict[str, set[str]] = {}  # replica -> internal request ids
+        self.in_flight = InFlight(_MAX_UNROUTED)  # by internal request id
         self._routes: dict[str, RouteRequest] = {}  # internal request id -> its route
         self._live: set[str] = set()  # the replicas of the last update
         registry.ROUTERS.add(self)
 
     def report(self) -> dict[str, dict[str, Any]]:
         """Per replica this router can route to: its requests in flight from here."""
-        in_flight = dict(self._in_flight)
-        return {rid: {"in_flight": len(in_flight.get(rid, ()))} for rid in sorted(self._live)}
+        return {rid: {"in_flight": self.in_flight.count(rid)} for rid in sorted(self._live)}
 
     async def choose_replicas(
         self,
@@ -71,7 +76,7 @@ class PolicyRouter(FIFOMixin, RequestRouter):
             return []
         route = self._route_of(pending_request)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        loads = [ReplicaLoad(rid, len(self._in_flight.get(rid, ()))) for rid in by_id]
+        loads = [ReplicaLoad(rid, self.in_flight.count(rid)) for rid in by_id]
         with self.lock:
             ranked = self.policy.rank(route, loads, time.monotonic())
         # The best alone first; the rest after, should Serve find it full.
@@ -80,17 +85,20 @@ class PolicyRouter(FIFOMixin, RequestRouter):
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
     ) -> None:
-        request_id = pending_request.metadata.internal_request_id
-        self._in_flight.setdefault(replica_id.unique_id, set()).add(request_id)
+        replica, request_id = replica_id.unique_id, pending_request.metadata.internal_request_id
+        counted = self.in_flight.routed(replica, request_id)  # False: it has ended already
         route = self._routes.pop(request_id, None)
         if route is not None:
             with self.lock:
-                self.policy.on_routed(route, replica_id.unique_id, time.monotonic(), request_id)
+                # The replica holds its blocks either way: credited until its events say so.
+                self.policy.on_routed(route, replica, time.monotonic(), request_id)
+                if not counted:
+                    self.policy.on_finished(request_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        self._in_flight.get(replica_id.unique_id, set()).discard(internal_request_id)
-        with self.lock:
-            self.policy.on_finished(internal_request_id)
+        if self.in_flight.ended(replica_id.unique_id, internal_request_id):
+            with self.lock:
+                self.policy.on_finished(internal_request_id)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
@@ -104,7 +112,7 @@ class PolicyRouter(FIFOMixin, RequestRouter):
         self._live = live
 
     def _forget(self, replica_id: str) -> None:
-        self._in_flight.pop(replica_id, None)
+        self.in_flight.forget(replica_id)
         with self.lock:
             self.policy.forget(replica_id)
 

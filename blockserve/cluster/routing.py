@@ -46,6 +46,52 @@ class ReplicaLoad(NamedTuple):
     num_requests: int  # in flight: routed here and not yet finished
 
 
+class InFlight:
+    """Each replica's requests in flight from one router, from Ray Serve's two reports of a
+    request, which can come in either order: Serve registers the callback that reports a
+    request's end before it awaits the replica's accept, and reports it routed only after, so
+    a short request can end first (on a loaded host the cluster tests saw one such request
+    per replica stay counted for good). Serve also reports the end of an attempt that a full
+    replica refused, which it never reports routed.
+
+    Invariant: a request is counted on a replica from its routing to its end, at most once;
+    an end with nothing counted is remembered (the oldest of `max_unmatched` dropped) so the
+    routing that follows it counts nothing. The one miscount left: a refused attempt's end
+    followed by the request's routing to that same replica leaves that run uncounted.
+    """
+
+    def __init__(self, max_unmatched: int = 10_000) -> None:
+        self._requests: dict[str, set[str]] = {}  # replica -> request ids
+        self._ended_first: dict[tuple[str, str], None] = {}  # (replica, request id), oldest first
+        self._max_unmatched = max_unmatched
+
+    def routed(self, replica_id: str, request_id: str) -> bool:
+        """Count the request on the replica; False (nothing counted) where its end came first."""
+        if (replica_id, request_id) in self._ended_first:
+            del self._ended_first[(replica_id, request_id)]
+            return False
+        self._requests.setdefault(replica_id, set()).add(request_id)
+        return True
+
+    def ended(self, replica_id: str, request_id: str) -> bool:
+        """Stop counting the request; False where it was not counted there (yet)."""
+        requests = self._requests.get(replica_id, set())
+        if request_id in requests:
+            requests.discard(request_id)
+            return True
+        self._ended_first[(replica_id, request_id)] = None
+        if len(self._ended_first) > self._max_unmatched:
+            del self._ended_first[next(iter(self._ended_first))]
+        return False
+
+    def count(self, replica_id: str) -> int:
+        return len(self._requests.get(replica_id, ()))
+
+    def forget(self, replica_id: str) -> None:
+        self._requests.pop(replica_id, None)
+        self._ended_first = {k: v for k, v in self._ended_first.items() if k[0] != replica_id}
+
+
 class RoutingPolicy(Protocol):
     name: str
 
