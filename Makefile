@@ -75,11 +75,10 @@ lint: setup-dev
 typecheck: setup-dev
 	$(BIN)/mypy blockserve
 
-# PYTEST_WORKERS=2 runs the suite on two processes (pytest-xdist), a test file to each at a
-# time (its module's servers start once): 12 minutes instead of 17 on a 2-vCPU host, where in
-# one process its CPU time about equals its wall time. Not the default: in one run of three,
-# a Ray Serve test's router still counted a request in flight per replica after 30 s.
-PYTEST_WORKERS ?= 0
+# The suite runs on two pytest processes (pytest-xdist), a test file to each at a time (its
+# module's servers start once): 12 minutes instead of 17 on a 2-vCPU host, where in one process
+# its CPU time about equals its wall time. PYTEST_WORKERS=0 runs it in this process.
+PYTEST_WORKERS ?= 2
 PYTEST = $(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile
 
 pytest: setup-dev
