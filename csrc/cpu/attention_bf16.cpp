@@ -165,9 +165,9 @@ struct Bf16Kernel {
   // key_at(n) points at key n's 64 values. Each block is two 16×16 transposes of 32-bit
   // words (a key's dimension pairs 0-15, then 16-31).
   template <typename KeyAt>
-  static void pack_keys(const KeyAt& key_at, int64_t keys, int64_t /*padded*/, uint16_t* out) {
-    for (int64_t first = 0; first < keys; first += 16) {
-      const int64_t count = std::min<int64_t>(16, keys - first);
+  static void pack_keys(const KeyAt& key_at, int64_t keys, int64_t padded, uint16_t* out) {
+    for (int64_t first = 0; first < padded; first += 16) {
+      const int64_t count = std::clamp<int64_t>(keys - first, 0, 16);
       uint16_t* group = out + first * kDim;
       for (int64_t half = 0; half < 2; ++half) {
         __m512i rows[16];

@@ -514,6 +514,20 @@ def test_prefix_attention_reads_whole_blocks_in_place(
     assert (out.double() - expected_out[0]).abs().max().item() < bound
 
 
+def test_packed_keys_and_values_past_the_last_block_are_zero(ops: Any, dtype: torch.dtype) -> None:
+    """3 blocks of 16 keys pack to 64 per head: the 16 past them are zero in K and in V (never
+    what the allocator left there, which the products would still read)."""
+    generator = torch.Generator().manual_seed(3)
+    k_cache, v_cache = shuffled_cache(generator, 5, 2, dtype)
+    ids = torch.tensor([4, 0, 2])
+    for _ in range(3):  # freed and reused memory holding NaN, as a pad would
+        torch.full((2, 2, 64 * 64), float("nan"), dtype=dtype)
+        packed = ops.pack_common(k_cache, v_cache, ids)
+        assert packed.shape == (2, 2, 64 * 64)
+        assert torch.count_nonzero(packed[..., 48 * 64 :]).item() == 0
+        assert torch.count_nonzero(packed[..., : 48 * 64]).item() == 2 * 2 * 48 * 64
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
