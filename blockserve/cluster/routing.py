@@ -50,9 +50,9 @@ class InFlight:
     """Each replica's requests in flight from one router, from Ray Serve's two reports of a
     request, which can come in either order: Serve registers the callback that reports a
     request's end before it awaits the replica's accept, and reports it routed only after, so
-    a short request can end first (on a loaded host the cluster tests saw one such request
-    per replica stay counted for good). Serve also reports the end of an attempt that a full
-    replica refused, which it never reports routed.
+    a short request can end first (counted for good before this class: what the cluster test
+    saw once on a loaded host, one request per replica). Serve also reports the end of an
+    attempt that a full replica refused, which it never reports routed.
 
     Invariant: a request is counted on a replica from its routing to its end, at most once;
     an end with nothing counted is remembered (the oldest of `max_unmatched` dropped) so the
