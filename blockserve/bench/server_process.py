@@ -100,6 +100,18 @@ class ServerProcess:
         self._log.close()
         return self.process.returncode
 
+    def wait_for_line(self, texts: tuple[str, ...], timeout: float) -> str | None:
+        """Until a line of the server's log holds one of `texts`: that text; None at `timeout`
+        or once the server has exited."""
+        deadline = time.monotonic() + timeout
+        while True:
+            log = self.log_path.read_text(errors="replace")
+            if (seen := next((text for text in texts if text in log), None)) is not None:
+                return seen
+            if time.monotonic() > deadline or self.process.poll() is not None:
+                return None
+            time.sleep(0.5)
+
     def wait_for_cluster(self, replicas: int, timeout: float, ours: bool = True) -> bool:
         """For `serve --replicas N`: until the CLI says Serve runs the application and the
         ingress's router can reach all `replicas` (Serve reports the application running
@@ -107,10 +119,8 @@ class ServerProcess:
         --router but pow2), which the ingress reports only once Serve has created it; with
         Ray's own (pow2) there is no report to wait for. False at `timeout`."""
         deadline = time.monotonic() + timeout
-        while "listening on http://" not in self.log_path.read_text(errors="replace"):
-            if time.monotonic() > deadline or self.process.poll() is not None:
-                return False
-            time.sleep(0.5)
+        if self.wait_for_line(("listening on http://",), timeout) is None:
+            return False
         while True:
             router = httpx.get(f"{self.url}/cluster/replicas").json()["router"]
             if (router is None and not ours) or (router is not None and len(router) == replicas):

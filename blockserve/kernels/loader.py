@@ -17,6 +17,7 @@ import torch
 from blockserve.kernels.build import LIBRARIES, build, can_build, library_path, target_for
 
 logger = logging.getLogger(__name__)
+KERNELS_NOT_BUILT = "CPU kernels not built, torch's are used"  # logged (benchmarks wait for it)
 
 # torch's operator registry is one per process: a namespace registered twice (the same build
 # from two paths) aborts it. Every loader registers under this lock, and only once.
@@ -86,7 +87,7 @@ class KernelLoader:
                         )
             except (OSError, subprocess.SubprocessError) as error:
                 detail = getattr(error, "stderr", "") or ""
-                logger.warning("CPU kernels not built, torch's are used: %s %s", error, detail)
+                logger.warning("%s: %s %s", KERNELS_NOT_BUILT, error, detail)
                 with self._callbacks_lock:
                     self._when_loaded.pop(dtype, None)
                 return None

@@ -6,6 +6,7 @@ prefills widened to float32 where FMAs outrun bf16 dot products, run over copies
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -17,6 +18,8 @@ from blockserve.kernels import CpuKernels
 from blockserve.platform import host_memory, probe_host
 
 logger = logging.getLogger(__name__)
+# Logged once the copies of the weights our kernels run over are made (benchmarks wait for it).
+WEIGHT_COPIES_READY = "weight copies for our CPU kernels made in %.1f s"
 
 # The most rows a product takes a GGUF weight's blocks for: beyond, the tile copy's bf16 is
 # faster (benchmarks/bench_gguf_linear.py).
@@ -320,6 +323,7 @@ def pack_once_loaded(
     def pack(ops: Any) -> None:
         if (alive := model()) is None:
             return
+        started = time.perf_counter()
         isa = kernels.loader.isa(dtype)
         if dtype == torch.bfloat16:
             pack_for_tiles(alive, ops)
@@ -330,6 +334,9 @@ def pack_once_loaded(
                 pack_wide(alive, drop_packed=not compiled)
         elif isa is not None:
             pack_for_vectors(alive, ops, isa)
+        # Requests are served meanwhile, on the copies made so far (SmolLM2-135M: about a
+        # second; a 1B model: some 35 s on a 2-vCPU host, its first requests slower).
+        logger.info(WEIGHT_COPIES_READY, time.perf_counter() - started)
 
     return pack
 

@@ -15,6 +15,7 @@ import torch
 from blockserve.config import EngineConfig, ModelConfig, RuntimeConfig
 from blockserve.errors import InvalidConfigError
 from blockserve.grammar import GrammarCompiler
+from blockserve.kernels.cpu import fits_model
 from blockserve.lora.manager import LoRAManager
 from blockserve.model.arch import LlamaArchConfig
 from blockserve.model.loader import LoadedModel
@@ -152,6 +153,8 @@ def start_runner(config: EngineConfig) -> tuple[ModelRunner, RunnerInfo]:
         on_cpu=parts.device.type == "cpu",
         runtime={
             **parts.host.report(loaded.dtype),
+            # our CPU kernels run this model (once built or loaded, its weights then copied)
+            "cpu_kernels": fits_model(parts.device, loaded.dtype, parts.arch.head_dim),
             "compiled": parts.compile_report is not None,
             "cuda_graphs": 0 if parts.decode_graphs is None else len(parts.decode_graphs.sizes),
         },

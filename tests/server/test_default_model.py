@@ -4,17 +4,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
 from blockserve.bench.server_process import ServerProcess
+from blockserve.kernels.loader import KERNELS_NOT_BUILT
+from blockserve.model.packed import WEIGHT_COPIES_READY
 from tests.model.test_loader import QUESTION
 
 
 @pytest.mark.slow
 def test_default_model_chat_mentions_paris(tmp_path: Path) -> None:
     """`blockserve serve` with no --model answers the capital of France with Paris (asked for
-    the city's name: tests/model/test_loader.py says why)."""
+    the city's name: tests/model/test_loader.py says why), on our CPU kernels, which log once
+    its weights are copied for them."""
     server = ServerProcess(["--max-model-len", "2048"], tmp_path / "server.log")
     try:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
@@ -28,5 +32,8 @@ def test_default_model_chat_mentions_paris(tmp_path: Path) -> None:
         )
         assert "Paris" in (answer.choices[0].message.content or "")
         assert answer.choices[0].finish_reason in ("stop", "length")
+        assert httpx.get(f"{server.url}/version").json()["cpu_kernels"] is True
+        made = WEIGHT_COPIES_READY.split("%")[0]
+        assert server.wait_for_line((made, KERNELS_NOT_BUILT), timeout=120) == made
     finally:
         assert server.stop() == 0, server.log()
