@@ -27,7 +27,7 @@ from bench_serving import VOCAB_HIGH, VOCAB_LOW, RequestResult, one_request, sum
 from blockserve.bench.image_chat import ImageChatLoad, chat_request, picture_url, run_image_chats
 from blockserve.bench.server_process import ServerProcess
 from blockserve.kernels.loader import KERNELS_NOT_BUILT
-from blockserve.model.packed import WEIGHT_COPIES_READY
+from blockserve.model.packed import WEIGHT_COPIES_MADE
 
 
 @dataclass(frozen=True)
@@ -122,9 +122,9 @@ def serve_and_load(
             timeout=600,
         ).raise_for_status()
         if engine == "blockserve" and httpx.get(f"{server.url}/version").json()["cpu_kernels"]:
-            made = WEIGHT_COPIES_READY.split("%")[0]
-            if server.wait_for_line((made, KERNELS_NOT_BUILT), timeout=600) == made:
-                copies_ready = round(time.perf_counter() - started, 1)
+            seen = server.wait_for_line((WEIGHT_COPIES_MADE, KERNELS_NOT_BUILT), timeout=600)
+            made = seen == WEIGHT_COPIES_MADE  # not where the kernels failed to build
+            copies_ready = round(time.perf_counter() - started, 1) if made else None
         runs = {}
         for index, rate in enumerate(rates):
             results, answers, wall = asyncio.run(run_chats(server.url, load, rate, seed=index))

@@ -19,7 +19,7 @@ from blockserve.platform import host_memory, probe_host
 
 logger = logging.getLogger(__name__)
 # Logged once the copies of the weights our kernels run over are made (benchmarks wait for it).
-WEIGHT_COPIES_READY = "weight copies for our CPU kernels made in %.1f s"
+WEIGHT_COPIES_MADE = "weight copies for our CPU kernels made"
 
 # The most rows a product takes a GGUF weight's blocks for: beyond, the tile copy's bf16 is
 # faster (benchmarks/bench_gguf_linear.py).
@@ -336,7 +336,7 @@ def pack_once_loaded(
             pack_for_vectors(alive, ops, isa)
         # Requests are served meanwhile, on the copies made so far (SmolLM2-135M: about a
         # second; a 1B model: some 35 s on a 2-vCPU host, its first requests slower).
-        logger.info(WEIGHT_COPIES_READY, time.perf_counter() - started)
+        logger.info("%s in %.1f s", WEIGHT_COPIES_MADE, time.perf_counter() - started)
 
     return pack
 

@@ -10,7 +10,7 @@ import pytest
 
 from blockserve.bench.server_process import ServerProcess
 from blockserve.kernels.loader import KERNELS_NOT_BUILT
-from blockserve.model.packed import WEIGHT_COPIES_READY
+from blockserve.model.packed import WEIGHT_COPIES_MADE
 from tests.model.test_loader import QUESTION
 
 
@@ -33,7 +33,9 @@ def test_default_model_chat_mentions_paris(tmp_path: Path) -> None:
         assert "Paris" in (answer.choices[0].message.content or "")
         assert answer.choices[0].finish_reason in ("stop", "length")
         assert httpx.get(f"{server.url}/version").json()["cpu_kernels"] is True
-        made = WEIGHT_COPIES_READY.split("%")[0]
-        assert server.wait_for_line((made, KERNELS_NOT_BUILT), timeout=120) == made
+        assert (
+            server.wait_for_line((WEIGHT_COPIES_MADE, KERNELS_NOT_BUILT), timeout=120)
+            == WEIGHT_COPIES_MADE
+        )
     finally:
         assert server.stop() == 0, server.log()
