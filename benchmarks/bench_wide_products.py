@@ -1,10 +1,12 @@
-"""Where widening bf16 products to float32 pays, and from how many rows: this core's bf16 dot
-product and float32 FMA rates (our library's `dot_rates`), then one step's products over every
-linear layer of the loaded model (the engine's `PackedLinear`s, each weight its own), timed
-three ways in the same process taking turns: our vector kernel over the bf16 panels, oneDNN's
-over the float32 wide copies, oneDNN's bf16 (over weights reordered here: the engine drops its
-own beside the two copies) (ms a step, the median of --repeats after one warm-up), at 16 to 256
-rows. Where widening does not pay here, the model has no copies and only the rates are reported.
+"""Where widening bf16 products to float32 pays, where half precision does, and from how many
+rows: this core's bf16 dot product and float32 FMA rates (our library's `dot_rates`), then one
+step's products over every linear layer of the loaded model (the engine's `PackedLinear`s, each
+weight its own), timed in the same process taking turns: our vector kernel over the bf16
+panels, oneDNN's over the float32 wide copies, oneDNN's bf16 (over weights reordered here: the
+engine drops its own beside the two copies), and where the CPU has AVX512-FP16 our
+half-precision kernel (the engine's half copies; the wide ones are then made here) (ms a step,
+the median of --repeats after one warm-up), at 16 to 256 rows. Where widening does not pay
+here, the model has no copies and only the rates are reported.
 
     .venv/bin/python benchmarks/bench_wide_products.py [--model DIR] [--out FILE]
 """
@@ -34,28 +36,32 @@ def step_ms(
     from blockserve.model.packed import _packed_linear
 
     xs = [torch.randn(rows, layer.in_features).bfloat16() for layer in layers]
-    paths = {  # wide_min_rows, or None: oneDNN's bf16
-        "vectors": 1 << 30,
-        "wide": 1,
+    never = 1 << 30
+    paths = {  # (wide_min_rows, half_min_rows), or None: oneDNN's bf16
+        "vectors": (never, never),
+        "wide": (1, never),
         "onednn_bf16": None,
     }
+    if all(layer.halves is not None for layer in layers):
+        paths["halves"] = (never, 1)
     times: dict[str, list[float]] = {name: [] for name in paths}
-    saved = kernels.switches.wide_min_rows
+    switches = kernels.switches
+    saved = switches.wide_min_rows, switches.half_min_rows
     try:
         with torch.inference_mode():
             for _ in range(repeats + 1):
-                for name, wide_min_rows in paths.items():
-                    if wide_min_rows is not None:
-                        kernels.switches.wide_min_rows = wide_min_rows
+                for name, least in paths.items():
+                    if least is not None:
+                        switches.wide_min_rows, switches.half_min_rows = least
                     started = time.perf_counter()
                     for layer, weight, x in zip(layers, onednn, xs, strict=True):
-                        if wide_min_rows is None:
+                        if least is None:
                             _packed_linear(x, weight, layer.bias)
                         else:
                             layer(x)
                     times[name].append(time.perf_counter() - started)
     finally:
-        kernels.switches.wide_min_rows = saved
+        switches.wide_min_rows, switches.half_min_rows = saved
     return {name: round(statistics.median(t[1:]) * 1e3, 1) for name, t in times.items()}
 
 
@@ -63,7 +69,7 @@ def main() -> None:
     import torch
 
     from blockserve import LLM
-    from blockserve.model.packed import PackedLinear
+    from blockserve.model.packed import PackedLinear, pack_wide
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="default: the embedded model")
@@ -75,7 +81,11 @@ def main() -> None:
     kernels.loader.wait()
     ops = kernels.loader.ops(torch.bfloat16)
     bf16, f32 = ops.dot_rates() if ops is not None else (None, None)
-    layers = [m for m in llm.engine.core.runner.model.modules() if isinstance(m, PackedLinear)]
+    model = llm.engine.core.runner.model
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    halved = all(m.halves is not None for m in layers)
+    if halved:
+        pack_wide(model)
     widened = all(m.wide is not None for m in layers)
     by_rows = {}
     if widened:
@@ -88,7 +98,9 @@ def main() -> None:
             "dot_rates_gflops_a_core": {"bf16_dot": bf16, "f32_fma": f32},
             "layers": len(layers),
             "widened": widened,
+            "halved": halved,
             "wide_min_rows": kernels.switches.wide_min_rows,
+            "half_min_rows": kernels.switches.half_min_rows,
             "step_ms_by_rows": by_rows,
         },
         args.out,

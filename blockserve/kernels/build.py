@@ -81,8 +81,9 @@ LIBRARIES = {
             name="bf16",
             dtype=torch.bfloat16,
             sources=("attention_bf16.cpp", "layer_ops_bf16.cpp", "linear_bf16.cpp",
-                     "linear_gguf.cpp", "linear_vectors_bf16.cpp", "dot_rates.cpp", "bf16.h",
-                     "exp2.h", "amx.h", "attention.h", "tasks.h", "layer_ops.h", "lora.h"),
+                     "linear_gguf.cpp", "linear_vectors_bf16.cpp", "linear_f16.cpp",
+                     "dot_rates.cpp", "bf16.h", "exp2.h", "amx.h", "attention.h", "tasks.h",
+                     "layer_ops.h", "lora.h"),
             targets=(BF16_TARGET,),
         ),
         Library(

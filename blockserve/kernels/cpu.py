@@ -22,6 +22,11 @@ VECTOR_MAX_ROWS = 128  # the most rows a float32 product takes our vector kernel
 # step of products took 216.4 ms on the vectors and 227.1 on the wide copies at 160 rows, 267.2
 # and 256.4 at 192 (once the vector kernel widened x itself; before, the two met at ~80 rows).
 WIDE_MIN_ROWS = 176
+# The fewest rows a bf16 product runs in half precision for over its half copy, where the CPU
+# has AVX512-FP16 and no AMX (model/packed.py); fewer take our bf16 vector kernel. On the same
+# Xeon a step of products took 47.5 ms on the vectors and 48.2 in half precision at 32 rows,
+# 53.6 and 49.5 at 48, 88.5 and 73.5 at 64 (bench_wide_products.py).
+HALF_MIN_ROWS = 48
 MAX_DECODE_GROUP = 8  # query heads per KV head that paged_decode takes
 
 
@@ -48,6 +53,7 @@ class KernelSwitches:
     lora: bool = True  # LoRA's grouped products (else torch's bmm)
     vector_max_rows: int = VECTOR_MAX_ROWS
     wide_min_rows: int = WIDE_MIN_ROWS
+    half_min_rows: int = HALF_MIN_ROWS
 
 
 class CpuKernels:
@@ -194,6 +200,29 @@ class CpuKernels:
         """Whether a bf16 product of the rows `x` runs widened to float32, over its layer's
         wide copy (made where that pays: model/packed.py): `wide_min_rows` rows or more."""
         return self.switches.products and x.shape[0] >= self.switches.wide_min_rows
+
+    def half_linear(self, x: torch.Tensor) -> Callable[..., torch.Tensor] | None:
+        """The bf16 product of `half_min_rows` rows or more on half-precision FMAs, over its
+        layer's half copy (made where the CPU has AVX512-FP16 and no AMX: model/packed.py;
+        csrc/cpu/linear_f16.cpp says how near its sums are to float32's)."""
+        ops = self._half_ops(x)
+        return None if ops is None else ops.half_linear
+
+    def half_linear_sums(self, x: torch.Tensor) -> Callable[..., torch.Tensor] | None:
+        """`half_linear`'s float32 sums, unrounded (for silu_and_mul_sums)."""
+        ops = self._half_ops(x)
+        return None if ops is None else ops.half_linear_sums
+
+    def _half_ops(self, x: torch.Tensor) -> Any:
+        if (
+            not self.switches.products
+            or x.dtype != torch.bfloat16
+            or not x.is_cpu
+            or x.shape[0] < self.switches.half_min_rows
+            or x.stride(-1) != 1
+        ):
+            return None
+        return self.loader.ops(torch.bfloat16)
 
     def lora_add(self, x: torch.Tensor) -> Callable[..., None] | None:
         """LoRA's grouped shrink and expand of one projection, added to its output in place

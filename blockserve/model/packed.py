@@ -1,11 +1,12 @@
 """Linear layers over weights reordered once into oneDNN's blocked layout (CPU), equal to
-`F.linear` (to the bit in bf16). Our tile (bf16, AMX) and vector (few rows) kernels, and bf16
-prefills widened to float32 where FMAs outrun bf16 dot products, run over copies of each weight
-(docs/cpu-kernels.md); compiled graphs use oneDNN's, which eager ones drop beside two copies."""
+`F.linear` (to the bit in bf16). Our tile (bf16, AMX), vector (few rows) and half-precision
+(AVX512-FP16) kernels, and bf16 prefills widened to float32 where FMAs outrun bf16 dot products,
+run over copies of each weight (docs/cpu-kernels.md); compiled graphs use oneDNN's."""
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 import weakref
 from collections.abc import Callable
@@ -35,6 +36,10 @@ COPY_SHARE = 0.5
 # 64-89 GFLOP/s a core, the FMAs at 162-179, and oneDNN's products of 2,048 rows of
 # SmolLM2-135M's layers at 169-172 in bf16 and 258-291 widened (benchmarks/bench_floor.py).
 WIDE_GAIN = 1.25
+# Where the CPU has AVX512-FP16 (and no AMX), the products of a prefill's rows run in half
+# precision over a "half" copy instead (csrc/cpu/linear_f16.cpp: twice the FMAs' FLOPs, sums
+# within about half a bf16 rounding of float32's); this variable at 0 keeps them widened.
+HALF_PRODUCTS_ENV = "BLOCKSERVE_HALF_PRODUCTS"
 
 _LIBRARY = torch.library.Library("blockserve", "FRAGMENT")
 _LIBRARY.define("packed_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor")
@@ -103,6 +108,8 @@ class PackedLinear(nn.Module):
     vectors: torch.Tensor | None  # the weight in panel order (pack_for_vectors), or None
     vectors_isa: str | None  # the build that packed `vectors`
     wide: torch.Tensor | None  # the bf16 weight widened to float32, for oneDNN (pack_wide)
+    halves: torch.Tensor | None  # the weight scaled to half precision by columns (pack_halves)
+    half_scales: torch.Tensor | None  # each column's scale, float32
     kernels: CpuKernels | None  # ours, which run over `tiles` or `vectors` (use_kernels)
     gguf: torch.Tensor | None  # a GGUF file's blocks of this weight (gguf_weights.attach)
     gguf_type: int  # their GGML type
@@ -122,6 +129,8 @@ class PackedLinear(nn.Module):
         self.register_buffer("vectors", None, persistent=False)
         self.vectors_isa = None
         self.register_buffer("wide", None, persistent=False)
+        self.register_buffer("halves", None, persistent=False)
+        self.register_buffer("half_scales", None, persistent=False)
         self.kernels = None
         self.register_buffer("gguf", None, persistent=False)
         self.gguf_type, self.gguf_packed = 0, False
@@ -152,6 +161,12 @@ class PackedLinear(nn.Module):
         ):
             out = tile_linear(rows, tiles, bias)
         elif (
+            (halves := buffers["halves"]) is not None
+            and kernels is not None
+            and (half_linear := kernels.half_linear(rows)) is not None
+        ):
+            out = half_linear(rows, halves, buffers["half_scales"], bias)
+        elif (
             (vectors := buffers["vectors"]) is not None
             and kernels is not None
             and (vector_linear := kernels.vector_linear(rows, self.vectors_isa)) is not None
@@ -170,8 +185,8 @@ class PackedLinear(nn.Module):
         """`ops.silu_and_mul(self(x))` for the MLP's gate/up projection (`ops`: the layer
         operators): SiLU of the output's first half times its second half. Where the product
         runs on the tiles, in one pass: the [rows, out_features] product is never written;
-        where it runs widened, its float32 sums go to SiLU unrounded, which rounds them as
-        it reads them (the same bits, one pass over memory fewer)."""
+        where it runs widened or in half precision, its float32 sums go to SiLU unrounded,
+        which rounds them as it reads them (the same bits, one pass over memory fewer)."""
         rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         out = self._silu_in_one_pass(rows, ops)
         if out is None:
@@ -180,7 +195,7 @@ class PackedLinear(nn.Module):
 
     def _silu_in_one_pass(self, rows: torch.Tensor, ops: Any) -> torch.Tensor | None:
         """silu_and_mul of this product of `rows` without the bf16 product written, where it
-        runs on the tiles or widened; None where it runs elsewhere."""
+        runs on the tiles, in half precision or widened; None where it runs elsewhere."""
         kernels = self.kernels
         if torch.compiler.is_compiling() or self._buffers["bias"] is not None or kernels is None:
             return None
@@ -191,6 +206,10 @@ class PackedLinear(nn.Module):
             and (fused := kernels.tile_linear_silu(rows)) is not None
         ):
             return fused(rows, tiles)
+        if (halves := self._buffers["halves"]) is not None and (
+            sums := kernels.half_linear_sums(rows)
+        ) is not None:
+            return ops.silu_and_mul_sums(sums(rows, halves, self._buffers["half_scales"]))
         if (wide := self._buffers["wide"]) is not None and kernels.widens(rows):
             return ops.silu_and_mul_sums(_packed_linear(rows.float(), wide, None))
         return None
@@ -210,6 +229,15 @@ class PackedLinear(nn.Module):
         assert weight is not None, "a layer keeps oneDNN's weight or its wide copy"
         dense = weight.to_dense() if weight.is_mkldnn else weight
         return dense.to(self.dtype)
+
+    def halvable(self) -> bool:
+        """Whether our half-precision kernel takes this layer: bf16, out_features a multiple
+        of 64, in_features of 32."""
+        return (
+            self.dtype == torch.bfloat16
+            and self.out_features % 64 == 0
+            and self.in_features % 32 == 0
+        )
 
     def widenable(self) -> bool:
         """Whether this layer's products can be widened: its weight is bf16."""
@@ -266,6 +294,25 @@ def widening_pays(ops: Any) -> bool:
     return pays
 
 
+def halving_pays(ops: Any) -> bool:
+    """Whether this CPU's bf16 products of many rows run in half precision (`ops`: our loaded
+    bf16 operators): it has AVX512-FP16 and no AMX tiles, and `HALF_PRODUCTS_ENV` is not 0."""
+    if os.environ.get(HALF_PRODUCTS_ENV, "1") == "0" or ops.has_amx():
+        return False
+    return bool(ops.has_half())
+
+
+def pack_halves(model: nn.Module, ops: Any) -> int:
+    """Give each `PackedLinear` under `model` that our half-precision kernel takes a copy of
+    its weight in that kernel's order, scaled by columns into half precision (`ops`: our
+    loaded bf16 operators), unless the copies would pass `copy_budget()`; returns how many
+    got one."""
+    linears = _to_copy(model, PackedLinear.halvable, "half")
+    for linear in linears:
+        linear.halves, linear.half_scales = ops.half_pack(linear.dense_weight())
+    return len(linears)
+
+
 def pack_wide(model: nn.Module, drop_packed: bool = False) -> int:
     """Give each bf16 `PackedLinear` under `model` a copy of its weight widened to float32 in
     oneDNN's layout, for the products of many rows (`CpuKernels.widens`), unless the copies
@@ -316,9 +363,10 @@ def pack_once_loaded(
 ) -> Callable[[Any], None]:
     """What to run once `kernels` has `dtype`'s library loaded (on its loader's thread, given
     its operators): the tile copies and GGUF blocks (bf16; and where widening pays, attention
-    widened, the panel and the wide copies, oneDNN's bf16 weights dropped unless the forward
-    is `compiled` over them) or the panel copies for the build loaded (float32) of the
-    model's weights, unless the model is gone by then."""
+    widened, the panel copies, and the half copies where `halving_pays`, else the wide ones
+    with oneDNN's bf16 weights dropped unless the forward is `compiled` over them) or the
+    panel copies for the build loaded (float32) of the model's weights, unless the model is
+    gone by then."""
 
     def pack(ops: Any) -> None:
         if (alive := model()) is None:
@@ -331,7 +379,10 @@ def pack_once_loaded(
             if isa is not None and widening_pays(ops):
                 kernels.use_wide_attention(True)
                 pack_for_vectors(alive, ops, isa)  # first: every request's decode runs on them
-                pack_wide(alive, drop_packed=not compiled)
+                if halving_pays(ops):
+                    pack_halves(alive, ops)
+                else:
+                    pack_wide(alive, drop_packed=not compiled)
         elif isa is not None:
             pack_for_vectors(alive, ops, isa)
         # Requests are served meanwhile, on the copies made so far (SmolLM2-135M: about a

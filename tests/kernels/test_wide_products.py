@@ -250,6 +250,7 @@ def test_a_compiled_forward_keeps_onednns_weight(
     """Once the library loads where widening pays, a layer with both copies drops oneDNN's
     bf16 weight, unless the forward is compiled (its graphs read that weight)."""
     monkeypatch.setattr(packed, "widening_pays", lambda ops: True)
+    monkeypatch.setattr(packed, "halving_pays", lambda ops: False)
     monkeypatch.setattr(CpuKernels, "use_wide_attention", lambda self, on: on)
     model = nn.Sequential(PackedLinear(int_linear(64, 32, seed=14)))
     use_kernels(model, kernels)
@@ -311,11 +312,11 @@ def test_a_bf16_model_gets_its_copies_where_widening_pays(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Once the runner's bf16 kernels are loaded, where widening pays (here told it does: the
-    AMX hosts' tiles come first otherwise) every linear layer of a tiny Llama has its wide copy
-    and each one the vector kernel takes its panels (and drops oneDNN's bf16 weight), and
-    attention is widened; where it does not, none of that. A decode's MLP (8 rows) runs on the
-    vectors, a prefill's (`wide_min_rows`) on the wide copies, both within bf16 rounding of
-    oneDNN's."""
+    AMX hosts' tiles come first otherwise) and half precision does not, every linear layer of
+    a tiny Llama has its wide copy and each one the vector kernel takes its panels (and drops
+    oneDNN's bf16 weight), and attention is widened; where it does not, none of that. A
+    decode's MLP (8 rows) runs on the vectors, a prefill's (`wide_min_rows`) on the wide
+    copies, both within bf16 rounding of oneDNN's."""
     model_dir = save_tiny_model(
         tmp_path, hidden_size=128, intermediate_size=256, num_attention_heads=2,
         num_key_value_heads=1,
@@ -324,6 +325,7 @@ def test_a_bf16_model_gets_its_copies_where_widening_pays(
     monkeypatch.setattr(  # as the engine sets it, without leaving it set for later tests
         CpuKernels, "use_wide_attention", lambda self, on: widened_attention.append(on) or on
     )
+    monkeypatch.setattr(packed, "halving_pays", lambda ops: False)  # test_half_products.py
     for pays in (True, False):
         monkeypatch.setattr(packed, "widening_pays", lambda ops, pays=pays: pays)
         runner = build_runner(
