@@ -5,9 +5,10 @@ rates this host reaches, with nothing else in a step:
   - a step's time is at least max(its FLOPs / R_flops, its bytes / R_bytes);
   - R_flops: the best bf16 product rate measured here on the model's four layer products at
     a prefill chunk's 2,048 rows, each shape by whichever of oneDNN's prepacked weight,
-    `F.linear` over the plain weight, our AMX tile kernel, or oneDNN's over the weight
-    widened to float32 (x widened, the sums rounded to bf16; the engine's prefill path where
-    that pays) is fastest on it (the best of 10 calls);
+    `F.linear` over the plain weight, our AMX tile kernel, oneDNN's over the weight widened
+    to float32 (x widened, the sums rounded to bf16), or our half-precision kernel (where the
+    CPU has AVX512-FP16; the engine's prefill path there) is fastest on it (the best of 10
+    calls);
   - R_bytes: the best read rate measured here: a float32 sum over 1 GiB, or our AMX tile
     kernel's decode products (16 rows) over every layer's weights (the best of 10 each);
   - FLOPs: 2 per weight per token in the linear layers (the LM head's only for the rows
@@ -70,6 +71,8 @@ def product_rates(shapes: list[tuple[int, int]], rows: int) -> dict[str, Any]:
             paths["tile"] = functools.partial(ops.tile_linear, x, ops.tile_pack(weight), None)
         wide = torch.ops.mkldnn._reorder_linear_weight(weight.float(), None)
         paths["wide"] = functools.partial(wide_linear, x, wide, None)
+        if ops is not None and ops.has_half() and n % 64 == 0 and k % 32 == 0:
+            paths["half"] = functools.partial(ops.half_linear, x, *ops.half_pack(weight), None)
         times = {name: best_seconds(call) for name, call in paths.items()}
         best = min(times, key=times.__getitem__)
         per_shape[f"{n}x{k}"] = {"best": best, **{p: round(t * 1e3, 3) for p, t in times.items()}}

@@ -24,9 +24,9 @@ VECTOR_MAX_ROWS = 128  # the most rows a float32 product takes our vector kernel
 WIDE_MIN_ROWS = 176
 # The fewest rows a bf16 product runs in half precision for over its half copy, where the CPU
 # has AVX512-FP16 and no AMX (model/packed.py); fewer take our bf16 vector kernel. On the same
-# Xeon a step of products took 47.5 ms on the vectors and 48.2 in half precision at 32 rows,
-# 53.6 and 49.5 at 48, 88.5 and 73.5 at 64 (bench_wide_products.py).
-HALF_MIN_ROWS = 48
+# Xeon a step of products took 31.5 ms on the vectors and 38.2 in half precision at 16 rows,
+# 60.5 and 57.6 at 32, 85.2 and 61.8 at 64 (benchmarks/bench_wide_products.py).
+HALF_MIN_ROWS = 32
 MAX_DECODE_GROUP = 8  # query heads per KV head that paged_decode takes
 
 

@@ -36,9 +36,9 @@ COPY_SHARE = 0.5
 # 64-89 GFLOP/s a core, the FMAs at 162-179, and oneDNN's products of 2,048 rows of
 # SmolLM2-135M's layers at 169-172 in bf16 and 258-291 widened (benchmarks/bench_floor.py).
 WIDE_GAIN = 1.25
-# Where the CPU has AVX512-FP16 (and no AMX), the products of a prefill's rows run in half
-# precision over a "half" copy instead (csrc/cpu/linear_f16.cpp: twice the FMAs' FLOPs, sums
-# within about half a bf16 rounding of float32's); this variable at 0 keeps them widened.
+# Where the CPU has AVX512-FP16 (and no AMX), the products of many rows run in half precision
+# over a "half" copy instead (csrc/cpu/linear_f16.cpp: twice the FMAs' FLOPs, sums off
+# float32's by less than a bf16 rounding); this variable at 0 keeps them widened.
 HALF_PRODUCTS_ENV = "BLOCKSERVE_HALF_PRODUCTS"
 
 _LIBRARY = torch.library.Library("blockserve", "FRAGMENT")

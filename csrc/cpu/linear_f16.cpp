@@ -9,10 +9,11 @@
 // every product term is below 1 in magnitude and a bf16 value becomes its half exactly (unless
 // it is under 2^-14 of its row's or column's largest). The sums run in half precision for
 // kRun pairs of k at a time (each addition rounds to 2^-11 of the running sum), then float32
-// takes them over: the error's root mean square is 0.31-0.45 of that of rounding the exact sum
+// takes them over: the error's root mean square is 0.44-0.66 of that of rounding the exact sum
 // to bf16 (tests/kernels/test_half_products.py), where float32 sums all the way leave that
-// rounding alone. Runs of 32 pairs gave 0.65 of it, of 64 0.92 (random operands at the default
-// model's shapes, a scratch measurement), neither measurably faster.
+// rounding alone. Runs of 16 pairs gave 0.31-0.45 of it but took 1.16-1.19x the time over the
+// default model's products of 64 to 2,048 rows (each run ends in conversions to float32);
+// runs of 64, 0.92 of it (random operands at the model's shapes; scratch measurements).
 //
 // W is packed once into blocks of 64 columns by pairs of k, [N / 64][K / 2][64][2]: a pair's
 // 256-byte line holds column c's two values in 32-bit lane c (of four vectors), and the
@@ -47,7 +48,7 @@ using namespace blockserve_cpu;
 constexpr int64_t kBlock = 64;                // columns of W a block holds
 constexpr int64_t kVectors = kBlock / 16;     // vectors of 16 columns × 2 k in a pair's line
 constexpr int64_t kRows = 6;                  // rows of a micro tile
-constexpr int64_t kRun = 16;                  // pairs of k summed in half precision at a time
+constexpr int64_t kRun = 32;                  // pairs of k summed in half precision at a time
 constexpr int64_t kChunkBytes = 256 * 1024;   // the most of x's halves a task's rows span
 
 bool has_half() { return __builtin_cpu_supports("avx512fp16"); }

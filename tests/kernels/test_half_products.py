@@ -1,6 +1,6 @@
 """bf16 products of many rows in half precision where the CPU has AVX512-FP16 and no AMX
-(csrc/cpu/linear_f16.cpp): the choice, the packing, exact sums on small integers, sums within
-about half a bf16 rounding of float64's on real-valued operands at any scale, what the kernel
+(csrc/cpu/linear_f16.cpp): the choice, the packing, exact sums on small integers, sums off
+float64's by less than a bf16 rounding on real-valued operands at any scale, what the kernel
 refuses, and a layer and a model that take the half copies from `half_min_rows` rows."""
 
 from __future__ import annotations
@@ -109,10 +109,10 @@ def test_packing_scales_each_column_by_a_power_of_two_and_lays_out_pairs_of_k(
 def test_the_half_product_is_exact_on_small_integers(
     kernels: CpuKernels, rows: int, bias: bool
 ) -> None:
-    """Integers in [-2, 2] scaled by 4 are exact in half precision, and so is every sum of 16
+    """Integers in [-2, 2] scaled by 4 are exact in half precision, and so is every sum of 32
     of their products: the kernel's result is the exact one. No rows, micro tiles of 6 with
-    every kind of last one, 2 blocks of 64 columns shared by 2 threads, 80 pairs of k (5 runs
-    of 16), x a view (rows of a wider tensor)."""
+    every kind of last one, 2 blocks of 64 columns shared by 2 threads, 80 pairs of k (runs
+    of 32, 32 and 16), x a view (rows of a wider tensor)."""
     ops = kernels.loader.ops(torch.bfloat16)
     weight = small_ints(128, 160, seed=1)
     bias_value = small_ints(128, seed=2) if bias else None
@@ -127,14 +127,14 @@ def test_the_half_product_is_exact_on_small_integers(
 
 
 @needs_half
-def test_half_sums_are_within_half_a_bf16_rounding_of_float64_at_any_scale(
+def test_half_sums_are_off_float64s_by_less_than_a_bf16_rounding_at_any_scale(
     kernels: CpuKernels,
 ) -> None:
     """Real-valued operands, an outlier channel, rows of magnitude 2^13 and 2^-20 (past half
     precision's range either way unscaled), 1,536 of k: every sum within 2^-9 of the sum of
-    its terms' magnitudes (16 roundings of 2^-11 of the running sum at worst; 0.57 · 2^-11
-    measured), and the error's root mean square at most 0.6 of that of rounding the exact
-    sums to bf16, over all rows and over each scaled one (0.31-0.45 measured)."""
+    its terms' magnitudes (32 roundings of 2^-11 of the running sum at worst; 0.78 · 2^-11
+    measured), and the error's root mean square at most 0.8 of that of rounding the exact
+    sums to bf16, over all rows and over each scaled one (0.44-0.66 measured)."""
     ops = kernels.loader.ops(torch.bfloat16)
     generator = torch.Generator().manual_seed(3)
     weight = (torch.randn(192, 1536, generator=generator) * 0.05).bfloat16()
@@ -152,7 +152,7 @@ def test_half_sums_are_within_half_a_bf16_rounding_of_float64_at_any_scale(
     rounding = (reference.bfloat16().double() - reference).abs()
     for rows in (slice(0, 64), slice(3, 4), slice(4, 5)):  # all, the large row, the small one
         ratio = error[rows].pow(2).mean().sqrt() / rounding[rows].pow(2).mean().sqrt()
-        assert ratio <= 0.6, (rows, ratio)
+        assert ratio <= 0.8, (rows, ratio)
 
 
 @needs_half
