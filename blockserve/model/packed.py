@@ -25,9 +25,9 @@ WEIGHT_COPIES_MADE = "weight copies for our CPU kernels made"
 # The most rows a product takes a GGUF weight's blocks for: beyond, the tile copy's bf16 is
 # faster (benchmarks/bench_gguf_linear.py).
 GGUF_MAX_ROWS = 8
-# Each kind of copy of a model's weights (tile, vector or wide: all its layers or none) takes
-# at most this share of the memory the host has available when it is made (copy_budget): the
-# rest stays for activations, the KV cache and other processes.
+# Each kind of copy of a model's weights (tile, vector, half or wide: all its layers or none)
+# takes at most this share of the memory the host has available when it is made (copy_budget):
+# the rest stays for activations, the KV cache and other processes.
 COPY_SHARE = 0.5
 # A bf16 product runs over its weight widened to float32 (a "wide" copy) where this core's
 # float32 FMAs outrun its bf16 dot products by WIDE_GAIN (csrc/cpu/dot_rates.cpp), for a

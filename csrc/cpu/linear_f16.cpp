@@ -39,6 +39,16 @@
 #include "bf16.h"
 #include "tasks.h"
 
+// AVX512-FP16's intrinsics came with g++ 12 and clang 14; an older compiler builds the rest of
+// the library, and has_half() says no.
+#ifndef BLOCKSERVE_HALF
+#if (defined(__clang__) && __clang_major__ >= 14) || (!defined(__clang__) && __GNUC__ >= 12)
+#define BLOCKSERVE_HALF 1
+#else
+#define BLOCKSERVE_HALF 0
+#endif
+#endif
+
 #define HALF_TARGET __attribute__((target("avx512fp16,avx512f,avx512bw,avx512vl,avx512dq")))
 
 namespace {
@@ -51,7 +61,13 @@ constexpr int64_t kRows = 6;                  // rows of a micro tile
 constexpr int64_t kRun = 32;                  // pairs of k summed in half precision at a time
 constexpr int64_t kChunkBytes = 256 * 1024;   // the most of x's halves a task's rows span
 
-bool has_half() { return __builtin_cpu_supports("avx512fp16"); }
+bool has_half() {
+#if BLOCKSERVE_HALF
+  return __builtin_cpu_supports("avx512fp16");
+#else
+  return false;
+#endif
+}
 
 // The power of two at or above `largest` (1 where it is 0): x / it is below 1 in magnitude.
 float scale_for(float largest) {
@@ -109,6 +125,7 @@ float half_row(const uint16_t* row, int64_t k, uint16_t* out) {
 // kRows rows of halves (`lda` apart) times one block's pairs [pairs][64][2]: each row's sums
 // into sums[row][8][16] as float32, column c's even-k sum in lane 2(c % 8) of vector 2(c / 16)
 // + (c % 16) / 8 and its odd-k sum beside it.
+#if BLOCKSERVE_HALF
 HALF_TARGET void micro_tile(const uint16_t* a, int64_t lda, const uint16_t* block,
                             int64_t pairs, float* sums) {
   for (int64_t start = 0; start < pairs; start += kRun) {
@@ -152,6 +169,9 @@ HALF_TARGET void micro_tile(const uint16_t* a, int64_t lda, const uint16_t* bloc
       }
   }
 }
+#else
+void micro_tile(const uint16_t*, int64_t, const uint16_t*, int64_t, float*) {}  // no caller
+#endif
 
 // Row `row`'s 16 column sums of vector v from a micro tile's sums (even k plus odd k).
 inline __m512 column_sums(const float* sums, int64_t row, int64_t v) {
@@ -169,7 +189,7 @@ inline __m512 column_sums(const float* sums, int64_t row, int64_t v) {
 template <typename Store>
 void half_passes(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                  const std::optional<at::Tensor>& bias, const Store& store) {
-  TORCH_CHECK(has_half(), "half_linear: this CPU has no AVX512-FP16");
+  TORCH_CHECK(has_half(), "half_linear: this CPU has no AVX512-FP16 (or g++ built us without)");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1,
               "half_linear: x must be [rows, k] bfloat16 of unit column stride");
   const int64_t rows = x.size(0), k = x.size(1), n = packed.size(0);
