@@ -5,6 +5,7 @@ refuses, and a layer and a model that take the half copies from `half_min_rows` 
 
 from __future__ import annotations
 
+import subprocess
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -31,9 +32,18 @@ from tests.kernels import products
 from tests.kernels.products import exact
 from tests.tiny_models import save_tiny_model
 
-HALF = cpu_build.can_build(torch.bfloat16) and bool(torch.cpu.get_capabilities().get("avx512_fp16"))
+
+def compiler_has_half() -> bool:
+    """Whether the g++ that builds our library has AVX512-FP16's intrinsics (12 or later)."""
+    found = subprocess.run(["g++", "-dumpversion"], capture_output=True, text=True, check=False)
+    return found.returncode == 0 and int(found.stdout.split(".")[0]) >= 12
+
+
+CPU_HALF = bool(torch.cpu.get_capabilities().get("avx512_fp16"))
+HALF = cpu_build.can_build(torch.bfloat16) and CPU_HALF and compiler_has_half()
 needs_half = pytest.mark.skipif(
-    not HALF, reason="needs an x86 CPU with AVX512-BF16 and AVX512-FP16, and g++ (our library)"
+    not HALF,
+    reason="needs an x86 CPU with AVX512-BF16 and AVX512-FP16, and g++ 12 or later (our library)",
 )
 
 
@@ -76,8 +86,9 @@ def test_half_precision_is_chosen_by_the_cpu_and_the_environment(
 
 @pytest.mark.skipif(not cpu_build.can_build(torch.bfloat16), reason="needs our bf16 library")
 def test_the_library_says_whether_the_cpu_has_avx512_fp16(kernels: CpuKernels) -> None:
+    """Yes where the CPU has it and the compiler that built the library knew it."""
     ops = kernels.loader.ops(torch.bfloat16)
-    assert ops.has_half() is bool(torch.cpu.get_capabilities().get("avx512_fp16"))
+    assert ops.has_half() is (CPU_HALF and compiler_has_half())
 
 
 @needs_half
