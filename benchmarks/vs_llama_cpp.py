@@ -6,9 +6,10 @@ embedding) in three engines, each in its own process, taking turns `repeats` tim
   blockserve-gguf  `--quantization gguf`: the file's blocks read as they are for decode steps;
   llama.cpp        llama-cpp-python from .peer-llamacpp (`make peer-llamacpp`), a thread a CPU.
 The same chat prompt's token ids, greedy. A run's figure: decode tokens/s = (128 − 1) tokens
-over the wall time of a 128-token request less that of a 1-token one (its prefill), both the
-median of 3; every engine is measured the same way. Also: the tokens each blockserve engine
-shares with llama.cpp's before the first difference. `--dry-run`: blockserve's engines alone
+over the time from a 128-token request's first token to its last, the median of 3 requests
+(blockserve's from the request's own metrics, llama.cpp's as its generator yields them); every
+engine is measured the same way. Also: the tokens each blockserve engine shares with
+llama.cpp's before the first difference. `--dry-run`: blockserve's engines alone
 (the gguf one where the host runs its kernel), 8 tokens.
 """
 
@@ -39,14 +40,22 @@ def prompt_ids() -> list[int]:
     return list(ids)
 
 
-def _timed(generate: Any) -> tuple[float, list[int]]:
-    """The median wall time of three calls of `generate`, and the tokens of the last."""
-    times, tokens = [], []
+def _timed(generate: Any, tokens: int) -> dict[str, Any]:
+    """Three requests of `tokens` tokens (`generate(n)`: the tokens, the seconds from the call to
+    the first token and from the first token to the last): the medians and the last tokens."""
+    walls, firsts, spans, out = [], [], [], []
     for _ in range(3):
         start = time.perf_counter()
-        tokens = generate()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), tokens
+        out, first, span = generate(tokens)
+        walls.append(time.perf_counter() - start)
+        firsts.append(first)
+        spans.append(span)
+    return {
+        "decode_tokens_per_s": round((tokens - 1) / statistics.median(spans), 2),
+        "request_tokens_per_s": round(tokens / statistics.median(walls), 2),
+        "prefill_s": round(statistics.median(firsts), 4),
+        "tokens": out,
+    }
 
 
 def run_engine(engine: str, ids: list[int], gguf: str, tokens: int = TOKENS) -> dict[str, Any]:
@@ -57,14 +66,17 @@ def run_engine(engine: str, ids: list[int], gguf: str, tokens: int = TOKENS) -> 
         llama = Llama(model_path=gguf, n_threads=os.cpu_count(),
                       n_ctx=1024, verbose=False)  # fmt: skip
 
-        def generate(n: int) -> list[int]:
+        def generate(n: int) -> tuple[list[int], float, float]:
             llama.reset()  # else generate() reuses the last call's prompt from its cache
             out: list[int] = []
+            start = first = time.perf_counter()
             for token in llama.generate(ids, temp=0.0, top_k=1, reset=True):
                 out.append(token)
+                if len(out) == 1:
+                    first = time.perf_counter()
                 if len(out) == n:
                     break
-            return out
+            return out, first - start, time.perf_counter() - first
     else:
         from blockserve import LLM, SamplingParams
 
@@ -73,20 +85,19 @@ def run_engine(engine: str, ids: list[int], gguf: str, tokens: int = TOKENS) -> 
         llm = LLM(enable_prefix_caching=False, **kwargs)
         llm.engine.core.runner.kernels.loader.wait()  # built or loaded, the weights packed
 
-        def generate(n: int) -> list[int]:
+        def generate(n: int) -> tuple[list[int], float, float]:
             params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
             (out,) = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
-            return list(out.outputs[0].token_ids)
+            times = out.metrics  # monotonic seconds of the request's milestones
+            first = times.first_token_time - times.arrival_time
+            return (
+                list(out.outputs[0].token_ids),
+                first,
+                times.finished_time - times.first_token_time,
+            )
 
     generate(tokens)  # warm-up
-    prefill, _ = _timed(lambda: generate(1))
-    whole, out = _timed(lambda: generate(tokens))
-    return {
-        "decode_tokens_per_s": round((tokens - 1) / (whole - prefill), 2),
-        "request_tokens_per_s": round(tokens / whole, 2),
-        "prefill_s": round(prefill, 4),
-        "tokens": out,
-    }
+    return _timed(generate, tokens)
 
 
 def launch(engine: str, ids: list[int], gguf: str, tokens: int) -> dict[str, Any]:
