@@ -236,7 +236,8 @@ class CpuKernels:
         """The product of few rows over a weight packed by the `isa` build, that build being
         loaded: float32 (each build packs for its own vector width) up to `vector_max_rows`
         rows; bf16 widened to float32 as it is read, fewer than `wide_min_rows` (more take the
-        wide copy), where widening pays (model/packed.py)."""
+        wide copy; a layer's half copy, where it has one, takes `half_min_rows` or more), where
+        widening pays (model/packed.py)."""
         if x.dtype == torch.float32:
             most = self.switches.vector_max_rows
         elif x.dtype == torch.bfloat16:

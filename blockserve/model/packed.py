@@ -110,7 +110,7 @@ class PackedLinear(nn.Module):
     wide: torch.Tensor | None  # the bf16 weight widened to float32, for oneDNN (pack_wide)
     halves: torch.Tensor | None  # the weight scaled to half precision by columns (pack_halves)
     half_scales: torch.Tensor | None  # each column's scale, float32
-    kernels: CpuKernels | None  # ours, which run over `tiles` or `vectors` (use_kernels)
+    kernels: CpuKernels | None  # ours, which run over the copies (use_kernels)
     gguf: torch.Tensor | None  # a GGUF file's blocks of this weight (gguf_weights.attach)
     gguf_type: int  # their GGML type
     gguf_packed: bool  # `gguf` is in our kernel's order (pack_for_gguf)
@@ -309,7 +309,9 @@ def pack_halves(model: nn.Module, ops: Any) -> int:
     got one."""
     linears = _to_copy(model, PackedLinear.halvable, "half")
     for linear in linears:
-        linear.halves, linear.half_scales = ops.half_pack(linear.dense_weight())
+        halves, scales = ops.half_pack(linear.dense_weight())
+        linear.half_scales = scales  # first: requests served meanwhile take `halves` once set
+        linear.halves = halves
     return len(linears)
 
 
