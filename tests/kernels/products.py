@@ -63,3 +63,23 @@ def copies_may_take(monkeypatch: pytest.MonkeyPatch, budget: int) -> None:
     free = round(budget / packed.COPY_SHARE)
     monkeypatch.setattr(packed, "host_memory", lambda: Memory(free=free, total=2 * free))
     assert packed.copy_budget() == budget
+
+
+class RecordedOps:
+    """Layer operators (`ops`) that record the name of each one looked up."""
+
+    def __init__(self, ops: Any) -> None:
+        self.ops, self.calls = ops, []
+
+    def __getattr__(self, name: str) -> Any:
+        self.calls.append(name)
+        return getattr(self.ops, name)
+
+
+def silu_operators(gate_up: Any, ops: Any, rows: int, generator: torch.Generator) -> list[str]:
+    """The layer operators `gate_up.silu_and_mul` calls for `rows` random bf16 rows, having
+    checked that its result has the bits of SiLU over `gate_up`'s own product."""
+    x = torch.randn(rows, gate_up.in_features, generator=generator).bfloat16()
+    recorded = RecordedOps(ops)
+    assert torch.equal(gate_up.silu_and_mul(x, recorded), ops.silu_and_mul(gate_up(x)))
+    return recorded.calls
