@@ -55,7 +55,7 @@ from blockserve.attention.torch_backend import DecodePlan, TorchAttentionBackend
 from blockserve.config import default_cache_dir
 from blockserve.kernels import CpuKernels
 from blockserve.kernels import build as cpu_build
-from blockserve.model.packed import widening_pays
+from blockserve.model.weight_copies import widening_pays
 
 HEADS, KV_HEADS, DIM = 9, 3, 64
 GROUP = HEADS // KV_HEADS

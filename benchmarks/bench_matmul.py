@@ -55,7 +55,8 @@ from blockserve.kernels import CpuKernels
 from blockserve.kernels import build as cpu_build
 from blockserve.model.arch import LlamaArchConfig
 from blockserve.model.loader import resolve_model_dir
-from blockserve.model.packed import PackedLinear, pack_for_tiles, pack_for_vectors, use_kernels
+from blockserve.model.packed import PackedLinear
+from blockserve.model.weight_copies import pack_for_tiles, pack_for_vectors, use_kernels
 from blockserve.platform import probe_host
 
 PREFIX, SUFFIX, OUTPUT, REQUESTS = 1024, 32, 32, 64

@@ -69,7 +69,8 @@ def main() -> None:
     import torch
 
     from blockserve import LLM
-    from blockserve.model.packed import PackedLinear, pack_wide
+    from blockserve.model.packed import PackedLinear
+    from blockserve.model.weight_copies import pack_wide
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="default: the embedded model")

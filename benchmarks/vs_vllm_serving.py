@@ -27,7 +27,7 @@ from bench_serving import VOCAB_HIGH, VOCAB_LOW, RequestResult, one_request, sum
 from blockserve.bench.image_chat import ImageChatLoad, chat_request, picture_url, run_image_chats
 from blockserve.bench.server_process import ServerProcess
 from blockserve.kernels.loader import KERNELS_NOT_BUILT
-from blockserve.model.packed import WEIGHT_COPIES_MADE
+from blockserve.model.weight_copies import WEIGHT_COPIES_MADE
 
 
 @dataclass(frozen=True)

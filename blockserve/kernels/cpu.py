@@ -17,15 +17,16 @@ from blockserve.kernels.loader import KernelLoader
 HEAD_DIM = 64
 VECTOR_MAX_ROWS = 128  # the most rows a float32 product takes our vector kernel for
 # The fewest rows a bf16 product is widened to float32 for over its wide copy, where widening
-# pays (model/packed.py); fewer take our bf16 vector kernel. Over SmolLM2-135M's 121 layers in
-# the engine (benchmarks/bench_wide_products.py; 2 vCPUs, an AVX512-BF16 Xeon without AMX) a
-# step of products took 216.4 ms on the vectors and 227.1 on the wide copies at 160 rows, 267.2
-# and 256.4 at 192 (once the vector kernel widened x itself; before, the two met at ~80 rows).
+# pays (model/weight_copies.py); fewer take our bf16 vector kernel. Over SmolLM2-135M's 121
+# layers in the engine (benchmarks/bench_wide_products.py; 2 vCPUs, an AVX512-BF16 Xeon without
+# AMX) a step of products took 216.4 ms on the vectors and 227.1 on the wide copies at 160
+# rows, 267.2 and 256.4 at 192 (once the vector kernel widened x itself; before, the two met at
+# ~80 rows).
 WIDE_MIN_ROWS = 176
 # The fewest rows a bf16 product runs in half precision for over its half copy, where the CPU
-# has AVX512-FP16 and no AMX (model/packed.py); fewer take our bf16 vector kernel. On the same
-# Xeon a step of products took 31.5 ms on the vectors and 38.2 in half precision at 16 rows,
-# 60.5 and 57.6 at 32, 85.2 and 61.8 at 64 (benchmarks/bench_wide_products.py).
+# has AVX512-FP16 and no AMX (model/weight_copies.py); fewer take our bf16 vector kernel. On
+# the same Xeon a step of products took 31.5 ms on the vectors and 38.2 in half precision at 16
+# rows, 60.5 and 57.6 at 32, 85.2 and 61.8 at 64 (benchmarks/bench_wide_products.py).
 HALF_MIN_ROWS = 32
 MAX_DECODE_GROUP = 8  # query heads per KV head that paged_decode takes
 
@@ -89,8 +90,8 @@ class CpuKernels:
 
     def use_wide_attention(self, on: bool) -> bool:
         """Run bf16 attention's products on float32 FMAs over the pairs widened (where they
-        outrun bf16 dot products: packed.widening_pays) or not (the default); whether they are
-        now in use: never where the tiles are."""
+        outrun bf16 dot products: weight_copies.widening_pays) or not (the default); whether
+        they are now in use: never where the tiles are."""
         ops = self.loader.ops(torch.bfloat16)
         return ops is not None and bool(ops.use_wide_attention(on))
 
@@ -198,12 +199,12 @@ class CpuKernels:
 
     def widens(self, x: torch.Tensor) -> bool:
         """Whether a bf16 product of the rows `x` runs widened to float32, over its layer's
-        wide copy (made where that pays: model/packed.py): `wide_min_rows` rows or more."""
+        wide copy (made where that pays: model/weight_copies.py): `wide_min_rows` rows or more."""
         return self.switches.products and x.shape[0] >= self.switches.wide_min_rows
 
     def half_linear(self, x: torch.Tensor) -> Callable[..., torch.Tensor] | None:
         """The bf16 product of `half_min_rows` rows or more on half-precision FMAs, over its
-        layer's half copy (made where the CPU has AVX512-FP16 and no AMX: model/packed.py;
+        layer's half copy (made where the CPU has AVX512-FP16 and no AMX: model/weight_copies.py;
         csrc/cpu/linear_f16.cpp says how near its sums are to float32's)."""
         ops = self._half_ops(x)
         return None if ops is None else ops.half_linear
@@ -237,7 +238,7 @@ class CpuKernels:
         loaded: float32 (each build packs for its own vector width) up to `vector_max_rows`
         rows; bf16 widened to float32 as it is read, fewer than `wide_min_rows` (more take the
         wide copy; a layer's half copy, where it has one, takes `half_min_rows` or more), where
-        widening pays (model/packed.py)."""
+        widening pays (model/weight_copies.py)."""
         if x.dtype == torch.float32:
             most = self.switches.vector_max_rows
         elif x.dtype == torch.bfloat16:

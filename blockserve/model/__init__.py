@@ -20,8 +20,10 @@ Modules:
                    transformers built (no transformers import on a warm start);
                    --chat-template's text
   packed.py        PackedLinear: weights reordered once for oneDNN (blockserve::packed_linear),
-                   in tile order for our few-row AMX products where the CPU has them, and a
-                   GGUF file's blocks for decode-sized products (--quantization gguf)
+                   each product dispatched by its rows to our kernels over the weight's copies
+  weight_copies.py those copies, made once the kernels are loaded: tile order (AMX), panels
+                   (few rows), half precision (AVX512-FP16) or widened to float32, and a GGUF
+                   file's blocks for decode-sized products (--quantization gguf)
   attention_op.py  blockserve::attention: attention as one opaque operator for a compiled graph,
                    the step's backend and plan passed as an AttentionStep
   compile.py       --compile: the whole forward as one torch.compile graph (token dimension

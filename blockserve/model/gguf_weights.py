@@ -93,7 +93,7 @@ def _rows(buffer: mmap.mmap, start: int, info: TensorInfo, heads: int, kv_heads:
 
 def attach(model: nn.Module, blocks: dict[str, tuple[int, torch.Tensor]]) -> int:
     """Hand each `PackedLinear` named in `blocks` its GGUF blocks (packed for the kernel once
-    it loads: packed.pack_for_gguf); returns how many took them."""
+    it loads: weight_copies.pack_for_gguf); returns how many took them."""
     modules = dict(model.named_modules())
     taken = 0
     for name, (qtype, rows) in blocks.items():

@@ -34,8 +34,8 @@ from blockserve.model.loader import (
     resolve_dtype,
     resolve_model_dir,
 )
-from blockserve.model.packed import pack_once_loaded, use_kernels
 from blockserve.model.sampler import Sampler
+from blockserve.model.weight_copies import pack_once_loaded, use_kernels
 from blockserve.platform import probe_host, warn_if_slow
 from blockserve.runner.dummy_steps import warm_up
 from blockserve.runner.kv_budget import (

@@ -620,8 +620,8 @@ bool use_amx(bool wanted) {
   return use_tiles();
 }
 
-// Switch the widened products in or out (in where widening pays: blockserve/model/packed.py);
-// whether they are now in use: not where the tiles are.
+// Switch the widened products in or out (in where widening pays:
+// blockserve/model/weight_copies.py); whether they are now in use: not where the tiles are.
 bool use_wide_attention(bool wanted) {
   wide_wanted.store(wanted, std::memory_order_relaxed);
   return wanted && !use_tiles();

@@ -4,7 +4,7 @@
 // issues once where two float32 FMAs (32 FLOPs each) issue, and a bf16 product is then no
 // faster than one in float32; on others it issues as often as an FMA and is twice as fast.
 // Where float32 wins clearly, a prefill's bf16 products run faster widened to float32
-// (blockserve/model/packed.py, "wide" copies), which is what this is asked for.
+// (blockserve/model/weight_copies.py, "wide" copies), which is what this is asked for.
 //
 // Each rate: twelve independent accumulators (more than an instruction's latency × its
 // issue rate), no memory operands, the best of five timed runs of kIterations each (about

@@ -1,6 +1,6 @@
 // Linear layers of few rows (decode steps) in bf16 on float32 FMAs: y = x · Wᵀ (+ bias),
 // bfloat16 in and out, float32 sums rounded once, for CPUs without AMX whose FMAs outrun their
-// bf16 dot products (dot_rates.cpp; blockserve/model/packed.py chooses).
+// bf16 dot products (dot_rates.cpp; blockserve/model/weight_copies.py chooses).
 //
 // On a 2-vCPU AVX512-BF16 Xeon without AMX, oneDNN's bf16 products of a decode step's 16 rows
 // over SmolLM2-135M's weights took 54.4 ms, reading them at 5 GB/s where a plain read reaches

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from blockserve.kernels import CpuKernels
-from blockserve.model import packed
+from blockserve.model import weight_copies
 from blockserve.platform import Memory
 
 
@@ -60,9 +60,9 @@ def spy_on_rows(monkeypatch: pytest.MonkeyPatch, kernels: CpuKernels, accessor: 
 
 def copies_may_take(monkeypatch: pytest.MonkeyPatch, budget: int) -> None:
     """Make the host's available memory what lets one kind of copy take `budget` bytes."""
-    free = round(budget / packed.COPY_SHARE)
-    monkeypatch.setattr(packed, "host_memory", lambda: Memory(free=free, total=2 * free))
-    assert packed.copy_budget() == budget
+    free = round(budget / weight_copies.COPY_SHARE)
+    monkeypatch.setattr(weight_copies, "host_memory", lambda: Memory(free=free, total=2 * free))
+    assert weight_copies.copy_budget() == budget
 
 
 class RecordedOps:

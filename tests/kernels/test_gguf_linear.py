@@ -18,7 +18,8 @@ from blockserve.errors import InvalidConfigError
 from blockserve.kernels import CpuKernels
 from blockserve.kernels import build as cpu_build
 from blockserve.model.gguf_weights import BLOCKS
-from blockserve.model.packed import GGUF_MAX_ROWS, PackedLinear, pack_for_gguf, use_kernels
+from blockserve.model.packed import GGUF_MAX_ROWS, PackedLinear
+from blockserve.model.weight_copies import pack_for_gguf, use_kernels
 from tests.kernels.products import exact
 
 BF16 = cpu_build.can_build(torch.bfloat16)

@@ -18,10 +18,10 @@ from torch import nn
 from blockserve.config import CacheConfig, ModelConfig
 from blockserve.kernels import CpuKernels
 from blockserve.kernels import build as cpu_build
-from blockserve.model import packed
-from blockserve.model.packed import (
+from blockserve.model import weight_copies
+from blockserve.model.packed import PackedLinear
+from blockserve.model.weight_copies import (
     HALF_PRODUCTS_ENV,
-    PackedLinear,
     halving_pays,
     pack_for_vectors,
     pack_halves,
@@ -289,8 +289,8 @@ def test_a_bf16_model_gets_half_copies_where_half_precision_pays(
         tmp_path, hidden_size=128, intermediate_size=256, num_attention_heads=2,
         num_key_value_heads=1,
     )  # fmt: skip
-    monkeypatch.setattr(packed, "widening_pays", lambda ops: True)
-    monkeypatch.setattr(packed, "halving_pays", lambda ops: True)
+    monkeypatch.setattr(weight_copies, "widening_pays", lambda ops: True)
+    monkeypatch.setattr(weight_copies, "halving_pays", lambda ops: True)
     monkeypatch.setattr(CpuKernels, "use_wide_attention", lambda self, on: on)
     runner = build_runner(
         ModelConfig(model=str(model_dir), dtype="bfloat16"),
@@ -325,12 +325,12 @@ def test_a_bf16_model_gets_half_copies_where_half_precision_pays(
 def test_pack_once_loaded_makes_half_copies_in_place_of_wide_ones(
     kernels: CpuKernels, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(packed, "widening_pays", lambda ops: True)
-    monkeypatch.setattr(packed, "halving_pays", lambda ops: True)
+    monkeypatch.setattr(weight_copies, "widening_pays", lambda ops: True)
+    monkeypatch.setattr(weight_copies, "halving_pays", lambda ops: True)
     monkeypatch.setattr(CpuKernels, "use_wide_attention", lambda self, on: on)
     model = nn.Sequential(PackedLinear(int_linear(64, 64, seed=14)))
     use_kernels(model, kernels)
-    pack = packed.pack_once_loaded(weakref.ref(model), kernels, torch.bfloat16)
+    pack = weight_copies.pack_once_loaded(weakref.ref(model), kernels, torch.bfloat16)
     pack(kernels.loader.ops(torch.bfloat16))
     layer = model[0]
     assert layer.halves is not None and layer.vectors is not None

@@ -17,7 +17,8 @@ from torch import nn
 from blockserve.config import CacheConfig, ModelConfig
 from blockserve.kernels import CpuKernels
 from blockserve.kernels import build as cpu_build
-from blockserve.model.packed import PackedLinear, pack_for_vectors, use_kernels
+from blockserve.model.packed import PackedLinear
+from blockserve.model.weight_copies import pack_for_vectors, use_kernels
 from blockserve.runner.build import build_runner
 from tests.kernels import products
 from tests.kernels.products import exact

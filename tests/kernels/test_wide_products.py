@@ -18,14 +18,9 @@ from torch import nn
 from blockserve.config import CacheConfig, ModelConfig
 from blockserve.kernels import CpuKernels
 from blockserve.kernels import build as cpu_build
-from blockserve.model import packed
-from blockserve.model.packed import (
-    PackedLinear,
-    pack_for_vectors,
-    pack_wide,
-    use_kernels,
-    widening_pays,
-)
+from blockserve.model import packed, weight_copies
+from blockserve.model.packed import PackedLinear
+from blockserve.model.weight_copies import pack_for_vectors, pack_wide, use_kernels, widening_pays
 from blockserve.runner.build import build_runner
 from tests.kernels import products
 from tests.kernels.products import exact
@@ -249,12 +244,12 @@ def test_a_compiled_forward_keeps_onednns_weight(
 ) -> None:
     """Once the library loads where widening pays, a layer with both copies drops oneDNN's
     bf16 weight, unless the forward is compiled (its graphs read that weight)."""
-    monkeypatch.setattr(packed, "widening_pays", lambda ops: True)
-    monkeypatch.setattr(packed, "halving_pays", lambda ops: False)
+    monkeypatch.setattr(weight_copies, "widening_pays", lambda ops: True)
+    monkeypatch.setattr(weight_copies, "halving_pays", lambda ops: False)
     monkeypatch.setattr(CpuKernels, "use_wide_attention", lambda self, on: on)
     model = nn.Sequential(PackedLinear(int_linear(64, 32, seed=14)))
     use_kernels(model, kernels)
-    pack = packed.pack_once_loaded(weakref.ref(model), kernels, torch.bfloat16, compiled)
+    pack = weight_copies.pack_once_loaded(weakref.ref(model), kernels, torch.bfloat16, compiled)
     pack(kernels.loader.ops(torch.bfloat16))
     layer = model[0]
     assert layer.vectors is not None and layer.wide is not None
@@ -314,9 +309,9 @@ def test_a_bf16_model_gets_its_copies_where_widening_pays(
     monkeypatch.setattr(  # as the engine sets it, without leaving it set for later tests
         CpuKernels, "use_wide_attention", lambda self, on: widened_attention.append(on) or on
     )
-    monkeypatch.setattr(packed, "halving_pays", lambda ops: False)  # test_half_products.py
+    monkeypatch.setattr(weight_copies, "halving_pays", lambda ops: False)  # test_half_products.py
     for pays in (True, False):
-        monkeypatch.setattr(packed, "widening_pays", lambda ops, pays=pays: pays)
+        monkeypatch.setattr(weight_copies, "widening_pays", lambda ops, pays=pays: pays)
         runner = build_runner(
             ModelConfig(model=str(model_dir), dtype="bfloat16"),
             CacheConfig(num_gpu_blocks_override=16),

@@ -10,7 +10,7 @@ import pytest
 
 from blockserve.bench.server_process import ServerProcess
 from blockserve.kernels.loader import KERNELS_NOT_BUILT
-from blockserve.model.packed import WEIGHT_COPIES_MADE
+from blockserve.model.weight_copies import WEIGHT_COPIES_MADE
 from tests.model.test_loader import QUESTION
 
 
