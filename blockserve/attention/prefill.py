@@ -72,7 +72,7 @@ def attend_prefills(
             # index_select, not key_cache[slots]: a quarter of advanced indexing's time on CPU.
             k3 = key[start:end] if slots is None else key_cache.index_select(0, slots)
             v3 = value[start:end] if slots is None else value_cache.index_select(0, slots)
-            output[start:end] = attend_causal(kernel, query[start:end], k3, v3)
+            attend_causal(kernel, query[start:end], k3, v3, into=output[start:end])
             continue
         q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, heads, query_len, dim]
         if prefill.context_slots is None:
@@ -102,9 +102,11 @@ def attend_causal(
     query: torch.Tensor,  # [query_len, heads, dim]: the last query_len positions of the context
     key: torch.Tensor,  # [context_len, kv_heads, dim]
     value: torch.Tensor,
-) -> torch.Tensor:  # [query_len, heads, dim]
+    into: torch.Tensor | None = None,  # [query_len, heads, dim], contiguous: where to write
+) -> torch.Tensor:  # [query_len, heads, dim], in query's dtype (`into` where given)
     """Query i sees keys 0 .. context_len - query_len + i, through our CPU kernel: each KV
-    head's group of query heads folded into rows, each row given its count of keys."""
+    head's group of query heads folded into rows, each row given its count of keys. The
+    kernel's float32 rows go to `into` in one pass (reordered and rounded as they are copied)."""
     query_len, num_heads, head_dim = query.shape
     context_len, num_kv_heads = key.shape[0], key.shape[1]
     group = num_heads // num_kv_heads
@@ -117,5 +119,8 @@ def attend_causal(
         causal_counts(context_len, query_len, group, query.device),
         head_dim**-0.5,
     )
-    out = out.view(num_kv_heads, group, query_len, head_dim).permute(2, 0, 1, 3)
-    return out.reshape(query_len, num_heads, head_dim).to(query.dtype)
+    if into is None:
+        into = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    by_position = out.view(num_kv_heads, group, query_len, head_dim).permute(2, 0, 1, 3)
+    into.unflatten(1, (num_kv_heads, group)).copy_(by_position)
+    return into

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 
+from blockserve.attention.prefill import attend_causal, causal_counts
 from blockserve.attention.torch_backend import TorchAttentionBackend
 from blockserve.kernels import CpuKernels, KernelLoader
 from blockserve.kernels import build as cpu_build
@@ -347,6 +348,31 @@ def test_dense_attention_reads_views_in_place(kernel: Kernel, dtype: torch.dtype
     views = kernel(q, k, v, lengths, 0.125)
     copies = kernel(q.contiguous(), k.contiguous(), v.contiguous(), lengths, 0.125)
     assert all(torch.equal(a, b) for a, b in zip(views, copies, strict=True))
+
+
+def test_a_prefills_attention_goes_into_its_rows_of_the_output(
+    kernel: Kernel, dtype: torch.dtype
+) -> None:
+    """attend_causal writes each query's heads (the kernel's rows by KV head, then by query)
+    into its rows of the layer's output in the query's dtype and leaves the other rows;
+    the same bits as rounding the reordered rows, and as it returns given no output."""
+    generator = torch.Generator().manual_seed(23)
+    query = (torch.randn(40, 6, 64, generator=generator) * 1.5).to(dtype)[10:30]
+    key, value = (torch.randn(50, 2, 64, generator=generator).to(dtype) for _ in "kv")
+    output = torch.full((40, 6, 64), 7.0, dtype=dtype)
+    written = attend_causal(kernel, query, key, value, into=output[10:30])
+    assert written.data_ptr() == output[10:30].data_ptr()
+    rows, _ = kernel(
+        query.view(20, 2, 3, 64).permute(1, 2, 0, 3).reshape(1, 2, 60, 64),
+        key.transpose(0, 1)[None],
+        value.transpose(0, 1)[None],
+        causal_counts(50, 20, 3, query.device),
+        0.125,
+    )
+    by_query = rows.view(2, 3, 20, 64).permute(2, 0, 1, 3).reshape(20, 6, 64).to(dtype)
+    assert torch.equal(output[10:30], by_query)
+    assert bool((output[:10] == 7.0).all() and (output[30:] == 7.0).all())
+    assert torch.equal(attend_causal(kernel, query, key, value), by_query)
 
 
 def test_dense_attention_continues_from_a_prior(kernel: Kernel, dtype: torch.dtype) -> None:
