@@ -102,7 +102,7 @@ def attend_causal(
     query: torch.Tensor,  # [query_len, heads, dim]: the last query_len positions of the context
     key: torch.Tensor,  # [context_len, kv_heads, dim]
     value: torch.Tensor,
-    into: torch.Tensor | None = None,  # [query_len, heads, dim], contiguous: where to write
+    into: torch.Tensor | None = None,  # [query_len, heads, dim], any strides: where to write
 ) -> torch.Tensor:  # [query_len, heads, dim], in query's dtype (`into` where given)
     """Query i sees keys 0 .. context_len - query_len + i, through our CPU kernel: each KV
     head's group of query heads folded into rows, each row given its count of keys. The
