@@ -202,7 +202,10 @@ def _kernels() -> Any:
     if ops is None:
         raise SystemExit("the bf16 kernels do not load on this host (AVX512-BF16 needed)")
     try:  # attention's products widened where an engine on this host widens them
-        from blockserve.model.weight_copies import widening_pays
+        try:
+            from blockserve.model.weight_copies import widening_pays
+        except ImportError:  # a revision from before the copies left model/packed.py
+            from blockserve.model.packed import widening_pays
 
         widen = ops.use_wide_attention
     except (ImportError, AttributeError, RuntimeError):
